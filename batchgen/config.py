@@ -1,0 +1,160 @@
+"""The job's configuration as plain dataclasses, and its validation.
+
+cli.py registers these schemas with Hydra; everything below it receives a validated `Config`.
+Every check raises `ConfigError` naming the offending key and what is allowed, before any model loads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchgen.sampling_params import SamplingParams
+
+DATA_FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf_disk", "hf")
+ERROR_POLICIES = ("fail", "skip")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # a Hugging Face checkpoint directory
+    tokenizer: str | None = None  # defaults to `path`; None with dummy weights means token-id prompts only
+    load_format: str = "auto"  # auto | safetensors | dummy (random weights from hf_config)
+    hf_config: dict[str, Any] | None = None  # config.json values, for dummy weights without a checkpoint
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+
+
+@dataclass
+class CudaGraphConfig:
+    capture_sizes: list[int] | None = None  # None: 1, 2, 4, then steps of 8 up to max_capture_size
+    max_capture_size: int | None = None  # None: max_num_seqs, at most 512
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None  # fixes the number of KV blocks (tests force a small cache)
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space_gib: float = 1.0  # the KV-cache budget on CPU
+    enforce_eager: bool = False
+    mixed_prefill_decode: bool = False  # False: a step is all prefill or all decode (decode steps replay graphs)
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    seed: int = 0
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # file or directory
+    format: str = "auto"  # auto | jsonl | parquet | arrow | hf_disk | hf
+    prompt_field: str = "prompt"
+    id_field: str | None = None  # None: the row index (as a string) is the id
+    messages_field: str = "messages"  # chat rows, rendered with the tokenizer's chat template
+    token_ids_field: str = "prompt_token_ids"  # an optional pre-tokenized prompt
+    split: str = "train"  # for hf and hf_disk DatasetDicts
+    on_error: str = "fail"  # fail: stop before generating | skip: record the row as an error and go on
+    limit: int | None = None  # read only the first N rows
+
+
+@dataclass
+class JobConfig:
+    name: str = "default"
+    resume: bool = False  # continue the run directory given by hydra.run.dir, skipping finished rows
+    flush_rows: int = 256
+    flush_seconds: float = 10.0
+    log_every_seconds: float = 10.0
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # job-wide defaults; rows may override
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, key, value, f"allowed values are {', '.join(allowed)}")
+
+
+def _positive(key: str, value: int | None, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    _require(isinstance(value, int) and value > 0, key, value, "must be a positive integer")
+
+
+def validate_model(model: ModelConfig) -> None:
+    _one_of("model.load_format", model.load_format, LOAD_FORMATS)
+    _one_of("model.dtype", model.dtype, DTYPES)
+    if model.load_format == "dummy":
+        _require(model.path is not None or model.hf_config is not None, "model.hf_config", None,
+                 "dummy weights need model.path (a config.json) or model.hf_config")
+    else:
+        _require(bool(model.path), "model.path", model.path, "set it to a Hugging Face checkpoint directory")
+        _require(os.path.isdir(model.path), "model.path", model.path, "no such directory")
+    if model.tokenizer is not None:
+        _require(os.path.isdir(model.tokenizer), "model.tokenizer", model.tokenizer, "no such directory")
+
+
+def validate_engine(engine: EngineConfig) -> None:
+    _one_of("engine.device", engine.device, DEVICES)
+    _one_of("engine.attention_backend", engine.attention_backend, ATTENTION_BACKENDS)
+    _positive("engine.max_num_seqs", engine.max_num_seqs)
+    _positive("engine.max_num_batched_tokens", engine.max_num_batched_tokens)
+    _positive("engine.max_model_len", engine.max_model_len, optional=True)
+    _positive("engine.num_gpu_blocks_override", engine.num_gpu_blocks_override, optional=True)
+    bs = engine.block_size
+    _require(isinstance(bs, int) and bs > 0 and bs & (bs - 1) == 0, "engine.block_size", bs,
+             "must be a power of two")
+    _require(0 < engine.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization",
+             engine.gpu_memory_utilization, "must be in (0, 1]")
+    _require(engine.cpu_kv_cache_space_gib > 0, "engine.cpu_kv_cache_space_gib", engine.cpu_kv_cache_space_gib,
+             "must be positive")
+    sizes = engine.cuda_graph.capture_sizes
+    if sizes is not None:
+        _require(len(sizes) > 0 and all(isinstance(s, int) and s > 0 for s in sizes),
+                 "engine.cuda_graph.capture_sizes", sizes, "must be a non-empty list of positive integers")
+    _positive("engine.cuda_graph.max_capture_size", engine.cuda_graph.max_capture_size, optional=True)
+
+
+def validate_data(data: DataConfig) -> None:
+    _one_of("data.format", data.format, DATA_FORMATS)
+    _one_of("data.on_error", data.on_error, ERROR_POLICIES)
+    _require(bool(data.path), "data.path", data.path, "set it to a prompts file or dataset directory")
+    _require(os.path.exists(data.path), "data.path", data.path, "no such file or directory")
+    _require(bool(data.prompt_field), "data.prompt_field", data.prompt_field, "must be a field name")
+    _positive("data.limit", data.limit, optional=True)
+
+
+def validate_job(job: JobConfig) -> None:
+    _positive("job.flush_rows", job.flush_rows)
+    _require(job.flush_seconds > 0, "job.flush_seconds", job.flush_seconds, "must be positive")
+    _require(job.log_every_seconds > 0, "job.log_every_seconds", job.log_every_seconds, "must be positive")
+
+
+def validate(config: Config) -> Config:
+    validate_job(config.job)
+    validate_data(config.data)
+    validate_engine(config.engine)
+    validate_model(config.model)
+    return config

@@ -1,0 +1,136 @@
+"""Decode steps as CUDA graphs: one graph per padded batch-size bucket, all in one memory pool.
+
+A pure-decode step of n requests replays the graph of the smallest bucket >= n. Its inputs are copied into
+static buffers first; padded rows get slot -1 (write no KV) and context length 0 (read nothing).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from batchgen.engine.step_inputs import StepInputs
+from batchgen.layers.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512
+
+
+def default_capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> list[int]:
+    """1, 2, 4, then steps of 8, up to max_capture_size (default: max_num_seqs, at most 512)."""
+    limit = min(max_capture_size or max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
+    if sizes[-1] != limit:
+        sizes.append(limit)
+    return sizes
+
+
+def padded_size(sizes: list[int], n: int) -> int | None:
+    """The smallest bucket >= n, or None when n is above the largest (the step then runs eagerly)."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+class GraphCaptureBuffers:
+    """Static device inputs sized for the largest bucket; every graph reads views of their first rows."""
+
+    def __init__(self, max_size: int, block_table_width: int, device: torch.device):
+        def zeros(*shape: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.zeros(*shape, dtype=dtype, device=device),
+                    torch.zeros(*shape, dtype=dtype, pin_memory=device.type == "cuda"))
+
+        self.input_ids, self._input_ids = zeros(max_size, dtype=torch.int64)
+        self.positions, self._positions = zeros(max_size, dtype=torch.int64)
+        self.slot_mapping, self._slot_mapping = zeros(max_size, dtype=torch.int64)
+        self.seq_lens, self._seq_lens = zeros(max_size, dtype=torch.int32)
+        self.block_tables, self._block_tables = zeros(max_size, block_table_width, dtype=torch.int32)
+        self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
+        self.block_table_width = block_table_width
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            query_start_loc=self.query_start_loc[:size + 1],
+            max_query_len=1,
+            max_seq_len=self.block_table_width,
+            is_decode=True,
+        )
+
+    def load(self, inputs: StepInputs, size: int) -> None:
+        """Stage the step in pinned host memory, padded to `size`, then copy it to the device without a sync."""
+        n = inputs.num_tokens
+        staged = [
+            (self._input_ids, self.input_ids, inputs.input_ids, 0),
+            (self._positions, self.positions, inputs.positions, 0),
+            (self._slot_mapping, self.slot_mapping, inputs.slot_mapping, -1),
+            (self._seq_lens, self.seq_lens, inputs.seq_lens, 0),
+        ]
+        for host, device, values, pad in staged:
+            host_np = host.numpy()
+            host_np[:n] = values
+            host_np[n:size] = pad
+            device[:size].copy_(host[:size], non_blocking=True)
+        self._block_tables.numpy()[:n] = inputs.block_tables
+        self.block_tables[:n].copy_(self._block_tables[:n], non_blocking=True)
+
+
+@dataclass
+class CaptureStats:
+    sizes: list[int]
+    seconds: float
+    pool_bytes: int
+
+
+class CudaGraphRunner:
+    """Captures model forward + logits for each bucket, largest first, into one shared memory pool."""
+
+    def __init__(self, model: nn.Module, buffers: GraphCaptureBuffers, sizes: list[int]):
+        self.model = model
+        self.buffers = buffers
+        self.sizes = sorted(sizes)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def _forward(self, size: int) -> torch.Tensor:
+        b = self.buffers
+        hidden = self.model(b.input_ids[:size], b.positions[:size], b.metadata(size))
+        return self.model.compute_logits(hidden)
+
+    def capture(self) -> CaptureStats:
+        """Capture every bucket; a bucket that runs out of memory is dropped with a warning, not fatal."""
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved()
+        pool = torch.cuda.graph_pool_handle()
+        self.buffers.slot_mapping.fill_(-1)  # warm-up and capture runs must not write into real KV blocks
+        for size in sorted(self.sizes, reverse=True):
+            try:
+                self._forward(size)  # warm-up: lazy initialisation and autotuning stay out of the graph
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[size] = self._forward(size)
+                self.graphs[size] = graph
+            except torch.OutOfMemoryError:
+                log.warning("CUDA-graph capture ran out of memory at batch size %d; that bucket runs eagerly", size)
+                self.logits.pop(size, None)
+                torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        self.sizes = sorted(self.graphs)
+        return CaptureStats(self.sizes, time.perf_counter() - start, torch.cuda.memory_reserved() - before)
+
+    def padded_size(self, n: int) -> int | None:
+        return padded_size(self.sizes, n)
+
+    def replay(self, inputs: StepInputs, size: int) -> torch.Tensor:
+        """Logits (n, vocab) of a pure-decode step of n <= size requests."""
+        self.buffers.load(inputs, size)
+        self.graphs[size].replay()
+        return self.logits[size][: inputs.num_tokens]

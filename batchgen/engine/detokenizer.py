@@ -1,0 +1,61 @@
+"""Text in and out of the engine: prompt encoding, stop strings and the final completion text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from batchgen.config import ModelConfig
+from batchgen.engine.request import Request
+from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        self._stop_texts: dict[int, str] = {}  # completion text cut before the stop string, by request id
+
+    @classmethod
+    def load(cls, model: ModelConfig) -> Detokenizer | None:
+        """None when the checkpoint ships no tokenizer (or there is no checkpoint): prompts must be token ids."""
+        if model.tokenizer is not None:
+            return cls(AutoTokenizer.from_pretrained(model.tokenizer))
+        if model.path is None or not any((Path(model.path) / name).exists() for name in TOKENIZER_FILES):
+            return None
+        return cls(AutoTokenizer.from_pretrained(model.path))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def apply_stop_strings(self, step: SchedulerOutput, sampled: list[int], scheduler: Scheduler) -> list[Request]:
+        """Finish requests whose text now contains a stop string; returns those not already finished."""
+        newly_finished = []
+        for request, token in zip(step.requests, sampled, strict=True):
+            stops = request.sampling_params.stop
+            if token < 0 or not stops:
+                continue
+            text = self.decode(request.output_token_ids)
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut < 0:
+                continue
+            self._stop_texts[request.request_id] = text[:cut]
+            if request.is_finished:
+                request.finish_reason = "stop"
+            else:
+                scheduler.finish_request(request, "stop")
+                newly_finished.append(request)
+        return newly_finished
+
+    def final_text(self, request: Request) -> str:
+        stopped = self._stop_texts.pop(request.request_id, None)
+        return stopped if stopped is not None else self.decode(request.output_token_ids)

@@ -1,0 +1,267 @@
+"""The engine: requests in, one scheduled and executed step at a time, finished outputs out."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from batchgen.config import EngineConfig, ModelConfig
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.cuda_graph import default_capture_sizes
+from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.request import Request
+from batchgen.engine.scheduler import Scheduler, SchedulerConfig
+from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
+from batchgen.outputs import RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRecord:
+    """One row of steps.parquet."""
+
+    step: int
+    kind: str
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    padded_size: int | None
+    cuda_graph: bool
+    schedule_ms: float
+    prepare_ms: float
+    forward_ms: float
+    sample_ms: float
+    step_ms: float
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_waiting: int
+    num_running: int
+    num_preempted: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("engine.device='cuda' but no CUDA device is available; use engine.device=cpu or auto")
+    return torch.device(name)
+
+
+def attention_ops(name: str, device: torch.device):
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("engine.attention_backend='triton' needs a CUDA device; allowed on CPU: torch, auto")
+        from batchgen.layers import attention_triton
+
+        return attention_triton
+    from batchgen.layers import attention_torch
+
+    return attention_torch
+
+
+def request_seed(engine_seed: int, request_id: int) -> int:
+    """A per-request seed that depends only on the engine seed and the request id, so resumed runs sample alike."""
+    return (engine_seed * 1_000_003 + request_id * 7_919 + 1) % (2**31 - 1)
+
+
+class LLMEngine:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, detokenizer: Detokenizer | None = None):
+        self.config = engine_config
+        self.device = resolve_device(engine_config.device)
+        hf_config = load_hf_config(model_config)
+        self.hf_config = hf_config
+        self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
+        self.detokenizer = detokenizer or Detokenizer.load(model_config)
+        self.eos_token_ids = self._eos_token_ids(hf_config)
+
+        start = time.perf_counter()
+        model = load_model(model_config, hf_config, self.dtype, self.device)
+        self.max_model_len = self._max_model_len(hf_config, model.sliding_window)
+        self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start}
+        self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
+                                  attention_ops(engine_config.attention_backend, self.device))
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.info.update(
+            device=str(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else "cpu",
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+            kv_blocks=num_blocks,
+            kv_capacity_tokens=num_blocks * engine_config.block_size,
+            kv_cache_bytes=num_blocks * self.runner.kv_block_bytes,
+        )
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, engine_config.block_size,
+                 num_blocks * engine_config.block_size, self.info["kv_cache_bytes"] / 2**30)
+        if self.device.type == "cuda" and not engine_config.enforce_eager:
+            self._capture_graphs()
+        self.scheduler = Scheduler(
+            SchedulerConfig(engine_config.max_num_seqs, engine_config.max_num_batched_tokens, self.max_model_len,
+                            engine_config.mixed_prefill_decode),
+            BlockManager(num_blocks, engine_config.block_size),
+        )
+        self._finished_on_arrival: list[Request] = []
+        self._prompts: dict[int, str | None] = {}
+        self.num_steps = 0
+
+    # -- setup ----------------------------------------------------------------------------------------------
+
+    def _max_model_len(self, hf_config, sliding_window: int | None) -> int:
+        limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+        wanted = self.config.max_model_len or limit
+        if limit is not None and wanted > limit:
+            raise ValueError(f"engine.max_model_len={wanted} is invalid: the model supports at most {limit} positions")
+        if sliding_window is not None and wanted > sliding_window:
+            # Attention here is always full, which equals sliding-window attention only within the window.
+            log.warning("max_model_len capped at the model's sliding window, %d tokens", sliding_window)
+            wanted = sliding_window
+        return wanted
+
+    def _eos_token_ids(self, hf_config) -> list[int]:
+        eos = self.detokenizer.eos_token_id if self.detokenizer else None
+        if eos is None:
+            eos = getattr(hf_config, "eos_token_id", None)
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        block_bytes = self.runner.kv_block_bytes
+        if self.device.type == "cpu":
+            return max(1, int(cfg.cpu_kv_cache_space_gib * 2**30) // block_bytes)
+        peak = self.runner.profile_peak_bytes(cfg.max_num_batched_tokens, min(cfg.max_num_seqs,
+                                                                                cfg.max_num_batched_tokens))
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        available = int(total * cfg.gpu_memory_utilization) - peak
+        if available < block_bytes:
+            raise ValueError(f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}: no memory left for the "
+                             f"KV cache (model and activations peak at {peak / 2**30:.2f} GiB of {total / 2**30:.1f})")
+        return available // block_bytes
+
+    def _capture_graphs(self) -> None:
+        graph_cfg = self.config.cuda_graph
+        sizes = graph_cfg.capture_sizes or default_capture_sizes(self.config.max_num_seqs, graph_cfg.max_capture_size)
+        stats = self.runner.capture_graphs(sorted(set(sizes)))
+        self.info.update(cuda_graph_sizes=stats.sizes, cuda_graph_capture_seconds=stats.seconds,
+                         cuda_graph_pool_bytes=stats.pool_bytes)
+        log.info("Captured %d CUDA graphs (batch sizes %s) in %.2f s, pool %.1f MiB", len(stats.sizes),
+                 stats.sizes, stats.seconds, stats.pool_bytes / 2**20)
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: int, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: SamplingParams) -> None:
+        """Queue a request; one that can never run finishes at once as an error (returned by the next step)."""
+        if params.seed is None:
+            params = replace(params, seed=request_seed(self.config.seed, request_id))
+        eos = self.eos_token_ids
+        if len(eos) > 1:
+            params = replace(params, stop_token_ids=[*params.stop_token_ids, *eos[1:]])
+        request = Request(request_id, [], params, eos_token_id=eos[0] if eos else None)
+        self._prompts[request_id] = prompt
+        try:
+            request.prompt_token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
+            error = self.scheduler.admission_error(request)
+        except ValueError as exc:
+            error = str(exc)
+        if error is not None:
+            self._finish_with_error(request, error)
+            return
+        self.scheduler.add_request(request)
+
+    def _prompt_token_ids(self, prompt: str | None, token_ids: list[int] | None, params: SamplingParams) -> list[int]:
+        if token_ids is None:
+            if self.detokenizer is None:
+                raise ValueError("the model has no tokenizer: give prompt_token_ids instead of prompt text")
+            token_ids = self.detokenizer.encode(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.hf_config.vocab_size
+        if not all(0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        return list(token_ids)
+
+    def _finish_with_error(self, request: Request, error: str) -> None:
+        request.finish_reason, request.error = "error", error
+        request.finish_time = time.perf_counter()
+        self._finished_on_arrival.append(request)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._finished_on_arrival)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # -- stepping -------------------------------------------------------------------------------------------
+
+    def step(self) -> tuple[list[RequestOutput], StepRecord | None]:
+        """Run one step; returns the requests that finished in it and the step's timing row (None if idle)."""
+        finished = self._finished_on_arrival
+        self._finished_on_arrival = []
+        if not self.scheduler.has_unfinished_requests():
+            return [self._output(r) for r in finished], None
+        start = time.perf_counter()
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            raise RuntimeError("the scheduler produced an empty step while requests are unfinished")
+        schedule_ms = (time.perf_counter() - start) * 1000
+        result = self.runner.execute(step)
+        finished += self.scheduler.update(step, result.sampled_token_ids)
+        if self.detokenizer is not None:
+            finished += self.detokenizer.apply_stop_strings(step, result.sampled_token_ids, self.scheduler)
+        block_manager = self.scheduler.block_manager
+        record = StepRecord(
+            step=self.num_steps, kind=step.kind, num_seqs=step.num_seqs, num_tokens=step.num_tokens,
+            num_prefill_tokens=step.num_prefill_tokens, num_decode_tokens=step.num_decode_tokens,
+            padded_size=result.padded_size, cuda_graph=result.padded_size is not None,
+            schedule_ms=schedule_ms, prepare_ms=result.prepare_ms, forward_ms=result.forward_ms,
+            sample_ms=result.sample_ms, step_ms=(time.perf_counter() - start) * 1000,
+            kv_blocks_used=block_manager.num_used_blocks, kv_blocks_total=block_manager.num_total_blocks,
+            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
+            num_preempted=len(step.preempted),
+        )
+        self.num_steps += 1
+        return [self._output(r) for r in finished], record
+
+    def _output(self, request: Request) -> RequestOutput:
+        prompt = self._prompts.pop(request.request_id)
+        text = None
+        if self.detokenizer is not None and request.finish_reason != "error":
+            text = self.detokenizer.final_text(request)
+        ttft = tpot = latency = None
+        if request.first_token_time is not None:
+            ttft = (request.first_token_time - request.arrival_time) * 1000
+            latency = (request.finish_time - request.arrival_time) * 1000
+            if request.num_output_tokens > 1:
+                tpot = (request.finish_time - request.first_token_time) * 1000 / (request.num_output_tokens - 1)
+        return RequestOutput(
+            request_id=request.request_id, prompt=prompt, prompt_token_ids=request.prompt_token_ids,
+            text=text, token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
+            error=request.error, ttft_ms=ttft, tpot_ms=tpot, latency_ms=latency,
+            num_preemptions=request.num_preemptions,
+        )
+
+    def close(self) -> None:
+        """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean."""
+        self.runner.close()
+        self.runner.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,182 @@
+"""Runs one scheduled step on the device: inputs, eager prefill or graph decode, sampling."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+from torch import nn
+
+from batchgen.engine.cuda_graph import CaptureStats, CudaGraphRunner, GraphCaptureBuffers
+from batchgen.engine.scheduler import SchedulerOutput
+from batchgen.engine.step_inputs import StepInputs, build_step_inputs
+from batchgen.layers import attention_torch
+from batchgen.layers.attention import Attention, AttentionMetadata
+from batchgen.layers.sampler import SamplingTensors, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    sampled_token_ids: list[int]  # parallel to the scheduled requests; -1 where no token was sampled
+    prepare_ms: float
+    forward_ms: float
+    sample_ms: float
+    padded_size: int | None  # the CUDA-graph bucket that ran the step, None when eager
+
+
+class _Timer:
+    """Device time between marks: CUDA events on GPU (read after the step's one sync), a host clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        pairs = pairwise(self.marks)
+        if self.cuda:
+            return [a.elapsed_time(b) for a, b in pairs]
+        return [(b - a) * 1000 for a, b in pairs]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, device: torch.device, block_size: int, max_model_len: int,
+                 attention_ops=attention_torch):
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.block_table_width = -(-max_model_len // block_size)
+        self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.attention_ops = attention_ops
+        self.kv_cache: torch.Tensor | None = None
+        self.graphs: CudaGraphRunner | None = None
+
+    # -- KV cache -------------------------------------------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        layer = self.attention_layers[0]
+        dtype = next(self.model.parameters()).dtype
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * dtype.itemsize
+        return per_token * self.block_size * len(self.attention_layers)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        layer = self.attention_layers[0]
+        dtype = next(self.model.parameters()).dtype
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # (2, L, NB, BS, KVH, D)
+        for i, attention in enumerate(self.attention_layers):
+            attention.k_cache, attention.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            attention.ops = self.attention_ops
+
+    def profile_peak_bytes(self, num_tokens: int, num_logits: int) -> int:
+        """Peak memory of a forward over num_tokens one-token sequences (a scratch one-block cache, no KV writes)."""
+        self.allocate_kv_cache(1)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            seq_lens=torch.ones(num_tokens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(num_tokens, 1, dtype=torch.int32, device=self.device),
+            query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=self.device),
+            max_query_len=1, max_seq_len=1, is_decode=True,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, ids, meta)
+            self.model.compute_logits(hidden[:num_logits])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self._unbind_kv_cache()
+        torch.cuda.empty_cache()
+        return peak
+
+    # -- CUDA graphs ----------------------------------------------------------------------------------------
+
+    def capture_graphs(self, sizes: list[int]) -> CaptureStats:
+        buffers = GraphCaptureBuffers(max(sizes), self.block_table_width, self.device)
+        self.graphs = CudaGraphRunner(self.model, buffers, sizes)
+        with torch.inference_mode():
+            return self.graphs.capture()
+
+    # -- one step -------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        start = time.perf_counter()
+        graph_size = self.graphs.padded_size(step.num_seqs) if self.graphs and _is_pure_decode(step) else None
+        width = self.block_table_width if graph_size else None
+        inputs = build_step_inputs(step, self.block_size, width)
+        sample_requests = [step.requests[i] for i in inputs.sample_rows]
+        sampling = SamplingTensors.from_params(
+            [r.sampling_params for r in sample_requests],
+            seeds=[r.sampling_params.seed for r in sample_requests],
+            positions=[r.num_tokens for r in sample_requests],
+            device=self.device,
+        )
+        timer = _Timer(self.device)
+        if graph_size:
+            prepare_ms = (time.perf_counter() - start) * 1000
+            timer.mark()
+            logits = self.graphs.replay(inputs, graph_size)
+        else:
+            tensors = self._to_device(inputs)
+            prepare_ms = (time.perf_counter() - start) * 1000
+            timer.mark()
+            logits = self._eager_logits(inputs, *tensors)
+        timer.mark()
+        sampled = sample(logits, sampling).tolist() if inputs.sample_rows else []
+        timer.mark()
+        forward_ms, sample_ms = timer.intervals_ms()
+        token_ids = [-1] * step.num_seqs
+        for row, token in zip(inputs.sample_rows, sampled, strict=True):
+            token_ids[row] = token
+        return StepResult(token_ids, prepare_ms, forward_ms, sample_ms, graph_size)
+
+    def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        def put(array) -> torch.Tensor:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=put(inputs.slot_mapping),
+            seq_lens=put(inputs.seq_lens),
+            block_tables=put(inputs.block_tables),
+            query_start_loc=put(inputs.query_start_loc),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+            is_decode=inputs.is_decode,
+        )
+        return put(inputs.input_ids), put(inputs.positions), meta, put(inputs.sample_token_index)
+
+    def _eager_logits(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, sample_token_index: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, meta)
+        if not inputs.sample_rows:
+            return hidden[:0]
+        return self.model.compute_logits(hidden[sample_token_index])
+
+    def _unbind_kv_cache(self) -> None:
+        self.kv_cache = None
+        for attention in self.attention_layers:
+            attention.k_cache = attention.v_cache = torch.empty(0)
+
+    def close(self) -> None:
+        self.graphs = None
+        self._unbind_kv_cache()
+
+
+def _is_pure_decode(step: SchedulerOutput) -> bool:
+    """Every request computes exactly its one missing token, so every row samples: the shape a graph replays."""
+    return all(n == 1 and r.num_computed_tokens + 1 == r.num_tokens
+               for r, n in zip(step.requests, step.num_scheduled_tokens, strict=True))

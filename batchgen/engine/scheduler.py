@@ -1,0 +1,258 @@
+"""Continuous-batching scheduler over a paged KV cache, with chunked prefill and preemption by recompute (no torch).
+
+Each step has a token budget (`max_num_batched_tokens`) and at most `max_num_seqs` running requests; finished
+requests leave and waiting ones join at every step. Step composition, chosen by `mixed_prefill_decode`:
+
+- False (default, nano-vllm style; uniform decode steps replay CUDA graphs): a step is all prefill or all decode.
+  It is a prefill step when a running request is mid-prefill or the head of the waiting queue can be admitted:
+  mid-prefill requests continue first, then waiting requests are admitted FIFO, each getting min(tokens left,
+  budget left), so a long prompt is split across steps (chunked prefill). Otherwise, or when the prefill step ends
+  up empty, it is a decode step: every running request gets 1 token.
+- True (vLLM v1 style): running requests first, in admission order (a decode takes 1 token, a mid-prefill request
+  a chunk of the remaining budget), then waiting requests with whatever budget remains; a step with both is "mixed".
+
+Tokens count as decode tokens iff the request `is_decoding` (a recompute after preemption is prefill).
+`SchedulerOutput.requests` lists decodes first, then prefill chunks.
+
+Preemption by recompute: when a running request cannot get the blocks its next tokens need, the most recently
+admitted running request is preempted (blocks freed, `num_computed_tokens = 0`, back to the FRONT of the waiting
+queue) and the allocation retried; when the request itself is the most recent one, it preempts itself and is not
+scheduled this step. Admission never preempts: a waiting request is admitted only when blocks for its chunk are
+free, and not at all in a step that preempted, so freed memory goes to the running requests first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    mixed_prefill_decode: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[Request]  # decodes first, then prefill chunks
+    num_scheduled_tokens: list[int]  # parallel to requests
+    preempted: list[Request]  # preempted while building this step
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    # Parallel to requests: this step completes the request's sequence, so a token is sampled for it.
+    # Fixed when the step is built, because `Scheduler.update` then advances the requests.
+    samples: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = [
+            request.num_computed_tokens + num_tokens == request.num_tokens
+            for request, num_tokens in zip(self.requests, self.num_scheduled_tokens, strict=True)
+        ]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    @property
+    def kind(self) -> str:
+        """prefill | decode | mixed | idle"""
+        if self.num_prefill_tokens and self.num_decode_tokens:
+            return "mixed"
+        if self.num_prefill_tokens:
+            return "prefill"
+        return "decode" if self.num_decode_tokens else "idle"
+
+
+@dataclass
+class _StepBuilder:
+    budget: int
+    decodes: list[tuple[Request, int]] = field(default_factory=list)  # (request, scheduled tokens)
+    prefills: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        (self.decodes if request.is_decoding else self.prefills).append((request, num_tokens))
+        self.budget -= num_tokens
+
+    def build(self) -> SchedulerOutput:
+        entries = self.decodes + self.prefills
+        return SchedulerOutput(
+            requests=[request for request, _ in entries],
+            num_scheduled_tokens=[num_tokens for _, num_tokens in entries],
+            preempted=self.preempted,
+            num_prefill_tokens=sum(num_tokens for _, num_tokens in self.prefills),
+            num_decode_tokens=sum(num_tokens for _, num_tokens in self.decodes),
+        )
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def admission_error(self, request: Request) -> str | None:
+        """Why this request can never run, or None."""
+        prompt_len, max_model_len = request.num_prompt_tokens, self.config.max_model_len
+        if prompt_len == 0:
+            return "the prompt is empty"
+        if prompt_len > max_model_len:
+            return f"the prompt has {prompt_len} tokens, more than max_model_len={max_model_len}"
+        max_tokens, cache = request.sampling_params.max_tokens, self.block_manager
+        max_len = min(prompt_len + max_tokens, max_model_len)
+        if cache.blocks_needed(max_len) > cache.num_total_blocks:
+            return (f"the prompt ({prompt_len} tokens) with max_tokens={max_tokens} needs up to {max_len} tokens of KV "
+                    f"cache = {cache.blocks_needed(max_len)} blocks of {cache.block_size} tokens, but the whole cache "
+                    f"has {cache.num_total_blocks} blocks")
+        return None
+
+    def add_request(self, request: Request) -> None:
+        error = self.admission_error(request)
+        if error is not None:
+            raise ValueError(f"request {request.request_id} can never run: {error}")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        step = _StepBuilder(budget=self.config.max_num_batched_tokens)
+        if self.config.mixed_prefill_decode:
+            self._schedule_running(step, decodes=True, prefills=True)
+            self._admit_waiting(step)
+        else:
+            if self._wants_prefill_step():
+                self._schedule_running(step, decodes=False, prefills=True)
+                self._admit_waiting(step)
+            if not step.decodes and not step.prefills:
+                self._schedule_running(step, decodes=True, prefills=False)
+        output = step.build()
+        assert not output.is_empty or not self.has_unfinished_requests(), "scheduler stalled with work left"
+        return output
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        """Applies a finished step; returns the requests that finished in it."""
+        now = time.perf_counter()
+        finished = []
+        for request, num_tokens, samples, token_id in zip(
+            output.requests, output.num_scheduled_tokens, output.samples, sampled_token_ids, strict=True
+        ):
+            request.num_computed_tokens += num_tokens
+            if not samples:
+                continue
+            request.output_token_ids.append(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                self._mark_finished(request, reason, now)
+                finished.append(request)
+        if finished:
+            self.running = [request for request in self.running if not request.is_finished]
+        return finished
+
+    def finish_request(self, request: Request, reason: str) -> None:
+        """Ends a request the engine decided to stop (a stop string in its detokenized text)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._mark_finished(request, reason, time.perf_counter())
+
+    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+        params = request.sampling_params
+        if token_id == request.eos_token_id and not params.ignore_eos:
+            return "stop"
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _mark_finished(self, request: Request, reason: str, now: float) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = now
+        self.block_manager.free(request)
+
+    def _wants_prefill_step(self) -> bool:
+        if any(not request.is_decoding for request in self.running):
+            return True
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        head = self.waiting[0]
+        return self.block_manager.can_allocate(head, min(head.num_tokens, self.config.max_num_batched_tokens))
+
+    def _schedule_running(self, step: _StepBuilder, decodes: bool, prefills: bool) -> None:
+        index = 0
+        while index < len(self.running) and step.budget > 0:
+            request = self.running[index]
+            index += 1
+            if not (decodes if request.is_decoding else prefills):
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if not self._allocate_or_preempt(request, num_new, step):
+                return  # it preempted itself: it was the last running request
+            step.add(request, num_new)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
+        """Allocates blocks for the request's next tokens, preempting the latest admitted requests until they fit."""
+        while not self.block_manager.can_allocate(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                return False
+        self.block_manager.allocate(request, num_new)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, step: _StepBuilder) -> None:
+        if step.preempted:
+            return
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if not self.block_manager.can_allocate(request, num_new):
+                return
+            self.waiting.popleft()
+            self.block_manager.allocate(request, num_new)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.add(request, num_new)

@@ -1,0 +1,73 @@
+"""Arrow schemas of the Parquet outputs, and the run metadata stored in them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+METADATA_PREFIX = "batchgen."
+
+COMPLETIONS_SCHEMA = pa.schema(
+    [
+        pa.field("index", pa.int64(), nullable=False),
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("prompt", pa.string()),
+        pa.field("completion", pa.string()),
+        pa.field("prompt_token_ids", pa.list_(pa.int32())),
+        pa.field("output_token_ids", pa.list_(pa.int32())),
+        pa.field("num_prompt_tokens", pa.int32()),
+        pa.field("num_output_tokens", pa.int32()),
+        pa.field("finish_reason", pa.string(), nullable=False),  # stop | length | error
+        pa.field("error", pa.string()),  # null unless finish_reason is "error"
+        pa.field("ttft_ms", pa.float64()),  # timings are null for error rows
+        pa.field("tpot_ms", pa.float64()),
+        pa.field("latency_ms", pa.float64()),
+    ]
+)
+
+STEPS_SCHEMA = pa.schema(
+    [
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("attempt", pa.int32(), nullable=False),  # 0 for the first run, +1 per resume
+        pa.field("kind", pa.string(), nullable=False),  # prefill | decode | mixed
+        pa.field("num_seqs", pa.int32(), nullable=False),
+        pa.field("num_tokens", pa.int32(), nullable=False),
+        pa.field("num_prefill_tokens", pa.int32(), nullable=False),
+        pa.field("num_decode_tokens", pa.int32(), nullable=False),
+        pa.field("padded_size", pa.int32()),  # the CUDA-graph bucket; null when eager
+        pa.field("cuda_graph", pa.bool_(), nullable=False),
+        pa.field("schedule_ms", pa.float64(), nullable=False),
+        pa.field("prepare_ms", pa.float64(), nullable=False),
+        pa.field("forward_ms", pa.float64(), nullable=False),
+        pa.field("sample_ms", pa.float64(), nullable=False),
+        pa.field("step_ms", pa.float64(), nullable=False),
+        pa.field("kv_blocks_used", pa.int32(), nullable=False),
+        pa.field("kv_blocks_total", pa.int32(), nullable=False),
+        pa.field("num_waiting", pa.int32(), nullable=False),
+        pa.field("num_running", pa.int32(), nullable=False),
+        pa.field("num_preempted", pa.int32(), nullable=False),
+    ]
+)
+
+
+def with_metadata(schema: pa.Schema, metadata: dict[str, Any]) -> pa.Schema:
+    """`schema` with each value stored JSON-encoded under b"batchgen.<key>", keeping its other metadata."""
+    encoded = {
+        f"{METADATA_PREFIX}{key}".encode(): json.dumps(value).encode() for key, value in metadata.items()
+    }
+    return schema.with_metadata({**(schema.metadata or {}), **encoded})
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The values `with_metadata` stored in a Parquet file's schema, by key without the prefix."""
+    stored = pq.read_schema(path).metadata or {}
+    prefix = METADATA_PREFIX.encode()
+    return {
+        key[len(prefix) :].decode(): json.loads(value)
+        for key, value in stored.items()
+        if key.startswith(prefix)
+    }

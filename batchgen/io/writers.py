@@ -1,0 +1,195 @@
+"""Crash-safe, resumable Parquet outputs: completions.parquet, steps.parquet and summary.json.
+
+Rows are buffered and flushed as complete Parquet part files, so a job killed at any moment (SIGKILL) loses
+at most the unflushed buffer, and a resumed job rebuilds the final file from the parts of every attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchgen.io.atomic import TMP_SUFFIX, fsync_directory, tmp_path_for, write_atomically
+from batchgen.io.schema import COMPLETIONS_SCHEMA, STEPS_SCHEMA, with_metadata
+
+PART_PREFIX = "part-"
+
+
+class DuplicateRowError(ValueError):
+    """The same completion index was written twice."""
+
+
+def _part_number(part: Path) -> int:
+    return int(part.stem.removeprefix(PART_PREFIX))
+
+
+class PartedParquetWriter:
+    """Buffers records; each flush writes one complete Parquet part file (tmp name, fsync, os.replace into
+    <final stem>.parts/part-<n>.parquet). close() merges all parts into the final file atomically (tmp +
+    os.replace) sorted by sort_key (None: write order), then removes the parts directory.
+
+    Opening a writer where a previous one left parts or a final file resumes: their rows are kept (a final
+    file moves back into a part, so close() always rebuilds from parts) and stale tmp files are removed.
+    Not thread-safe; one writer per file at a time.
+    """
+
+    def __init__(
+        self,
+        final_path: Path,
+        schema: pa.Schema,
+        sort_key: str | None,
+        flush_rows: int = 256,
+        flush_seconds: float = 10.0,
+    ) -> None:
+        self.final_path = final_path
+        self.parts_dir = final_path.with_name(final_path.stem + ".parts")
+        self.schema = schema
+        self.sort_key = sort_key
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
+        self._required = [field.name for field in schema if not field.nullable]
+        self._buffer: list[dict[str, Any]] = []
+        self._last_flush = time.monotonic()
+        self._closed = False
+        self._recover()
+        parts = self._parts()
+        self._next_part = _part_number(parts[-1]) + 1 if parts else 0
+
+    def _recover(self) -> None:
+        self.final_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_path_for(self.final_path).unlink(missing_ok=True)
+        if self.final_path.exists():
+            # close() writes the final file from every part before removing them, so parts that are still
+            # there (close() killed after its rename) are already in it.
+            if self.parts_dir.exists():
+                shutil.rmtree(self.parts_dir)
+            self.parts_dir.mkdir()
+            self.final_path.replace(self._part_path(0))
+            fsync_directory(self.parts_dir)
+            fsync_directory(self.final_path.parent)
+            return
+        self.parts_dir.mkdir(exist_ok=True)
+        for stale in self.parts_dir.glob(f"*{TMP_SUFFIX}"):
+            stale.unlink()
+
+    def _part_path(self, number: int) -> Path:
+        return self.parts_dir / f"{PART_PREFIX}{number:06d}.parquet"
+
+    def _parts(self) -> list[Path]:
+        return sorted(self.parts_dir.glob(f"{PART_PREFIX}*.parquet"), key=_part_number)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Buffers one row (missing nullable fields are null); flushes when flush_rows are buffered or
+        flush_seconds have passed since the last flush (checked here, on write)."""
+        if self._closed:
+            raise RuntimeError(f"{self.final_path}: the writer is closed")
+        unknown = record.keys() - set(self.schema.names)
+        if unknown:
+            raise ValueError(
+                f"{self.final_path}: unknown fields {sorted(unknown)}; the schema has {self.schema.names}"
+            )
+        missing = [name for name in self._required if record.get(name) is None]
+        if missing:
+            raise ValueError(f"{self.final_path}: record lacks the required fields {missing}")
+        self._buffer.append(dict(record))
+        if len(self._buffer) >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Writes the buffered rows as one new part file; after it returns they survive a crash."""
+        if self._buffer:
+            table = pa.Table.from_pylist(self._buffer, schema=self.schema)
+            write_atomically(self._part_path(self._next_part), lambda file: pq.write_table(table, file))
+            self._next_part += 1
+            self._buffer.clear()
+        self._last_flush = time.monotonic()
+
+    def existing_rows(self, columns: list[str] | None = None) -> pa.Table:
+        """The rows in part files, earlier attempts included, in write order; buffered rows are not."""
+        schema = self.schema if columns is None else pa.schema([self.schema.field(name) for name in columns])
+        tables = [pq.read_table(part, columns=columns).cast(schema) for part in self._parts()]
+        return pa.concat_tables(tables) if tables else schema.empty_table()
+
+    def _check_merged(self, table: pa.Table) -> None:
+        """Subclasses raise here when the merged rows break an invariant; the parts are left untouched."""
+
+    def close(self) -> Path:
+        """Flushes, merges every part into the final file atomically, removes the parts; returns its path."""
+        if self._closed:
+            return self.final_path
+        self.flush()
+        table = self.existing_rows()
+        if self.sort_key is not None:
+            table = table.sort_by(self.sort_key)
+        self._check_merged(table)
+        write_atomically(self.final_path, lambda file: pq.write_table(table, file))
+        shutil.rmtree(self.parts_dir)
+        self._closed = True
+        return self.final_path
+
+
+class CompletionWriter(PartedParquetWriter):
+    """completions.parquet: one row per prompt, sorted by index; an index may be written only once."""
+
+    FILE_NAME = "completions.parquet"
+
+    def __init__(
+        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 256, flush_seconds: float = 10.0
+    ) -> None:
+        super().__init__(
+            run_dir / self.FILE_NAME,
+            with_metadata(COMPLETIONS_SCHEMA, metadata),
+            "index",
+            flush_rows,
+            flush_seconds,
+        )
+        self._indices: set[int] = set(self.existing_rows(["index"]).column("index").to_pylist())
+
+    def finished_indices(self) -> set[int]:
+        """Indices written so far: by earlier attempts (what a resumed job skips) and by this writer."""
+        return set(self._indices)
+
+    def write(self, record: dict[str, Any]) -> None:
+        index = record.get("index")
+        if index in self._indices:
+            raise DuplicateRowError(f"{self.final_path}: index {index} was already written")
+        super().write(record)
+        self._indices.add(index)
+
+    def _check_merged(self, table: pa.Table) -> None:
+        counts = Counter(table.column("index").to_pylist())
+        duplicates = sorted(index for index, count in counts.items() if count > 1)
+        if duplicates:
+            raise DuplicateRowError(f"{self.parts_dir}: indices written more than once: {duplicates[:20]}")
+
+
+class StepWriter(PartedParquetWriter):
+    """steps.parquet: one row per engine step, in write order (attempt, then step)."""
+
+    FILE_NAME = "steps.parquet"
+
+    def __init__(
+        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 256, flush_seconds: float = 10.0
+    ) -> None:
+        super().__init__(
+            run_dir / self.FILE_NAME, with_metadata(STEPS_SCHEMA, metadata), None, flush_rows, flush_seconds
+        )
+
+    def next_attempt(self) -> int:
+        """0 for a fresh run, else 1 + the latest attempt with steps on disk; call it before writing."""
+        attempts = self.existing_rows(["attempt"]).column("attempt")
+        return 0 if len(attempts) == 0 else pc.max(attempts).as_py() + 1
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Writes `obj` as indented JSON; readers see the previous file or the whole new one."""
+    text = json.dumps(obj, indent=2) + "\n"
+    write_atomically(path, lambda file: file.write(text.encode()))

@@ -1,0 +1,125 @@
+"""A batch job: read prompts, run them through the engine, write completions, steps and a summary."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from batchgen.config import Config, ConfigError
+from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.llm_engine import LLMEngine
+from batchgen.io.readers import PromptRow, read_prompts
+from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
+from batchgen.outputs import RequestOutput
+from batchgen.progress import Progress
+from batchgen.summary import summarize, versions
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "summary.json"
+STEP_FLUSH_ROWS = 4096
+
+
+def completion_record(row: PromptRow, output: RequestOutput | None = None) -> dict[str, Any]:
+    """One completions.parquet row; without an output, the row's own input error."""
+    if output is None:
+        return {"index": row.index, "id": row.id, "prompt": row.prompt, "finish_reason": "error", "error": row.error}
+    return {
+        "index": row.index, "id": row.id, "prompt": row.prompt, "completion": output.text,
+        "prompt_token_ids": output.prompt_token_ids, "output_token_ids": output.token_ids,
+        "num_prompt_tokens": len(output.prompt_token_ids), "num_output_tokens": len(output.token_ids),
+        "finish_reason": output.finish_reason, "error": output.error,
+        "ttft_ms": output.ttft_ms, "tpot_ms": output.tpot_ms, "latency_ms": output.latency_ms,
+    }
+
+
+class Job:
+    def __init__(self, config: Config, run_dir: Path):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        # Input problems surface here, before the model loads.
+        self.detokenizer = Detokenizer.load(config.model)
+        self.rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None)
+        existing = [p.name for p in (self.run_dir / CompletionWriter.FILE_NAME,
+                                     self.run_dir / "completions.parts") if p.exists()]
+        if existing and not config.job.resume:
+            raise ConfigError(f"job.resume=false but {self.run_dir} already holds results ({', '.join(existing)}); "
+                              "pass job.resume=true with hydra.run.dir set to it to continue, or use a new run dir")
+        metadata = {"config": asdict(config), "versions": versions()}
+        self.completions = CompletionWriter(self.run_dir, metadata, config.job.flush_rows, config.job.flush_seconds)
+        # Steps come many per row and matter less than completions: they flush on time, or every STEP_FLUSH_ROWS.
+        self.steps = StepWriter(self.run_dir, metadata, STEP_FLUSH_ROWS, config.job.flush_seconds)
+        done = self.completions.finished_indices()
+        self.pending = [row for row in self.rows if row.index not in done]
+        self.attempt = self.steps.next_attempt()
+        if done:
+            log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.attempt, len(done),
+                     len(self.rows))
+
+    def run(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        rows_by_index = {row.index: row for row in self.pending}
+        self.progress = Progress(len(self.rows), len(self.rows) - len(self.pending), self.config.job)
+        engine = None
+        try:
+            for row in self.pending:
+                if row.error is not None:
+                    self._write_error_row(row)
+            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer)
+            feed = self._requests(engine, [row for row in self.pending if row.error is None])
+            while True:
+                feed_more = next(feed, None)
+                if feed_more is None and not engine.has_unfinished_requests:
+                    break
+                finished, step = engine.step()
+                if step is not None:
+                    self.steps.write({**asdict(step), "attempt": self.attempt})
+                for output in finished:
+                    self.completions.write(completion_record(rows_by_index[output.request_id], output))
+                self.progress.update(finished)
+        except BaseException:
+            self.completions.flush()
+            self.steps.flush()
+            log.error("Job stopped; finished rows are in %s (resume with job.resume=true)", self.run_dir)
+            raise
+        finally:
+            self.progress.close()
+            if engine is not None:
+                engine.close()
+        wall = time.perf_counter() - start
+        summary = summarize(self.completions.close(), self.steps.close(), self.attempt, wall,
+                            (self.progress.prompt_tokens, self.progress.output_tokens),
+                            engine.info if engine else {}, asdict(self.config))
+        write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
+        log.info("Done: %d rows in %.1f s -> %s", len(self.rows), wall, self.run_dir)
+        return summary
+
+    def _write_error_row(self, row: PromptRow) -> None:
+        self.completions.write(completion_record(row))
+        self.progress.update([], errors=1)
+
+    def _requests(self, engine: LLMEngine, rows: list[PromptRow]) -> Iterator[bool]:
+        """Adds rows lazily, keeping about two batches waiting, and yields once per step while rows remain."""
+        defaults = self.config.sampling
+        backlog = 2 * self.config.engine.max_num_seqs
+        remaining = iter(rows)
+        row = next(remaining, None)
+        while row is not None:
+            while row is not None and engine.num_waiting < backlog:
+                try:
+                    params = defaults.with_overrides(row.overrides)
+                except ValueError as exc:
+                    row.error = f"row {row.index}: {exc}"
+                    self._write_error_row(row)
+                else:
+                    engine.add_request(row.index, row.prompt, row.prompt_token_ids, params)
+                row = next(remaining, None)
+            yield True
+
+
+def run(config: Config, run_dir: Path) -> dict[str, Any]:
+    return Job(config, run_dir).run()

@@ -1,0 +1,117 @@
+"""Paged-KV-cache attention in plain PyTorch: runs on CPU and GPU, and is the correctness reference for the Triton ops.
+
+Cache layout: k_cache, v_cache are (num_blocks, block_size, num_kv_heads, head_dim); token slot s lives at
+block s // block_size, offset s % block_size. Grouped-query attention maps query head h to kv head h // group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(
+    k: torch.Tensor,  # (T, KVH, D)
+    v: torch.Tensor,  # (T, KVH, D)
+    k_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    v_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    slot_mapping: torch.Tensor,  # (T,) int64, -1 for padding rows
+) -> None:
+    """Writes each token's K/V into its cache slot; rows with slot -1 write nothing.
+
+    Fixed shapes and no host sync, so a decode step that includes it can be captured in a CUDA graph: instead of
+    dropping padding rows (a data-dependent shape), they rewrite exactly what the first real row writes (or, with no
+    real row, the value already in the target slot), and duplicate writes of identical values are harmless.
+    """
+    if slot_mapping.numel() == 0:
+        return
+    valid = slot_mapping >= 0  # (T,)
+    # Indexing with 0-dim tensors would sync with the host; index_select with (1,) indices does not.
+    first_valid = torch.argmax(valid.to(torch.int32)).view(1)  # (1,), row 0 when no row is valid
+    first_is_valid = valid.index_select(0, first_valid)[:, None, None]  # (1, 1, 1)
+    fallback_slot = slot_mapping.index_select(0, first_valid).clamp(min=0)  # (1,)
+    target = torch.where(valid, slot_mapping, fallback_slot)  # (T,)
+    row_valid = valid[:, None, None]  # (T, 1, 1)
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        flat_cache = cache.view(-1, *cache.shape[2:])  # (NB * BS, KVH, D)
+        rows = new.to(cache.dtype)
+        first_row = rows.index_select(0, first_valid)  # (1, KVH, D)
+        fallback = torch.where(first_is_valid, first_row, flat_cache.index_select(0, fallback_slot))  # (1, KVH, D)
+        flat_cache.index_copy_(0, target, torch.where(row_valid, rows, fallback))
+
+
+def _attend(
+    q: torch.Tensor,  # (B, L, KVH, G, D)
+    k: torch.Tensor,  # (B, N, KVH, D)
+    v: torch.Tensor,  # (B, N, KVH, D)
+    allowed: torch.Tensor,  # (B, L, N) bool
+    scale: float,
+) -> torch.Tensor:  # (B, L, KVH, G, D) float32; rows with nothing allowed are zeros
+    scores = torch.einsum("blkgd,bnkd->bkgln", q.float(), k.float()) * scale  # (B, KVH, G, L, N)
+    mask = allowed[:, None, None]  # (B, 1, 1, L, N)
+    # A finite fill keeps fully masked rows NaN-free; zeroing masked probabilities afterwards makes those rows zeros.
+    scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~mask, 0.0)
+    # Slots never written (uninitialized cache memory) may hold NaN, and 0 * NaN is NaN: zero the unread values.
+    v = v.float().masked_fill(~allowed.any(dim=1)[:, :, None, None], 0.0)
+    return torch.einsum("bkgln,bnkd->blkgd", probs, v)
+
+
+def decode_attention(
+    q: torch.Tensor,  # (B, H, D)
+    k_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    v_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    block_tables: torch.Tensor,  # (B, M) int32
+    seq_lens: torch.Tensor,  # (B,) int32, 0 for padding rows
+    scale: float,
+) -> torch.Tensor:  # (B, H, D)
+    """One query token per sequence, attending to its first seq_len cache positions; vectorized for CUDA graphs."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_positions = block_tables.shape[1] * block_size
+    tables = block_tables.long()
+    k = k_cache[tables].view(num_seqs, max_positions, num_kv_heads, head_dim)  # (B, M * BS, KVH, D)
+    v = v_cache[tables].view(num_seqs, max_positions, num_kv_heads, head_dim)
+    positions = torch.arange(max_positions, device=q.device)
+    allowed = (positions[None, :] < seq_lens[:, None])[:, None, :]  # (B, 1, M * BS)
+    grouped_q = q.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, 1, KVH, G, D)
+    out = _attend(grouped_q, k, v, allowed, scale)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # (T, H, D)
+    k_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    v_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    block_tables: torch.Tensor,  # (B, M) int32
+    query_start_loc: torch.Tensor,  # (B + 1,) int32
+    seq_lens: torch.Tensor,  # (B,) int32
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:  # (T, H, D)
+    """Causal attention of each sequence's new tokens over its cached context (which includes the new tokens).
+
+    Sequence b's queries q[qsl[b]:qsl[b+1]] sit at positions seq_len_b - q_len_b + i. max_query_len and max_seq_len
+    are part of the shared ops interface (the Triton kernels size their grids with them); this loop does not need them.
+    """
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[b], starts[b + 1]
+        query_len = end - start
+        if query_len == 0 or seq_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[b, :num_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # (S, KVH, D)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)  # (L,)
+        key_positions = torch.arange(seq_len, device=q.device)  # (S,)
+        allowed = key_positions[None, :] <= query_positions[:, None]  # (L, S)
+        grouped_q = q[start:end].view(1, query_len, num_kv_heads, group, head_dim)
+        attended = _attend(grouped_q, k[None], v[None], allowed[None], scale)  # (1, L, KVH, G, D)
+        out[start:end] = attended.reshape(query_len, num_heads, head_dim).to(q.dtype)
+    return out

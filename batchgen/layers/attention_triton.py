@@ -1,0 +1,347 @@
+"""Triton kernels for paged attention; same interface and semantics as `attention_torch`.
+
+The KV cache is (num_blocks, block_size, num_kv_heads, head_dim) per layer; token p of sequence b lives at
+cache[block_tables[b, p // block_size], p % block_size]. Every kernel gathers K/V token by token through the block
+table, so any block size works and a KV tile may span several cache blocks.
+
+decode_attention is replayed inside CUDA graphs: its grid depends only on the batch size, head counts and static
+config, context lengths are read from GPU memory inside the kernel, and it never syncs with the host.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_SPLITS = 16
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # Plain fp32 dots would run in tf32 on tensor cores; fp32 is the exactness reference, so keep it ieee.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+    stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+    # (BLOCK_H, BLOCK_D)
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :] * stride_kd, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=mask)
+    kc = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + h[:, None] * stride_kc_h + d[None, :] * stride_kc_d
+    vc = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_off + h[:, None] * stride_vc_h + d[None, :] * stride_vc_d
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,  # (T, KVH, D)
+    v: torch.Tensor,  # (T, KVH, D)
+    k_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    v_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    slot_mapping: torch.Tensor,  # (T,) int64, -1 = write nothing
+) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_qd,
+    stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+    stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
+    stride_bt,
+    stride_ob, stride_oh, stride_od,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program per (sequence, kv head, split): all GROUP query heads share each K/V tile load."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g  # (BLOCK_G,)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    # BLOCK_G is padded to >= 16 rows because tl.dot needs it; the padding rows are zero queries, never stored.
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_G, BLOCK_D)
+
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = seq_len
+    else:
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+        lo = split * tiles_per_split * BLOCK_N
+        hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    kc_head = k_cache_ptr + kvh * stride_kc_h
+    vc_head = v_cache_ptr + kvh * stride_vc_h
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        valid = pos < hi
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = pos % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            kc_head + (blk * stride_kc_blk + off * stride_kc_off)[:, None] + d[None, :] * stride_kc_d,
+            mask=kv_mask,
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
+        v = tl.load(
+            vc_head + (blk * stride_vc_blk + off * stride_vc_off)[:, None] + d[None, :] * stride_vc_d,
+            mask=kv_mask,
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N), log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Empty ranges (padding rows, splits past the context) leave l_i == 0 and acc == 0: they output zeros.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # mid_o: (B, H, NUM_SPLITS, HEAD_DIM) fp32, mid_lse: (B, H, NUM_SPLITS) fp32 (log2 units), both contiguous.
+        row = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # (BLOCK_G,)
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    stride_ob, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """One program per (sequence, query head): merges the per-split partial softmaxes."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + s)  # (NUM_SPLITS,)
+    o = tl.load(mid_o_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :], mask=d_mask[None, :], other=0.0)
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)  # (NUM_SPLITS,), 0 for empty splits
+    den = tl.sum(w, 0)
+    den = tl.where(den > 0, den, 1.0)
+    out = tl.sum(o * w[:, None], 0) / den  # (BLOCK_D,)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Split the KV (flash-decoding) only when (sequence, kv head) programs alone cannot fill the GPU.
+
+    Depends only on the batch bucket and static config, so each captured graph keeps a fixed launch config.
+    """
+    if device.type != "cuda":
+        return 1
+    programs = batch * num_kv_heads
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    return min(_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(sms, programs)))
+
+
+def decode_attention(
+    q: torch.Tensor,  # (B, H, D)
+    k_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    v_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    block_tables: torch.Tensor,  # (B, M) int32
+    seq_lens: torch.Tensor,  # (B,) int32, 0 = padding row (outputs zeros)
+    scale: float,
+    *,
+    num_splits: int | None = None,  # power of two; None: chosen from B, KVH and the SM count
+) -> torch.Tensor:  # (B, H, D)
+    out = torch.empty_like(q)
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = _default_num_splits(batch, num_kv_heads, q.device)
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # unused by the single-pass kernel
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+        scale * 1.4426950408889634,  # log2(e): the kernel works with exp2
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32,
+        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            mid_o, mid_lse, out, *out.stride(),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+    stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
+    stride_bt,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program per (query tile, head, sequence); queries sit at the end of the sequence's context."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_len = seq_len - q_len  # cached prefix before this chunk
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    row_mask = rows < q_len
+    q_pos = ctx_len + rows
+    tok = (q_start + rows).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd,
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_D)
+
+    kvh = h // GROUP
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    kc_head = k_cache_ptr + kvh * stride_kc_h
+    vc_head = v_cache_ptr + kvh * stride_vc_h
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Causal limit: the tile's last query sits at ctx_len + (tile + 1) * BLOCK_M - 1 (or the sequence's end).
+    hi = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_M)
+    for start in range(0, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        valid = pos < hi
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = pos % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            kc_head + (blk * stride_kc_blk + off * stride_kc_off)[:, None] + d[None, :] * stride_kc_d,
+            mask=kv_mask,
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
+        v = tl.load(
+            vc_head + (blk * stride_vc_blk + off * stride_vc_off)[:, None] + d[None, :] * stride_vc_d,
+            mask=kv_mask,
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        # Every row keeps position 0 in its first tile, so m_i is finite from the first iteration on.
+        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :] * stride_od
+    tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(
+    q: torch.Tensor,  # (T, H, D)
+    k_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    v_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    block_tables: torch.Tensor,  # (B, M) int32
+    query_start_loc: torch.Tensor,  # (B + 1,) int32
+    seq_lens: torch.Tensor,  # (B,) int32, context + this chunk
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:  # (T, H, D)
+    out = torch.empty_like(q)
+    num_tokens, num_heads, head_dim = q.shape
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0 or max_query_len == 0:
+        return out
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # fp32 tiles take twice the shared memory per pipeline stage.
+    wide = block_d > 128 or q.dtype == torch.float32
+    block_m = 64
+    block_n = 32 if wide else 64
+    _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_heads, batch)](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * 1.4426950408889634,  # log2(e): the kernel works with exp2
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2 if wide else 3,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,131 @@
+"""GPT-2: learned position embeddings, pre-LayerNorm blocks, fused c_attn, lm_head tied to the token embeddings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from batchgen.layers.attention import Attention, AttentionMetadata
+from batchgen.models.weights import WeightTarget, load_into
+
+ACTIVATIONS = {
+    "gelu_new": partial(F.gelu, approximate="tanh"),
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu_fast": partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+}
+CONV1D_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # HF stores these weights as (in, out)
+
+
+def _is_conv1d_weight(name: str) -> bool:
+    return name.endswith(".weight") and any(f".{layer}." in name for layer in CONV1D_LAYERS)
+
+
+def _check_supported(config: PretrainedConfig) -> None:
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+        if getattr(config, flag, False):
+            raise ValueError(f"GPT-2 with {flag}=True is not supported")
+    if config.activation_function not in ACTIVATIONS:
+        raise ValueError(
+            f"GPT-2 activation_function {config.activation_function!r} is not supported; "
+            f"supported: {', '.join(ACTIVATIONS)}"
+        )
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads = config.num_attention_heads
+        head_dim = hidden // num_heads
+        scale = head_dim**-0.5 if config.scale_attn_weights else 1.0
+        self.c_attn = nn.Linear(hidden, 3 * hidden)
+        self.c_proj = nn.Linear(hidden, hidden)
+        self.attn = Attention(num_heads, num_heads, head_dim, scale)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # (T, E) -> (T, E)
+        q, k, v = self.c_attn(hidden).chunk(3, dim=-1)  # (T, E) each
+        return self.c_proj(self.attn(q, k, v, meta))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        inner = config.n_inner or 4 * config.hidden_size
+        self.c_fc = nn.Linear(config.hidden_size, inner)
+        self.c_proj = nn.Linear(inner, config.hidden_size)
+        self.act = ACTIVATIONS[config.activation_function]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, E) -> (T, E)
+        return self.c_proj(self.act(self.c_fc(hidden)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.attn(self.ln_1(hidden), meta)
+        return hidden + self.mlp(self.ln_2(hidden))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.wte(input_ids) + self.wpe(positions)  # (T, E)
+        for block in self.h:
+            hidden = block(hidden, meta)
+        return self.ln_f(hidden)
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        _check_supported(config)
+        self.config = config
+        self.transformer = GPT2Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # GPT-2 always ties them
+        self.sliding_window: int | None = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) int64
+        positions: torch.Tensor,  # (T,) int64
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden)
+        return self.transformer(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab)
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads Hugging Face-named tensors, with or without the "transformer." prefix (the original checkpoints
+        have none), transposing the Conv1D weights."""
+        targets = {  # the tied lm_head is listed once, as wte
+            name: WeightTarget(param, transpose=_is_conv1d_weight(name)) for name, param in self.named_parameters()
+        }
+
+        def rename(name: str) -> str:
+            return name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"
+
+        def ignored(name: str) -> bool:
+            # attn.bias / attn.masked_bias are the causal-mask buffers older checkpoints saved.
+            return name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight"
+
+        load_into(targets, weights, ignored, rename)

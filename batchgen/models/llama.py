@@ -1,0 +1,162 @@
+"""Llama-family decoders: Llama (2, 3, 3.1 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+
+Tokens of all sequences in a step are flattened into one (T,) batch; attention goes through the paged KV cache.
+Mistral's (and Qwen's opt-in) sliding window is not implemented: attention is always full, so results match the
+reference only up to `sliding_window` tokens, and the model runner caps max_model_len at `model.sliding_window`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from batchgen.layers.activation import SiluAndMul
+from batchgen.layers.attention import Attention, AttentionMetadata
+from batchgen.layers.norms import RMSNorm
+from batchgen.layers.rotary import RotaryEmbedding, rope_parameters
+from batchgen.models.weights import WeightTarget, fused_rows, load_into
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        theta, scaling = rope_parameters(config)
+        # One cos/sin table shared by all layers: at 128k positions it is tens of MB.
+        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias_always = False  # Qwen2 has q/k/v biases whatever config.attention_bias says
+    qk_norm = False  # Qwen3 RMS-normalizes each head of q and k before RoPE
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias_always or getattr(config, "attention_bias", False)
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.sliding_window: int | None = self._sliding_window(config)
+
+    @staticmethod
+    def _sliding_window(config: PretrainedConfig) -> int | None:
+        if getattr(config, "use_sliding_window", True) is False:
+            return None
+        return getattr(config, "sliding_window", None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) int64
+        positions: torch.Tensor,  # (T,) int64
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden)
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab)
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads Hugging Face-named tensors, packing q/k/v and gate/up into the fused projections."""
+        targets: dict[str, WeightTarget] = {}
+        for name, param in self.named_parameters():  # a tied lm_head is listed once, as embed_tokens
+            if ".qkv_proj." in name:
+                attn = self.model.layers[0].self_attn
+                rows = fused_rows([attn.q_size, attn.kv_size, attn.kv_size])
+                for shard, shard_rows in zip(("q_proj", "k_proj", "v_proj"), rows, strict=True):
+                    targets[name.replace("qkv_proj", shard)] = WeightTarget(param, shard_rows)
+            elif ".gate_up_proj." in name:
+                half = param.shape[0] // 2
+                for shard, shard_rows in zip(("gate_proj", "up_proj"), fused_rows([half, half]), strict=True):
+                    targets[name.replace("gate_up_proj", shard)] = WeightTarget(param, shard_rows)
+            else:
+                targets[name] = WeightTarget(param)
+        tied = self.config.tie_word_embeddings
+
+        def ignored(name: str) -> bool:
+            return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+        load_into(targets, weights, ignored)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_always = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,106 @@
+"""From a ModelConfig to a ready model: the Hugging Face config, the dtype, the module and its weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from batchgen.config import ModelConfig
+from batchgen.layers.norms import RMSNorm
+from batchgen.models.registry import model_class
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def load_hf_config(model: ModelConfig) -> PretrainedConfig:
+    """config.json from model.path with model.hf_config applied on top, or a config built from model.hf_config alone."""
+    overrides = dict(model.hf_config or {})
+    if model.path is not None:
+        config = AutoConfig.from_pretrained(model.path)
+        overrides.pop("model_type", None)  # the config class is fixed by config.json
+        config.update(overrides)
+        return config
+    if "model_type" not in overrides:
+        raise ValueError("model.hf_config needs a model_type (e.g. llama) when model.path is not set")
+    model_type = overrides.pop("model_type")
+    return AutoConfig.for_model(model_type, **overrides)
+
+
+def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """"auto" is the checkpoint's dtype on CUDA (float32 if it names none) and float32 on CPU."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if checkpoint_dtype is None:
+        return torch.float32
+    return getattr(torch, checkpoint_dtype) if isinstance(checkpoint_dtype, str) else checkpoint_dtype
+
+
+def safetensors_files(directory: str) -> list[Path]:
+    """The checkpoint's safetensors files: the shards a model.safetensors.index.json names, or model.safetensors."""
+    root = Path(directory)
+    if (root / SHARD_INDEX).is_file():
+        weight_map = json.loads((root / SHARD_INDEX).read_text())["weight_map"]
+        return [root / name for name in sorted(set(weight_map.values()))]
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE]
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {SHARD_INDEX} in {directory}")
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs read one tensor at a time, so a checkpoint never sits in host memory whole."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as shard:
+            for name in shard.keys():
+                yield name, shard.get_tensor(name)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def init_dummy_weights(model: nn.Module) -> None:
+    """Reproducible random weights: normal(0, 0.02), with norm weights one and norm biases zero."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            is_norm = isinstance(module, (nn.LayerNorm, RMSNorm))
+            for name, param in module.named_parameters(recurse=False):
+                if not is_norm:
+                    param.normal_(mean=0.0, std=0.02)
+                elif name == "weight":
+                    param.fill_(1.0)
+                else:
+                    param.zero_()
+
+
+def load_model(model: ModelConfig, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Builds the model for hf_config's architecture on `device` in `dtype` and fills its weights."""
+    cls = model_class(hf_config)
+    files = [] if model.load_format == "dummy" else safetensors_files(model.path)
+    with _default_dtype(dtype), torch.device(device):
+        network = cls(hf_config)
+    if model.load_format == "dummy":
+        init_dummy_weights(network)
+    else:
+        network.load_weights(iter_safetensors(files))
+    network.eval()
+    network.requires_grad_(False)
+    return network

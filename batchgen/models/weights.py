@@ -1,0 +1,63 @@
+"""Copying checkpoint tensors (Hugging Face names) into our parameters, fused ones included."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: a parameter, or a block of rows of a fused parameter."""
+
+    param: nn.Parameter
+    rows: slice | None = None  # the rows of a fused parameter (q/k/v, gate/up) this tensor fills
+    transpose: bool = False  # GPT-2's Conv1D stores (in, out); nn.Linear wants (out, in)
+
+
+def fused_rows(sizes: list[int]) -> list[slice]:
+    """Consecutive row blocks of the given sizes: [0, s0), [s0, s0 + s1), ..."""
+    slices, start = [], 0
+    for size in sizes:
+        slices.append(slice(start, start + size))
+        start += size
+    return slices
+
+
+def load_into(
+    targets: dict[str, WeightTarget],
+    weights: Iterable[tuple[str, torch.Tensor]],
+    ignored: Callable[[str], bool] = lambda name: False,
+    rename: Callable[[str], str] = lambda name: name,
+) -> None:
+    """Copies each (name, tensor) into its target; raises listing names missing from or unexpected in `weights`.
+
+    `rename` maps a checkpoint name to the name `targets` uses; `ignored` (given the renamed name) drops buffers and
+    tensors the model does not need, such as rotary inv_freq or a tied lm_head.
+    """
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for raw_name, tensor in weights:
+            name = rename(raw_name)
+            if ignored(name):
+                continue
+            target = targets.get(name)
+            if target is None:
+                unexpected.append(raw_name)
+                continue
+            destination = target.param if target.rows is None else target.param[target.rows]
+            source = tensor.t() if target.transpose else tensor
+            if destination.shape != source.shape:
+                raise ValueError(
+                    f"checkpoint tensor {raw_name} has shape {tuple(tensor.shape)}; "
+                    f"expected {tuple(destination.shape)}{' (transposed)' if target.transpose else ''}"
+                )
+            destination.copy_(source)
+            loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {sorted(unexpected)}")

@@ -1,0 +1,27 @@
+"""What a finished request hands back to the caller: the Python API's result and one completions row."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str | None  # None without a tokenizer (token-id prompts on a dummy model) or for an error
+    token_ids: list[int]
+    finish_reason: str  # stop | length | error
+    error: str | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    latency_ms: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def as_dict(self) -> dict:
+        return asdict(self)

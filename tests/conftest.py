@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints of every supported architecture."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel"]
+
+_LLAMA_LIKE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+
+def tiny_hf_config(architecture: str) -> PretrainedConfig:
+    """A tiny config per architecture, covering the features each one adds: Llama 3 rope scaling (Llama),
+    sliding_window set (Mistral), qkv bias (Qwen2), head_dim != hidden / heads and q/k norms (Qwen3);
+    Qwen2, Qwen3 and GPT-2 tie lm_head to the embeddings, Llama and Mistral do not."""
+    if architecture == "LlamaForCausalLM":
+        config = LlamaConfig(
+            **_LLAMA_LIKE,
+            rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 32},
+            tie_word_embeddings=False,
+        )
+    elif architecture == "MistralForCausalLM":
+        config = MistralConfig(**_LLAMA_LIKE, head_dim=16, sliding_window=4096, tie_word_embeddings=False)
+    elif architecture == "Qwen2ForCausalLM":
+        config = Qwen2Config(**_LLAMA_LIKE, rope_theta=1000000.0, tie_word_embeddings=True)
+    elif architecture == "Qwen3ForCausalLM":
+        config = Qwen3Config(**_LLAMA_LIKE, head_dim=32, tie_word_embeddings=True)
+    elif architecture == "GPT2LMHeadModel":
+        config = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=255,
+                            eos_token_id=255)
+    else:
+        raise ValueError(f"no tiny config for {architecture}")
+    config.architectures = [architecture]
+    return config
+
+
+def build_tiny_model_dir(architecture: str, directory: Path, max_shard_size: str | None = None) -> Path:
+    """Saves a randomly initialized tiny model (seeded) as a safetensors checkpoint into `directory`."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(architecture)).float()
+    with torch.no_grad():
+        # transformers initializes biases to zero and norms to one; noise makes every parameter matter.
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """tiny_model_dir(architecture, sharded=False) -> checkpoint directory, built once per session."""
+    built: dict[tuple[str, bool], Path] = {}
+
+    def get(architecture: str, sharded: bool = False) -> Path:
+        key = (architecture, sharded)
+        if key not in built:
+            directory = tmp_path_factory.mktemp(f"{architecture}{'-sharded' if sharded else ''}")
+            built[key] = build_tiny_model_dir(architecture, directory, "20KB" if sharded else None)
+        return built[key]
+
+    return get

@@ -1,0 +1,143 @@
+"""The paged reference attention ops against a dense causal attention computed from unpaged K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.layers import attention_torch as ops
+
+HEAD_DIM = 8
+HEAD_LAYOUTS = [(4, 4), (4, 2), (6, 1)]  # (query heads, kv heads): MHA, GQA, MQA
+
+
+def dense_causal_attention(
+    q: torch.Tensor,  # (L, H, D): the last L positions of the sequence
+    k: torch.Tensor,  # (S, KVH, D): the whole sequence
+    v: torch.Tensor,  # (S, KVH, D)
+    scale: float,
+) -> torch.Tensor:  # (L, H, D) float64
+    query_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    k = k.double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # (S, H, D)
+    v = v.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q.double(), k) * scale
+    query_positions = torch.arange(seq_len - query_len, seq_len)
+    causal = torch.arange(seq_len)[None, :] <= query_positions[:, None]  # (L, S)
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    return torch.einsum("hls,shd->lhd", probs, v)
+
+
+class PagedLayout:
+    """Random K/V for sequences of the given lengths, placed in shuffled cache blocks (NaN everywhere else)."""
+
+    def __init__(self, seq_lens: list[int], block_size: int, num_kv_heads: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay NaN
+        free = torch.randperm(num_blocks, generator=generator).tolist()
+        self.tables = [[free.pop() for _ in range(n)] for n in blocks_per_seq]
+        max_blocks = max(blocks_per_seq) + 1  # an unused extra column, as a runner's fixed-width table has
+        self.block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in self.tables], dtype=torch.int32)
+        shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+        self.k_cache = torch.full(shape, float("nan"))
+        self.v_cache = torch.full(shape, float("nan"))
+        self.block_size = block_size
+        self.k = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=generator) for n in seq_lens]
+        self.v = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=generator) for n in seq_lens]
+
+    def slots(self, seq: int, start: int, end: int) -> torch.Tensor:  # (end - start,) int64
+        positions = torch.arange(start, end)
+        blocks = torch.tensor(self.tables[seq], dtype=torch.int64)[positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    def store(self, seq: int, start: int, end: int) -> None:
+        ops.store_kv(self.k[seq][start:end], self.v[seq][start:end], self.k_cache, self.v_cache,
+                     self.slots(seq, start, end))
+
+
+def test_store_kv_writes_each_slot_and_skips_padding() -> None:
+    k_cache = torch.zeros(4, 2, 1, HEAD_DIM)
+    v_cache = torch.zeros(4, 2, 1, HEAD_DIM)
+    k, v = torch.randn(5, 1, HEAD_DIM), torch.randn(5, 1, HEAD_DIM)
+    slots = torch.tensor([-1, 5, 0, -1, 3])  # padding first, so the first real row is not row 0
+    ops.store_kv(k, v, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(8, 1, HEAD_DIM), v_cache.view(8, 1, HEAD_DIM)
+    for row, slot in ((1, 5), (2, 0), (4, 3)):
+        torch.testing.assert_close(flat_k[slot], k[row], rtol=0, atol=0)
+        torch.testing.assert_close(flat_v[slot], v[row], rtol=0, atol=0)
+    assert flat_k[[1, 2, 4, 6, 7]].eq(0).all() and flat_v[[1, 2, 4, 6, 7]].eq(0).all()
+
+
+def test_store_kv_with_only_padding_writes_nothing() -> None:
+    k_cache = torch.randn(3, 4, 2, HEAD_DIM)
+    before = k_cache.clone()
+    ops.store_kv(torch.randn(2, 2, HEAD_DIM), torch.randn(2, 2, HEAD_DIM), k_cache, k_cache.clone(),
+                 torch.tensor([-1, -1]))
+    torch.testing.assert_close(k_cache, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
+def test_prefill_matches_dense_attention(block_size: int, num_heads: int, num_kv_heads: int) -> None:
+    # (context length after the step, new tokens): full prompts and chunks over a cached prefix.
+    sequences = [(13, 13), (40, 9), (1, 1), (33, 1), (20, 20)]
+    layout = PagedLayout([n for n, _ in sequences], block_size, num_kv_heads, seed=block_size)
+    for seq, (seq_len, query_len) in enumerate(sequences):
+        layout.store(seq, 0, seq_len - query_len)  # the prefix cached by earlier steps
+        layout.store(seq, seq_len - query_len, seq_len)  # this step's tokens, as Attention.forward writes them
+    query_lens = [q for _, q in sequences]
+    q = torch.randn(sum(query_lens), num_heads, HEAD_DIM)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([n for n, _ in sequences], dtype=torch.int32)
+    scale = HEAD_DIM**-0.5
+    out = ops.prefill_attention(q, layout.k_cache, layout.v_cache, layout.block_tables, query_start_loc, seq_lens,
+                                scale, max(query_lens), int(seq_lens.max()))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    for seq, (start, end) in enumerate(zip(query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(), strict=True)):
+        expected = dense_causal_attention(q[start:end], layout.k[seq], layout.v[seq], scale)
+        torch.testing.assert_close(out[start:end].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
+def test_decode_matches_dense_attention_and_zeroes_padding_rows(
+    block_size: int, num_heads: int, num_kv_heads: int
+) -> None:
+    seq_lens_real = [1, 17, 32, 5]
+    num_padding = 2
+    layout = PagedLayout(seq_lens_real, block_size, num_kv_heads, seed=block_size + 100)
+    for seq, seq_len in enumerate(seq_lens_real):
+        layout.store(seq, 0, seq_len - 1)
+    last_k = torch.stack([k[-1] for k in layout.k] + [torch.randn(num_kv_heads, HEAD_DIM)] * num_padding)
+    last_v = torch.stack([v[-1] for v in layout.v] + [torch.randn(num_kv_heads, HEAD_DIM)] * num_padding)
+    padding_slots = torch.full((num_padding,), -1)
+    slots = torch.cat([layout.slots(seq, n - 1, n) for seq, n in enumerate(seq_lens_real)] + [padding_slots])
+    unwritten_before = int(layout.k_cache.isnan().sum())
+    ops.store_kv(last_k, last_v, layout.k_cache, layout.v_cache, slots)
+    written = len(seq_lens_real) * num_kv_heads * HEAD_DIM  # padding rows must not write
+    assert int(layout.k_cache.isnan().sum()) == unwritten_before - written
+
+    block_tables = torch.cat([layout.block_tables, torch.zeros(num_padding, layout.block_tables.shape[1],
+                                                               dtype=torch.int32)])
+    seq_lens = torch.tensor(seq_lens_real + [0] * num_padding, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), num_heads, HEAD_DIM)
+    scale = HEAD_DIM**-0.5
+    out = ops.decode_attention(q, layout.k_cache, layout.v_cache, block_tables, seq_lens, scale)
+    assert out.shape == q.shape and not out.isnan().any()
+    for seq in range(len(seq_lens_real)):
+        expected = dense_causal_attention(q[seq : seq + 1], layout.k[seq], layout.v[seq], scale)
+        torch.testing.assert_close(out[seq : seq + 1].double(), expected, rtol=1e-5, atol=1e-5)
+    assert out[len(seq_lens_real) :].eq(0).all()
+
+
+def test_prefill_of_one_token_agrees_with_decode() -> None:
+    layout = PagedLayout([9, 4], block_size=4, num_kv_heads=2)
+    for seq, seq_len in enumerate([9, 4]):
+        layout.store(seq, 0, seq_len)
+    q = torch.randn(2, 4, HEAD_DIM)
+    seq_lens = torch.tensor([9, 4], dtype=torch.int32)
+    decode = ops.decode_attention(q, layout.k_cache, layout.v_cache, layout.block_tables, seq_lens, 0.3)
+    prefill = ops.prefill_attention(q, layout.k_cache, layout.v_cache, layout.block_tables,
+                                    torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens, 0.3, 1, 9)
+    torch.testing.assert_close(decode, prefill, rtol=1e-6, atol=1e-6)

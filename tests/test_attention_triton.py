@@ -1,0 +1,230 @@
+"""The Triton paged-attention ops against the plain-PyTorch reference, on fresh random inputs of many shapes.
+
+Runs on CUDA; without a GPU, `TRITON_INTERPRET=1 pytest tests/test_attention_triton.py` runs the same cases, scaled
+down, through Triton's CPU interpreter (everything except CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from batchgen.layers import attention_torch, attention_triton
+
+if torch.cuda.is_available():
+    DEVICE = "cuda"
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICE = "cpu"
+else:
+    DEVICE = None
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE is None, reason="needs CUDA, or TRITON_INTERPRET=1 for Triton's CPU interpreter"),
+]
+
+ON_GPU = DEVICE == "cuda"
+TOLERANCE = {  # (atol, rtol); bf16/fp16 kernels round P to the input dtype before the PV dot, like flash-attention
+    torch.float32: (1e-3, 1e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (5e-3, 5e-3),
+}
+f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def _scaled(batch: int, ctx: int) -> tuple[int, int]:
+    """The interpreter runs each Triton program in Python: keep its cases small but with several KV tiles."""
+    return (batch, ctx) if ON_GPU else (min(batch, 6), min(ctx, 200))
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype
+    assert not actual.isnan().any()
+    atol, rtol = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def _paged_cache(
+    seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches and block tables that hand each sequence shuffled, non-contiguous blocks."""
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks nobody owns
+    width = max(blocks_per_seq, default=0) + 2  # columns past a sequence's blocks stay 0, as the engine leaves them
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    owners = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for b, n in enumerate(blocks_per_seq):
+        block_tables[b, :n] = torch.tensor(owners[:n], dtype=torch.int32)
+        owners = owners[n:]
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE)
+
+
+# (batch, num_heads, num_kv_heads, head_dim, block_size, max_ctx, dtype, num_splits); batch > 1 gets padding rows
+DECODE_CASES = [
+    (1, 4, 4, 64, 16, 1, f32, 1),
+    (1, 16, 8, 128, 16, 2000, bf16, None),
+    (1, 16, 8, 128, 16, 2000, bf16, 16),
+    (3, 8, 4, 32, 16, 300, f32, 1),
+    (5, 16, 4, 64, 32, 700, f32, 4),
+    (8, 32, 4, 128, 16, 1500, bf16, 1),
+    (8, 32, 4, 128, 32, 1500, bf16, 2),
+    (7, 6, 2, 80, 16, 500, f32, 1),
+    (7, 6, 2, 80, 16, 500, bf16, 8),
+    (4, 8, 1, 64, 8, 257, f16, 1),
+    (4, 8, 8, 64, 1, 130, f32, 2),
+    (16, 16, 8, 128, 16, 2000, bf16, None),
+    (33, 16, 2, 128, 32, 1200, f16, None),
+    (64, 16, 8, 128, 16, 1000, bf16, 1),
+    (64, 8, 2, 64, 32, 2000, f32, 1),
+    (64, 4, 4, 32, 16, 64, bf16, 4),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_decode_matches_reference(case: tuple) -> None:
+    batch, num_heads, num_kv_heads, head_dim, block_size, max_ctx, dtype, num_splits = case
+    batch, max_ctx = _scaled(batch, max_ctx)
+    gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
+    seq_lens = torch.randint(1, max_ctx + 1, (batch,), generator=gen)
+    seq_lens[0] = max_ctx
+    if batch > 1:
+        seq_lens[-1] = 0  # a padding row of the graph bucket
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens.tolist(), block_size, num_kv_heads, head_dim, dtype, gen)
+    q = (2 * torch.randn(batch, num_heads, head_dim, generator=gen)).to(dtype).to(DEVICE)  # peaky softmax
+    seq_lens = seq_lens.to(torch.int32).to(DEVICE)
+    scale = head_dim**-0.5
+
+    out = attention_triton.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits)
+    expected = attention_torch.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    _assert_close(out, expected)
+    if batch > 1:
+        assert (out[-1] == 0).all()
+
+
+# (query lens, cached prefix lens, num_heads, num_kv_heads, head_dim, block_size, dtype)
+PREFILL_CASES = [
+    ((1,), (0,), 4, 4, 64, 16, f32),
+    ((37,), (0,), 8, 4, 64, 16, f32),
+    ((130, 5, 64), (0, 0, 0), 16, 8, 128, 16, bf16),
+    ((100, 17, 1), (250, 3, 999), 8, 2, 64, 16, f32),
+    ((256, 64), (1000, 1744), 16, 8, 128, 32, bf16),
+    ((65, 1, 200), (31, 800, 0), 32, 4, 128, 16, f16),
+    ((90, 33), (0, 77), 6, 2, 80, 16, f32),
+    ((90, 33), (0, 77), 6, 2, 80, 16, bf16),
+    ((50, 0, 20), (10, 40, 0), 8, 1, 32, 8, bf16),  # a sequence with no query tokens this step
+    ((40, 9), (23, 0), 4, 4, 64, 1, f32),
+    ((512, 300, 7, 128), (0, 1500, 60, 400), 16, 8, 128, 16, bf16),
+    ((1,) * 12, tuple(range(0, 1200, 100)), 8, 4, 64, 32, f32),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=str)
+def test_prefill_matches_reference(case: tuple) -> None:
+    query_lens, prefix_lens, num_heads, num_kv_heads, head_dim, block_size, dtype = case
+    if not ON_GPU:
+        query_lens = [min(n, 70) for n in query_lens[:4]]
+        prefix_lens = [min(n, 130) for n in prefix_lens[:4]]
+    seq_lens = [p + n for p, n in zip(prefix_lens, query_lens, strict=True)]
+    gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    total = sum(query_lens)
+    q = (2 * torch.randn(total, num_heads, head_dim, generator=gen)).to(dtype).to(DEVICE)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens_t, scale, max(query_lens), max(seq_lens))
+
+    _assert_close(attention_triton.prefill_attention(*args), attention_torch.prefill_attention(*args))
+
+
+def test_chunked_prefill_equals_one_shot() -> None:
+    """Prefilling a prompt in chunks over its cached prefix gives the same rows as prefilling it at once."""
+    num_heads, num_kv_heads, head_dim, block_size, dtype = 8, 2, 64, 16, f32
+    prompt_len, chunks = (300, (120, 1, 179)) if ON_GPU else (90, (40, 1, 49))
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache, block_tables = _paged_cache([prompt_len], block_size, num_kv_heads, head_dim, dtype, gen)
+    q = torch.randn(prompt_len, num_heads, head_dim, generator=gen).to(DEVICE)
+
+    def prefill(start: int, end: int) -> torch.Tensor:
+        qsl = torch.tensor([0, end - start], dtype=torch.int32, device=DEVICE)
+        seq_lens = torch.tensor([end], dtype=torch.int32, device=DEVICE)
+        return attention_triton.prefill_attention(
+            q[start:end], k_cache, v_cache, block_tables, qsl, seq_lens, head_dim**-0.5, end - start, end
+        )
+
+    bounds = torch.tensor([0, *chunks]).cumsum(0).tolist()
+    chunked = torch.cat([prefill(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+    _assert_close(chunked, prefill(0, prompt_len))
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize(("num_kv_heads", "head_dim", "block_size"), [(8, 128, 16), (2, 80, 32), (1, 64, 1)])
+def test_store_kv_matches_reference(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, num_tokens = 2 + 40 // block_size, 25
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.tensor([3, 10, num_tokens - 1])] = -1
+    slot_mapping = slots.to(DEVICE)
+    # K and V as the strided column slices of a fused qkv projection output.
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, generator=gen).to(dtype).to(DEVICE)
+    k = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, 2 * num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    attention_torch.store_kv(k, v, k_ref, v_ref, slot_mapping)
+    attention_triton.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, k_ref)
+    assert torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA-graph capture needs a GPU")
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_decode_replays_in_cuda_graph(num_splits: int | None) -> None:
+    """Captured once, the decode kernel follows new seq_lens and block tables written in place before each replay."""
+    batch, num_heads, num_kv_heads, head_dim, block_size, max_ctx, dtype = 8, 16, 8, 128, 16, 1024, bf16
+    gen = torch.Generator().manual_seed(2)
+    num_blocks = batch * max_ctx // block_size
+    width = max_ctx // block_size
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    block_tables = torch.zeros(batch, width, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+
+    def step() -> torch.Tensor:
+        return attention_triton.decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits
+        )
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    rng = random.Random(3)
+    for _ in range(3):
+        lens = [rng.randint(1, max_ctx) for _ in range(batch)]
+        lens[rng.randrange(batch)] = 0
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        block_tables.copy_(torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width))
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        graph.replay()
+        _assert_close(out, attention_torch.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale))

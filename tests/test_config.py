@@ -1,0 +1,87 @@
+"""Hydra composition of every job and preset, and a clear error (naming the key) for each bad value."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from batchgen.cli import CONF_DIR, to_config
+from batchgen.config import Config, ConfigError
+
+JOBS = sorted(p.stem for p in (CONF_DIR / "job").glob("*.yaml"))
+PRESETS = sorted(p.stem for p in (CONF_DIR / "preset").glob("*.yaml"))
+MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+def composed(*overrides: str) -> Config:
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        return to_config(compose("config", overrides=list(overrides)))
+
+
+@pytest.mark.parametrize("job", [j for j in JOBS if j != "default"])
+def test_every_job_composes_and_validates(job):
+    config = composed(f"job={job}")
+    assert config.job.name == job
+
+
+def test_default_job_asks_for_data_and_model():
+    with pytest.raises(ConfigError, match="data.path"):
+        composed()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_composes(preset):
+    config = composed("job=shakespeare", f"preset={preset}")
+    assert config.sampling.temperature == 0 and config.sampling.ignore_eos
+    assert config.sampling.truncate_prompt_tokens > 0 and config.sampling.max_tokens > 0
+
+
+def test_presets_reproduce_the_post_configurations():
+    expected = {"smoke_test": (4, 8), "medium_generation": (8, 32), "long_generation": (8, 48),
+                "heavy_prompt": (32, 16), "near_context_limit": (4, 56)}
+    assert set(PRESETS) == set(expected)
+    for preset, (prompt_tokens, new_tokens) in expected.items():
+        sampling = composed("job=shakespeare", f"preset={preset}").sampling
+        assert (sampling.truncate_prompt_tokens, sampling.max_tokens) == (prompt_tokens, new_tokens)
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "custom"])
+def test_model_configs_compose(model):
+    config = composed("job=shakespeare", f"model={model}")
+    assert config.model.path or config.model.hf_config
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("data.format=xml", "data.format"),
+        ("data.on_error=ignore", "data.on_error"),
+        ("data.path=/no/such/prompts.jsonl", "data.path"),
+        ("sampling.max_tokens=0", "sampling.max_tokens"),
+        ("sampling.max_tokens=-3", "sampling.max_tokens"),
+        ("sampling.temperature=-0.5", "sampling.temperature"),
+        ("sampling.top_p=0", "sampling.top_p"),
+        ("sampling.top_p=1.5", "sampling.top_p"),
+        ("sampling.min_p=2", "sampling.min_p"),
+        ("engine.block_size=12", "engine.block_size"),
+        ("engine.cuda_graph.capture_sizes=[1,0,8]", "engine.cuda_graph.capture_sizes"),
+        ("engine.cuda_graph.max_capture_size=-1", "engine.cuda_graph.max_capture_size"),
+        ("engine.max_num_seqs=0", "engine.max_num_seqs"),
+        ("engine.gpu_memory_utilization=1.5", "engine.gpu_memory_utilization"),
+        ("engine.device=tpu", "engine.device"),
+        ("engine.attention_backend=flash", "engine.attention_backend"),
+        ("model.dtype=int8", "model.dtype"),
+        ("model.load_format=gguf", "model.load_format"),
+        ("model.path=/no/such/model", "model.path"),
+        ("job.flush_rows=0", "job.flush_rows"),
+    ],
+)
+def test_invalid_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as error:
+        composed("job=shakespeare", override)
+    assert key in str(error.value)
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(Exception, match="engine.block_size"):
+        composed("job=shakespeare", "engine.block_size=big")

@@ -1,0 +1,122 @@
+"""The job end to end: `python -m batchgen` in a subprocess, its three files, bad input, kill and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.io.schema import read_metadata
+
+REPO = Path(__file__).resolve().parent.parent
+TIMING_COLUMNS = ["ttft_ms", "tpot_ms", "latency_ms"]
+
+
+def batchgen(run_dir: Path, *overrides: str, wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
+    command = [sys.executable, "-m", "batchgen", f"hydra.run.dir={run_dir}", "engine.device=cpu",
+               "job.progress=false", *overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not wait:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_shakespeare_job_writes_three_files(tmp_path):
+    result = batchgen(tmp_path, "job=shakespeare", "preset=smoke_test", "data.limit=40")
+    assert result.returncode == 0, result.stdout + result.stderr
+    completions = pq.read_table(tmp_path / "completions.parquet").to_pandas()
+    assert list(completions["index"]) == list(range(40))
+    assert completions["id"].is_unique and completions["id"].iloc[0].startswith("shakespeare-")
+    assert (completions["num_prompt_tokens"] == 4).all() and (completions["num_output_tokens"] == 8).all()
+    assert (completions["finish_reason"] == "length").all() and completions["error"].isna().all()
+    assert (completions["completion"].str.len() == 8).all()  # one character per token
+    steps = pq.read_table(tmp_path / "steps.parquet").to_pandas()
+    assert set(steps["kind"]) <= {"prefill", "decode", "mixed"} and len(steps) > 0
+    assert steps["num_decode_tokens"].sum() + steps["num_prefill_tokens"].sum() == steps["num_tokens"].sum()
+    assert steps["step"].is_monotonic_increasing and not steps["cuda_graph"].any()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rows"] == 40 and summary["output_tokens"] == 320 and summary["output_tokens_per_s"] > 0
+    assert summary["config"]["sampling"]["max_tokens"] == 8
+    assert read_metadata(tmp_path / "completions.parquet")["config"]["job"]["name"] == "shakespeare"
+    assert not (tmp_path / "completions.parts").exists()
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_malformed_row_fails_fast_naming_file_and_line(tmp_path):
+    prompts = write_lines(tmp_path / "prompts.jsonl", ['{"prompt": "ROMEO:"}', '{"prompt": "JULIET:"', '{"x": 1}'])
+    result = batchgen(tmp_path / "run", "job=shakespeare", f"data.path={prompts}", "data.id_field=null")
+    assert result.returncode == 2
+    output = result.stdout + result.stderr
+    assert "prompts.jsonl" in output and "line 2" in output
+    assert not (tmp_path / "run" / "completions.parquet").exists()
+
+
+def test_malformed_rows_are_recorded_under_skip(tmp_path):
+    prompts = write_lines(tmp_path / "prompts.jsonl", [
+        '{"prompt": "ROMEO:"}', '{"prompt": "JULIET:"', '{"x": 1}', '{"prompt": "KING:", "max_tokens": 3}',
+        '{"prompt": "' + "x" * 300 + '"}',
+    ])
+    result = batchgen(tmp_path, "job=shakespeare", f"data.path={prompts}", "data.id_field=null",
+                      "data.on_error=skip", "sampling.max_tokens=5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = pq.read_table(tmp_path / "completions.parquet").to_pylist()
+    assert [r["id"] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert [r["finish_reason"] for r in rows][1:3] == ["error", "error"]
+    assert "line 2" in rows[1]["error"] and "line 3" in rows[2]["error"]
+    assert rows[0]["num_output_tokens"] == 5 and rows[3]["num_output_tokens"] == 3
+    assert rows[4]["finish_reason"] == "error" and "max_model_len" in rows[4]["error"]
+
+
+def comparable(path: Path) -> list[dict]:
+    return pq.read_table(path).drop_columns(TIMING_COLUMNS).to_pylist()
+
+
+def wait_for_parts(run_dir: Path, count: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    parts = run_dir / "completions.parts"
+    while len(list(parts.glob("part-*.parquet"))) < count:
+        assert process.poll() is None, process.stdout.read().decode()
+        assert time.monotonic() < deadline, "the job wrote no parts in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_killed_job_resumes_to_the_uninterrupted_result(tmp_path, sampling):
+    overrides = ["job=shakespeare", "data.limit=48", "sampling.max_tokens=48", "engine.max_num_seqs=4",
+                 "job.flush_rows=1"]
+    if sampling == "greedy":
+        overrides.append("sampling.temperature=0")
+    reference = batchgen(tmp_path / "reference", *overrides)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+
+    run_dir = tmp_path / "killed"
+    process = batchgen(run_dir, *overrides, wait=False)
+    wait_for_parts(run_dir, 6, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    finished = pq.read_table(run_dir / "completions.parts").num_rows
+    assert 6 <= finished < 48
+
+    resumed = batchgen(run_dir, *overrides, "job.resume=true")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert comparable(run_dir / "completions.parquet") == comparable(tmp_path / "reference" / "completions.parquet")
+    steps = pq.read_table(run_dir / "steps.parquet").to_pandas()
+    assert steps["attempt"].max() == 1
+
+
+def test_existing_results_need_resume(tmp_path):
+    first = batchgen(tmp_path, "job=shakespeare", "preset=smoke_test", "data.limit=4")
+    assert first.returncode == 0
+    again = batchgen(tmp_path, "job=shakespeare", "preset=smoke_test", "data.limit=4")
+    assert again.returncode != 0 and "job.resume=true" in again.stdout + again.stderr

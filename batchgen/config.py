@@ -52,6 +52,7 @@ class EngineConfig:
     enforce_eager: bool = False
     mixed_prefill_decode: bool = False  # False: a step is all prefill or all decode (decode steps replay graphs)
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    torch_compile: bool = True  # on CUDA, fuse the small elementwise layers (norms, rotary, activation)
     seed: int = 0
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 

@@ -1,7 +1,7 @@
 """The Triton paged-attention ops against the plain-PyTorch reference, on fresh random inputs of many shapes.
 
 Runs on CUDA; without a GPU, `TRITON_INTERPRET=1 pytest tests/test_attention_triton.py` runs the same cases, scaled
-down, through Triton's CPU interpreter (everything except CUDA-graph capture).
+down, through Triton's CPU interpreter (it needs numpy<2.4; bf16 attention and CUDA-graph capture run on CUDA only).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 import random
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +28,12 @@ else:
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(DEVICE is None, reason="needs CUDA, or TRITON_INTERPRET=1 for Triton's CPU interpreter"),
+    # The interpreter int()s 1-element arrays (data-dependent loop bounds): NumPy 2.4 raises, older ones warn.
+    pytest.mark.skipif(
+        DEVICE == "cpu" and np.lib.NumpyVersion(np.__version__) >= "2.4.0",
+        reason="Triton 3.6's interpreter needs numpy<2.4",
+    ),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
 ]
 
 ON_GPU = DEVICE == "cuda"
@@ -41,6 +48,11 @@ f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 def _scaled(batch: int, ctx: int) -> tuple[int, int]:
     """The interpreter runs each Triton program in Python: keep its cases small but with several KV tiles."""
     return (batch, ctx) if ON_GPU else (min(batch, 6), min(ctx, 200))
+
+
+def _skip_bf16_dot_in_interpreter(dtype: torch.dtype) -> None:
+    if not ON_GPU and dtype == torch.bfloat16:
+        pytest.skip("Triton 3.6's interpreter feeds bf16 tl.dot its raw uint16 storage; bf16 runs on CUDA only")
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -77,8 +89,8 @@ DECODE_CASES = [
     (5, 16, 4, 64, 32, 700, f32, 4),
     (8, 32, 4, 128, 16, 1500, bf16, 1),
     (8, 32, 4, 128, 32, 1500, bf16, 2),
-    (7, 6, 2, 80, 16, 500, f32, 1),
-    (7, 6, 2, 80, 16, 500, bf16, 8),
+    (7, 6, 2, 80, 16, 500, f32, 8),
+    (7, 6, 2, 80, 16, 500, bf16, 1),
     (4, 8, 1, 64, 8, 257, f16, 1),
     (4, 8, 8, 64, 1, 130, f32, 2),
     (16, 16, 8, 128, 16, 2000, bf16, None),
@@ -92,6 +104,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("case", DECODE_CASES, ids=str)
 def test_decode_matches_reference(case: tuple) -> None:
     batch, num_heads, num_kv_heads, head_dim, block_size, max_ctx, dtype, num_splits = case
+    _skip_bf16_dot_in_interpreter(dtype)
     batch, max_ctx = _scaled(batch, max_ctx)
     gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
     seq_lens = torch.randint(1, max_ctx + 1, (batch,), generator=gen)
@@ -130,6 +143,7 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=str)
 def test_prefill_matches_reference(case: tuple) -> None:
     query_lens, prefix_lens, num_heads, num_kv_heads, head_dim, block_size, dtype = case
+    _skip_bf16_dot_in_interpreter(dtype)
     if not ON_GPU:
         query_lens = [min(n, 70) for n in query_lens[:4]]
         prefix_lens = [min(n, 130) for n in prefix_lens[:4]]

@@ -26,12 +26,12 @@ def random_prompts(vocab_size: int, count: int = 6, seed: int = 0) -> list[list[
     return [[rng.randrange(vocab_size) for _ in range(rng.randint(1, 30))] for _ in range(count)]
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_greedy_on(model_dir, prompts: list[list[int]], max_tokens: int, device: str = "cpu") -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: run every prompt to max_tokens
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         with torch.no_grad():
             generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                                        do_sample=False, pad_token_id=0)
@@ -47,7 +47,7 @@ def references(tiny_model_dir):
         if architecture not in cache:
             model_dir = tiny_model_dir(architecture)
             prompts = random_prompts(256)
-            cache[architecture] = (model_dir, prompts, hf_greedy(model_dir, prompts, MAX_TOKENS))
+            cache[architecture] = (model_dir, prompts, hf_greedy_on(model_dir, prompts, MAX_TOKENS))
         return cache[architecture]
 
     return get

@@ -17,6 +17,7 @@ from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerConfig
+from batchgen.layers.compiled import compile_small_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -88,6 +89,8 @@ class LLMEngine:
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, self.device)
         self.max_model_len = self._max_model_len(hf_config, model.sliding_window)
+        if self.device.type == "cuda" and engine_config.torch_compile:
+            compile_small_layers(model)  # compiles lazily, at the memory-profiling run below
         self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start}
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
                                   attention_ops(engine_config.attention_backend, self.device))

@@ -1,9 +1,28 @@
-"""RMSNorm as Llama-family models compute it (GPT-2 uses torch's LayerNorm directly)."""
+"""RMSNorm as Llama-family models compute it, optionally fused with the residual add before it.
+
+(GPT-2 uses torch's LayerNorm directly.)
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from batchgen.layers.compiled import compiled
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # (..., dim) -> (..., dim)
+    # Normalize in float32, cast back before the weight multiply: the order transformers uses.
+    x_float = x.float()
+    normed = x_float * torch.rsqrt(x_float.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual stream's add fused into the next norm."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
 
 
 class RMSNorm(nn.Module):
@@ -11,9 +30,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self._norm, self._add_norm = rms_norm, add_rms_norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim)
-        # Normalize in float32, cast back before the weight multiply: the order transformers uses.
-        x_float = x.float()
-        normed = x_float * torch.rsqrt(x_float.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+    def use_compiled(self) -> None:
+        self._norm, self._add_norm = compiled(rms_norm), compiled(add_rms_norm)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rms_norm(x), or with a residual: (rms_norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x, self.weight, self.eps)
+        return self._add_norm(x, residual, self.weight, self.eps)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgen.layers.compiled import compiled
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -59,10 +61,10 @@ class RotaryEmbedding(nn.Module):
         # Kept in float32 whatever the model dtype (cast at use, as transformers does).
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._apply = apply_rotary
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)  # (T, N, D / 2) each
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def use_compiled(self) -> None:
+        self._apply = compiled(apply_rotary)
 
     def forward(
         self,
@@ -70,6 +72,16 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # (T, H, D)
         k: torch.Tensor,  # (T, KVH, D)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions][:, None, :].to(q.dtype)  # (T, 1, D / 2)
-        sin = self.sin[positions][:, None, :].to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self._apply(positions, q, k, self.cos, self.sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # (T, N, D / 2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_table[positions][:, None, :].to(q.dtype)  # (T, 1, D / 2)
+    sin = sin_table[positions][:, None, :].to(q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -56,15 +56,23 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
     if tensors.all_greedy:
         return greedy_ids
     greedy_rows = tensors.temperatures == 0
-    temperatures = torch.where(greedy_rows, 1.0, tensors.temperatures)
-    logits = logits.float() / temperatures.unsqueeze(1)
-    if tensors.top_ks is not None or tensors.top_ps is not None:
-        logits = _apply_top_k_top_p(logits, tensors.top_ks, tensors.top_ps)
-    if tensors.min_ps is not None:
-        logits = _apply_min_p(logits, tensors.min_ps)
-    probs = logits.softmax(dim=-1)
-    exponentials = _uniform(tensors.seeds, tensors.positions, logits.shape[1]).log_().neg_()
-    sampled_ids = probs.div_(exponentials).argmax(dim=-1)
+    inv_temperatures = 1.0 / torch.where(greedy_rows, 1.0, tensors.temperatures)
+    if tensors.top_ks is not None or tensors.top_ps is not None or tensors.min_ps is not None:
+        logits = logits.float() * inv_temperatures.unsqueeze(1)
+        inv_temperatures = torch.ones_like(inv_temperatures)
+        if tensors.top_ks is not None or tensors.top_ps is not None:
+            logits = _apply_top_k_top_p(logits, tensors.top_ks, tensors.top_ps)
+        if tensors.min_ps is not None:
+            logits = _apply_min_p(logits, tensors.min_ps)
+    row_keys = _row_keys(tensors.seeds, tensors.positions)
+    if logits.is_cuda:
+        from batchgen.layers.sampler_triton import gumbel_argmax
+
+        sampled_ids = gumbel_argmax(logits, inv_temperatures, row_keys)
+    else:
+        # The exponential race in log space: argmax(logits / T - log(-log U)) samples softmax(logits / T).
+        gumbel = _uniform(row_keys, logits.shape[1]).log_().neg_().log_()
+        sampled_ids = (logits.float() * inv_temperatures.unsqueeze(1)).sub_(gumbel).argmax(dim=-1)
     return torch.where(greedy_rows, greedy_ids, sampled_ids)
 
 
@@ -102,13 +110,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(B, V) float32 in (0, 1), a pure function of (seed, position, vocab index)."""
+def _row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 in [0, 2**32): one hash key per (seed, position)."""
     row_keys = _mix32(seeds & _MASK32)
     row_keys = _mix32(row_keys ^ ((seeds >> 32) & _MASK32))
-    row_keys = _mix32(row_keys ^ (positions & _MASK32))
+    return _mix32(row_keys ^ (positions & _MASK32))
+
+
+def _uniform(row_keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, V) float32 in (0, 1), a pure function of (row key, vocab index)."""
     # Salted because the mix maps 0 to 0: seed 0 at position 0 must not pin vocab index 0 to the smallest draw.
-    column_keys = _mix32(torch.arange(_SALT, _SALT + vocab_size, device=seeds.device, dtype=torch.int64))
+    column_keys = _mix32(torch.arange(_SALT, _SALT + vocab_size, device=row_keys.device, dtype=torch.int64))
     bits = _mix32(row_keys.unsqueeze(1) ^ column_keys.unsqueeze(0))
     # The top 24 bits fit float32's mantissa exactly; the half offset keeps 0 and 1 out (log(0) would be -inf).
     return (bits >> 8).float().add_(0.5).mul_(1.0 / (1 << 24))

@@ -19,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 HERE = Path(__file__).resolve().parent
 EOS = "<|endoftext|>"
-BLOCK, BATCH, LR, MIN_LR, WARMUP = 256, 32, 2e-3, 1e-4, 100
+BLOCK, WARMUP = 256, 100
 
 
 def build_tokenizer(chars: list[str]) -> PreTrainedTokenizerFast:
@@ -30,28 +30,26 @@ def build_tokenizer(chars: list[str]) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([EOS])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS, pad_token=EOS
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS, pad_token=EOS)
 
 
-def lr_at(it: int, iters: int) -> float:
+def lr_at(it: int, iters: int, peak: float) -> float:
     if it < WARMUP:
-        return LR * (it + 1) / WARMUP
+        return peak * (it + 1) / WARMUP
     progress = (it - WARMUP) / max(1, iters - WARMUP)
-    return MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi * progress))
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))  # cosine down to peak / 10
 
 
-def get_batch(data: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(len(data) - BLOCK, (BATCH,), generator=gen)
-    return torch.stack([data[s : s + BLOCK] for s in starts.tolist()])
+def get_batch(data: torch.Tensor, gen: torch.Generator, batch: int, device: str) -> torch.Tensor:
+    starts = torch.randint(len(data) - BLOCK, (batch,), generator=gen)
+    return torch.stack([data[s : s + BLOCK] for s in starts.tolist()]).to(device)
 
 
 @torch.no_grad()
 def estimate_loss(model: GPT2LMHeadModel, data: torch.Tensor, batches: int, seed: int) -> float:
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
-    losses = [model(input_ids=(x := get_batch(data, gen)), labels=x).loss.item() for _ in range(batches)]
+    gen, device = torch.Generator().manual_seed(seed), model.device.type
+    losses = [model(input_ids=(x := get_batch(data, gen, 32, device)), labels=x).loss.item() for _ in range(batches)]
     model.train()
     return sum(losses) / len(losses)
 
@@ -60,7 +58,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=900)
     parser.add_argument("--out", type=Path, default=HERE / "model")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--eval-every", type=int, default=150)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
     torch.manual_seed(1337)
@@ -79,18 +80,18 @@ def main() -> None:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=eos_id, eos_token_id=eos_id,
         pad_token_id=eos_id, tie_word_embeddings=True,
     )  # fmt: skip
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config).to(args.device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"vocab={config.vocab_size} params={n_params:,} iters={args.iters}", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1)
     gen = torch.Generator().manual_seed(1337)
 
     t0 = time.time()
     model.train()
     for it in range(args.iters):
         for group in opt.param_groups:
-            group["lr"] = lr_at(it, args.iters)
-        x = get_batch(train_data, gen)
+            group["lr"] = lr_at(it, args.iters, args.lr)
+        x = get_batch(train_data, gen, args.batch_size, args.device)
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -109,7 +110,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = eos_id
-    model.save_pretrained(args.out, safe_serialization=True)
+    model.to("cpu").save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
     info = {
         "val_loss": round(val_loss, 4),
@@ -117,7 +118,8 @@ def main() -> None:
         "iterations": args.iters,
         "wall_seconds": round(train_seconds, 1),
         "parameters": n_params,
-        "batch_size": BATCH,
+        "batch_size": args.batch_size,
+        "peak_lr": args.lr,
         "block_size": BLOCK,
         "command": " ".join(["python", *sys.argv]),
         "torch_version": torch.__version__,

@@ -1,0 +1,111 @@
+"""b1_latency: decode ms per token of the Qwen3-0.6B shape (dummy bf16 weights), graph vs eager, against the floor.
+
+One request (128 prompt tokens, random ids < 10000, seed 0; 256 new tokens, greedy, ignore_eos), eager and graph;
+then the graph engine at batch 8, 64 and 256 (each request 128 + 256). The weight-read floor of a decode step is
+weight bytes / measured device-to-device copy bandwidth: no step can read all weights faster.
+
+Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 8 64 256] [--tiny] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from batchgen.config import ModelConfig
+from batchgen.sampling_params import SamplingParams
+from benchmarks.common import (
+    Request,
+    add_out_argument,
+    build_engine,
+    copy_bandwidth_gbs,
+    cuda_available,
+    decode_medians,
+    environment,
+    markdown_table,
+    median,
+    qwen3_model_config,
+    random_prompt,
+    run_engine,
+    save_json,
+    weight_bytes,
+)
+
+
+def make_requests(batch: int, prompt_len: int, new_tokens: int) -> list[Request]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return [(random_prompt(prompt_len, seed=i), params) for i in range(batch)]
+
+
+def measure(engine, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+    run_engine(engine, make_requests(batch, prompt_len, min(new_tokens, 16)))  # warm-up: Triton compiles per shape
+    runs = [run_engine(engine, make_requests(batch, prompt_len, new_tokens)) for _ in range(repeats)]
+    records = [r for _, step_records, _ in runs for r in step_records]
+    walls = [wall for _, _, wall in runs]
+    result = {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+              **decode_medians(records), "wall_s_runs": walls,
+              "output_tok_s": median([batch * new_tokens / wall for wall in walls]),
+              "e2e_ms_per_token": median([wall * 1000 / new_tokens for wall in walls])}
+    result["decode_tok_s"] = batch * 1000 / result["decode_step_ms"] if result["decode_step_ms"] else None
+    return result
+
+
+def run_mode(model_config: ModelConfig, mode: str, batches: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    engine = build_engine(model_config, enforce_eager=mode == "eager", max_num_seqs=max([1, *batches]),
+                          max_model_len=args.max_model_len)
+    try:
+        results = []
+        for batch in batches:
+            results.append({"mode": mode, **measure(engine, batch, args.prompt_len, args.new_tokens, args.repeats)})
+            print(f"{mode} batch {batch}: decode step {results[-1]['decode_step_ms']:.3f} ms", flush=True)
+        return {"results": results, "engine_info": dict(engine.info),
+                "weight_bytes": weight_bytes(engine.runner.model)}
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--batches", type=int, nargs="*", default=[8, 64, 256],
+                        help="graph-mode batch sizes after batch 1")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth-test copy")
+    parser.add_argument("--tiny", action="store_true", help="a two-layer Qwen3 instead of the 0.6B shape (CPU test)")
+    add_out_argument(parser)
+    args = parser.parse_args()
+
+    model_config = qwen3_model_config(args.tiny)
+    bandwidth = copy_bandwidth_gbs(args.copy_mib * 2**20)
+    modes = {"eager": [1], "graph": [1, *args.batches]}
+    if not cuda_available():
+        print("no CUDA device: graph mode skipped", flush=True)
+        del modes["graph"]
+    runs = {mode: run_mode(model_config, mode, batches, args) for mode, batches in modes.items()}
+
+    weights = runs["eager"]["weight_bytes"]
+    floor_ms = weights / (bandwidth * 1e9) * 1000
+    results = [r for run in runs.values() for r in run["results"]]
+    for r in results:
+        r["floor_fraction"] = floor_ms / r["decode_forward_ms"] if r["decode_forward_ms"] else None
+    save_json(args.out, "b1_latency" + ("_tiny" if args.tiny else ""), {
+        "environment": environment(), "model": model_config.hf_config, "dtype": model_config.dtype,
+        "weight_bytes": weights, "copy_bandwidth_gbs": bandwidth, "copy_bytes": args.copy_mib * 2**20,
+        "weight_floor_ms": floor_ms, "results": results,
+        "engine_info": {mode: run["engine_info"] for mode, run in runs.items()},
+        "notes": "decode_step_ms: median engine step (host + device) over decode steps = ms per token at batch 1; "
+                 "decode_forward_ms: CUDA-event time of the forward (graph replay or eager); floor_fraction = "
+                 "weight_floor_ms / decode_forward_ms; copy bandwidth counts bytes read + written",
+    })
+    headers = ["mode", "batch", "decode_step_ms", "decode_forward_ms", "e2e_ms_per_token", "decode_tok_s",
+               "floor_fraction"]
+    print(f"\n## b1_latency ({environment()['device']}; weights {weights / 2**30:.3f} GiB, copy {bandwidth:.0f} GB/s, "
+          f"weight-read floor {floor_ms:.3f} ms; {args.prompt_len} prompt + {args.new_tokens} new tokens, "
+          f"median of {args.repeats})\n")
+    print(markdown_table(headers, [[r[h] for h in headers] for r in results]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Shared benchmark helpers: drive the engine, summarise its steps, describe the machine, write results."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+import yaml
+from torch import nn
+from transformers import GenerationConfig
+
+from batchgen.config import EngineConfig, ModelConfig, validate_engine, validate_model
+from batchgen.engine.llm_engine import LLMEngine, StepRecord
+from batchgen.outputs import RequestOutput
+from batchgen.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+Request = tuple[list[int], SamplingParams]
+STEP_TIMES = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "step_ms")
+QWEN3 = "qwen3_0_6b"
+# A Qwen3 small enough for a CPU smoke test; the vocabulary still holds the benchmarks' prompt ids (< 10001).
+TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=10240, max_position_embeddings=4096)
+NANOVLLM_NUM_SEQS = 256
+
+
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    default = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "benchmarks" / "out"
+    parser.add_argument("--out", type=Path, default=default, help="directory for the JSON results (default: $OUT)")
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def synchronize() -> None:
+    if cuda_available():
+        torch.cuda.synchronize()
+
+
+def load_model_config(name: str) -> ModelConfig:
+    """conf/model/<name>.yaml as a ModelConfig; Hydra's ${repo:} in paths becomes the repository root."""
+    data = yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text())
+    for key in ("path", "tokenizer"):
+        if isinstance(data.get(key), str):
+            data[key] = data[key].replace("${repo:}", str(REPO))
+    return ModelConfig(**data)
+
+
+def qwen3_model_config(tiny: bool = False) -> ModelConfig:
+    """The Qwen3-0.6B shape with dummy bf16 weights, or with --tiny a two-layer model of the same family."""
+    config = load_model_config(QWEN3)
+    if tiny:
+        config.hf_config = {**config.hf_config, **TINY_QWEN3}
+    return config
+
+
+def random_prompt(length: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10000) for _ in range(length)]
+
+
+def nanovllm_requests(num_seqs: int = NANOVLLM_NUM_SEQS) -> list[Request]:
+    """nano-vllm's bench.py draws, in its order (all prompts, then all sampling params); the first num_seqs."""
+    if not 0 < num_seqs <= NANOVLLM_NUM_SEQS:
+        raise ValueError(f"num_seqs={num_seqs} must be in [1, {NANOVLLM_NUM_SEQS}]")
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(NANOVLLM_NUM_SEQS)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, 1024))
+              for _ in range(NANOVLLM_NUM_SEQS)]
+    return list(zip(prompts, params, strict=True))[:num_seqs]
+
+
+def build_engine(model_config: ModelConfig, **engine_options: Any) -> LLMEngine:
+    engine_config = EngineConfig(**engine_options)
+    validate_model(model_config)
+    validate_engine(engine_config)
+    return LLMEngine(model_config, engine_config)
+
+
+def run_engine(engine: LLMEngine, requests: Sequence[Request]) -> tuple[list[RequestOutput], list[StepRecord], float]:
+    """Add every request, step until all finish; outputs in request order, the step rows and the wall seconds."""
+    synchronize()
+    start = time.perf_counter()
+    for request_id, (prompt_token_ids, params) in enumerate(requests):
+        engine.add_request(request_id, None, prompt_token_ids, params)
+    outputs: list[RequestOutput] = []
+    records: list[StepRecord] = []
+    while engine.has_unfinished_requests:
+        finished, record = engine.step()
+        outputs += finished
+        if record is not None:
+            records.append(record)
+    synchronize()
+    wall = time.perf_counter() - start
+    errors = [o.error for o in outputs if o.finish_reason == "error"]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, the first with: {errors[0]}")
+    return sorted(outputs, key=lambda o: o.request_id), records, wall
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def decode_medians(records: Sequence[StepRecord]) -> dict[str, float | int | None]:
+    """Median step and forward ms over the decode steps (the per-token cost once the prompt is in the cache)."""
+    decode = [r for r in records if r.kind == "decode"]
+    return {
+        "decode_steps": len(decode),
+        "decode_step_ms": median([r.step_ms for r in decode]),
+        "decode_forward_ms": median([r.forward_ms for r in decode]),
+        "decode_cuda_graph_steps": sum(r.cuda_graph for r in decode),
+    }
+
+
+def step_breakdown(records: Sequence[StepRecord]) -> list[dict[str, Any]]:
+    """Per (kind, cuda_graph): the number of steps, median batch and tokens, and the median of each timing."""
+    groups: dict[tuple[str, bool], list[StepRecord]] = {}
+    for record in records:
+        groups.setdefault((record.kind, record.cuda_graph), []).append(record)
+    rows = []
+    for (kind, graph), group in sorted(groups.items()):
+        row: dict[str, Any] = {"kind": kind, "cuda_graph": graph, "steps": len(group),
+                               "num_seqs": median([r.num_seqs for r in group]),
+                               "num_tokens": median([r.num_tokens for r in group])}
+        row.update({name: median([getattr(r, name) for r in group]) for name in STEP_TIMES})
+        rows.append(row)
+    return rows
+
+
+def step_counts(records: Sequence[StepRecord]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for record in records:
+        counts[record.kind] = counts.get(record.kind, 0) + 1
+    return counts
+
+
+def records_as_dicts(records: Sequence[StepRecord]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in records]
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3f}"
+    return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def breakdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    headers = ["kind", "cuda_graph", "steps", "num_seqs", "num_tokens", *STEP_TIMES]
+    return markdown_table(headers, [[row[h] for h in headers] for row in rows])
+
+
+def _git_commit() -> str | None:
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def environment() -> dict[str, Any]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "device": torch.cuda.get_device_name() if cuda_available() else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "git_commit": _git_commit(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def time_ms(fn: Callable[[], Any]) -> float:
+    """Milliseconds fn takes on the device: CUDA events on GPU, a host clock after the call on CPU."""
+    if cuda_available():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    start_s = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start_s) * 1000
+
+
+def copy_bandwidth_gbs(num_bytes: int = 2**30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s (1e9), counting the bytes read plus the bytes written."""
+    device = "cuda" if cuda_available() else "cpu"
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    synchronize()
+    ms = statistics.median(time_ms(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * num_bytes / (ms / 1000) / 1e9
+
+
+def hf_generate_ms_per_token(model: nn.Module, prompt_ids: list[int], new_tokens: int,
+                             repeats: int) -> dict[str, Any]:
+    """transformers `generate` at batch 1, greedy, exactly new_tokens (EOS held off by min_new_tokens):
+    wall ms per new token with the prefill included, median of repeats after one short warm-up."""
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    attention_mask = torch.ones_like(input_ids)
+
+    def generate(n: int) -> int:
+        config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id)
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config)
+        return out.shape[1] - input_ids.shape[1]
+
+    generate(min(new_tokens, 16))
+    runs = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        generated = generate(new_tokens)
+        synchronize()
+        if generated != new_tokens:
+            raise RuntimeError(f"generate returned {generated} tokens, expected {new_tokens}")
+        runs.append((time.perf_counter() - start) * 1000 / new_tokens)
+    return {"prompt_tokens": len(prompt_ids), "new_tokens": new_tokens, "repeats": repeats,
+            "ms_per_token": statistics.median(runs), "ms_per_token_runs": runs,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "attn_implementation": model.config._attn_implementation}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters; tied weights count once (nn.Module.parameters() deduplicates them)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def save_json(out_dir: Path, name: str, obj: Any) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    return path

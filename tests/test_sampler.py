@@ -144,3 +144,13 @@ def test_sampling_accepts_half_logits(dtype):
     logits = random_logits(4, 64).to(dtype)
     tokens = sample(logits, tensors_for([SamplingParams(top_p=0.9)] * 4))
     assert tokens.dtype == torch.int64 and tokens.shape == (4,)
+
+
+def test_masked_tokens_are_never_sampled_even_at_extreme_draws():
+    # Seeds 1000..1255 over 65536 tokens include draws that once rounded to exactly 1.0, which turned the
+    # masked logits into NaN that argmax then picked.
+    rows, vocab = 256, 65536
+    logits = random_logits(rows, vocab, seed=3)
+    params = [SamplingParams(temperature=1.0, top_k=1)] * rows
+    tokens = sample(logits, tensors_for(params, seeds=list(range(1000, 1000 + rows)), positions=list(range(rows))))
+    assert torch.equal(tokens, logits.argmax(dim=-1))

@@ -122,5 +122,6 @@ def _uniform(row_keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     # Salted because the mix maps 0 to 0: seed 0 at position 0 must not pin vocab index 0 to the smallest draw.
     column_keys = _mix32(torch.arange(_SALT, _SALT + vocab_size, device=row_keys.device, dtype=torch.int64))
     bits = _mix32(row_keys.unsqueeze(1) ^ column_keys.unsqueeze(0))
-    # The top 24 bits fit float32's mantissa exactly; the half offset keeps 0 and 1 out (log(0) would be -inf).
-    return (bits >> 8).float().add_(0.5).mul_(1.0 / (1 << 24))
+    # 23 bits plus a half stay exact in float32 and strictly inside (0, 1): with 24 bits the largest value rounds
+    # to 1.0, and log(-log(1)) = -inf would turn a masked (-inf) logit into NaN, which argmax picks.
+    return (bits >> 9).float().add_(0.5).mul_(1.0 / (1 << 23))

@@ -39,7 +39,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, inv_temperatures_ptr, row_keys_ptr
         logits = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
         column_key = _mix32(cols.to(tl.uint32) + SALT)
         bits = _mix32(row_key ^ column_key)
-        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         value = logits * inv_temperature - tl.log(-tl.log(uniform))
         better = value > best_value
         best_value = tl.where(better, value, best_value)

@@ -13,6 +13,7 @@ import argparse
 from typing import Any
 
 from batchgen.config import ModelConfig
+from batchgen.engine.llm_engine import LLMEngine
 from batchgen.sampling_params import SamplingParams
 from benchmarks.common import (
     Request,
@@ -37,7 +38,7 @@ def make_requests(batch: int, prompt_len: int, new_tokens: int) -> list[Request]
     return [(random_prompt(prompt_len, seed=i), params) for i in range(batch)]
 
 
-def measure(engine, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:
+def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict[str, Any]:
     run_engine(engine, make_requests(batch, prompt_len, min(new_tokens, 16)))  # warm-up: Triton compiles per shape
     runs = [run_engine(engine, make_requests(batch, prompt_len, new_tokens)) for _ in range(repeats)]
     records = [r for _, step_records, _ in runs for r in step_records]

@@ -33,7 +33,8 @@ STEP_TIMES = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "step_ms")
 QWEN3 = "qwen3_0_6b"
 # A Qwen3 small enough for a CPU smoke test; the vocabulary still holds the benchmarks' prompt ids (< 10001).
 TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=10240, max_position_embeddings=4096)
+                  num_key_value_heads=2, head_dim=16, vocab_size=10240, max_position_embeddings=4096,
+                  bos_token_id=10238, eos_token_id=10239)
 NANOVLLM_NUM_SEQS = 256
 
 
@@ -77,9 +78,9 @@ def nanovllm_requests(num_seqs: int = NANOVLLM_NUM_SEQS) -> list[Request]:
     """nano-vllm's bench.py draws, in its order (all prompts, then all sampling params); the first num_seqs."""
     if not 0 < num_seqs <= NANOVLLM_NUM_SEQS:
         raise ValueError(f"num_seqs={num_seqs} must be in [1, {NANOVLLM_NUM_SEQS}]")
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(NANOVLLM_NUM_SEQS)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, 1024))
+    rng = random.Random(0)  # the same stream as nano-vllm's random.seed(0) and module-level randint
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(NANOVLLM_NUM_SEQS)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024))
               for _ in range(NANOVLLM_NUM_SEQS)]
     return list(zip(prompts, params, strict=True))[:num_seqs]
 
@@ -158,7 +159,7 @@ def _cell(value: Any) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3f}"
-    return str(value)
+    return str(value).replace("|", "\\|")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

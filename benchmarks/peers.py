@@ -117,7 +117,7 @@ def cb_generate_batch(model: nn.Module, requests: list[Request]) -> dict[str, An
     start = time.perf_counter()
     outputs = model.generate_batch(inputs=[ids for ids, _ in requests], generation_config=config)
     synchronize()
-    return {"api": "generate_batch", "max_new_tokens": config.max_new_tokens,
+    return {"api": "generate_batch", "max_new_tokens": config.max_new_tokens, "wall_includes_warmup": True,
             "wall_seconds": time.perf_counter() - start, "timed_out": False, "finished": len(outputs),
             "output_tokens": sum(len(o.generated_tokens) for o in outputs.values())}
 

@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from batchgen.config import ModelConfig
 from batchgen.engine.llm_engine import LLMEngine
@@ -41,7 +41,8 @@ SWEEP = {f"sweep_gen_{n}": (8, n) for n in range(8, 57, 8)}
 WORKLOADS = {**NAMED, **SWEEP}  # name -> (prompt tokens, new tokens)
 
 
-def prompt_windows(tokenizer, text: str, prompt_len: int, count: int, seed: int) -> list[list[int]]:
+def prompt_windows(tokenizer: PreTrainedTokenizerBase, text: str, prompt_len: int, count: int,
+                   seed: int) -> list[list[int]]:
     """`count` prompts of exactly prompt_len tokens, each from a window of the text at a seeded random offset."""
     rng = random.Random(seed)
     chars = 8 * prompt_len + 64  # enough text for prompt_len tokens with any sensible tokenizer

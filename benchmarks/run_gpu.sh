@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU run: the gpu tests, then every benchmark with its defaults. Run from the repository root:
+#   bash benchmarks/run_gpu.sh
+# Each step writes its JSON to $OUT (default benchmarks/out) and its log to $OUT/<name>.log. A failing or
+# timed-out step is recorded in $OUT/failures.txt and the run goes on; all tables are printed at the end.
+# Every step gets min(its cap, the time left of BUDGET_S), so the whole run ends before the device's 10-minute limit.
+set -o pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export OUT=${OUT:-benchmarks/out} PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+: > "$OUT/failures.txt"
+deadline=$((SECONDS + ${BUDGET_S:-560}))
+names=()
+
+step() {  # step NAME CAP_SECONDS COMMAND...
+    local name=$1 cap=$2 left=$((deadline - SECONDS))
+    shift 2
+    names+=("$name")
+    if ((left < 30)); then
+        echo "$name: skipped, no time left" | tee -a "$OUT/failures.txt"
+        return
+    fi
+    echo "=== $name (limit $((cap < left ? cap : left)) s): $*"
+    timeout "$((cap < left ? cap : left))" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=$?
+    if ((rc != 0)); then
+        echo "$name: exit status $rc$( ((rc == 124)) && echo ' (timed out)')" | tee -a "$OUT/failures.txt"
+    fi
+}
+
+step pytest_gpu 150 "$PY" -m pytest -m gpu -q
+step seed_table 120 "$PY" -m benchmarks.seed_table
+step b1_latency 150 "$PY" -m benchmarks.b1_latency
+step nanovllm_bench 150 "$PY" -m benchmarks.nanovllm_bench
+step nanovllm_bench_n64 90 "$PY" -m benchmarks.nanovllm_bench --num-seqs 64
+# The cb peer's own limit (30 to 150 s) leaves about 2 minutes for loading, warm-up and the other two peer parts.
+cb_limit=$((deadline - SECONDS - 120))
+cb_limit=$((cb_limit > 150 ? 150 : cb_limit < 30 ? 30 : cb_limit))
+step peers 300 "$PY" -m benchmarks.peers --time-limit "$cb_limit"
+step bench_attention 60 "$PY" -m benchmarks.bench_attention
+
+echo
+echo "# Results ($OUT)"
+for name in "${names[@]}"; do
+    log="$OUT/$name.log"
+    [[ -f $log ]] || continue
+    echo
+    if [[ $name == pytest_gpu ]]; then
+        echo "## pytest -m gpu"
+        grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|error)" "$log" | tail -n 20
+    elif grep -q "^## " "$log"; then
+        # Each benchmark prints its table last, under a "## " heading.
+        awk '/^## /{buf = ""; keep = 1} keep {buf = buf $0 "\n"} END {printf "%s", buf}' "$log"
+    else
+        echo "## $name: no markdown table; the end of its log:"
+        tail -n 12 "$log"
+    fi
+done
+echo
+if [[ -s $OUT/failures.txt ]]; then
+    echo "## Failures"
+    cat "$OUT/failures.txt"
+    exit 1
+fi
+echo "All steps succeeded."

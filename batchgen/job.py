@@ -55,7 +55,8 @@ class Job:
         self.steps = StepWriter(self.run_dir, metadata, STEP_FLUSH_ROWS, config.job.flush_seconds)
         done = self.completions.finished_indices()
         self.pending = [row for row in self.rows if row.index not in done]
-        self.attempt = self.steps.next_attempt()
+        # A killed attempt may have flushed no steps, so a resume counts as at least attempt 1.
+        self.attempt = max(self.steps.next_attempt(), 1 if done else 0)
         if done:
             log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.attempt, len(done),
                      len(self.rows))

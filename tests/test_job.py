@@ -33,7 +33,7 @@ def test_shakespeare_job_writes_three_files(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     completions = pq.read_table(tmp_path / "completions.parquet").to_pandas()
     assert list(completions["index"]) == list(range(40))
-    assert completions["id"].is_unique and completions["id"].iloc[0].startswith("shakespeare-")
+    assert completions["id"].is_unique and completions["id"].iloc[0] == "bench-00000"
     assert (completions["num_prompt_tokens"] == 4).all() and (completions["num_output_tokens"] == 8).all()
     assert (completions["finish_reason"] == "length").all() and completions["error"].isna().all()
     assert (completions["completion"].str.len() == 8).all()  # one character per token

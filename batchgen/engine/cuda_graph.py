@@ -41,15 +41,13 @@ class GraphCaptureBuffers:
     """Static device inputs sized for the largest bucket; every graph reads views of their first rows."""
 
     def __init__(self, max_size: int, block_table_width: int, device: torch.device):
-        def zeros(*shape: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            return (torch.zeros(*shape, dtype=dtype, device=device),
-                    torch.zeros(*shape, dtype=dtype, pin_memory=device.type == "cuda"))
-
-        self.input_ids, self._input_ids = zeros(max_size, dtype=torch.int64)
-        self.positions, self._positions = zeros(max_size, dtype=torch.int64)
-        self.slot_mapping, self._slot_mapping = zeros(max_size, dtype=torch.int64)
-        self.seq_lens, self._seq_lens = zeros(max_size, dtype=torch.int32)
-        self.block_tables, self._block_tables = zeros(max_size, block_table_width, dtype=torch.int32)
+        pinned = device.type == "cuda"
+        # Ids, positions, slots and context lengths share one (4, max_size) buffer: one small copy per step.
+        self._packed = torch.zeros(4, max_size, dtype=torch.int64, pin_memory=pinned)
+        self.packed = torch.zeros(4, max_size, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.packed
+        self._block_tables = torch.zeros(max_size, block_table_width, dtype=torch.int32, pin_memory=pinned)
+        self.block_tables = torch.zeros(max_size, block_table_width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
         self.block_table_width = block_table_width
 
@@ -65,19 +63,18 @@ class GraphCaptureBuffers:
         )
 
     def load(self, inputs: StepInputs, size: int) -> None:
-        """Stage the step in pinned host memory, padded to `size`, then copy it to the device without a sync."""
+        """Stage the step in pinned host memory, padded to `size`, then copy it to the device without a sync.
+
+        Padding rows get token 0 at position 0, slot -1 (no KV write) and context length 0 (no KV read).
+        """
         n = inputs.num_tokens
-        staged = [
-            (self._input_ids, self.input_ids, inputs.input_ids, 0),
-            (self._positions, self.positions, inputs.positions, 0),
-            (self._slot_mapping, self.slot_mapping, inputs.slot_mapping, -1),
-            (self._seq_lens, self.seq_lens, inputs.seq_lens, 0),
-        ]
-        for host, device, values, pad in staged:
-            host_np = host.numpy()
-            host_np[:n] = values
-            host_np[n:size] = pad
-            device[:size].copy_(host[:size], non_blocking=True)
+        packed = self._packed.numpy()
+        packed[:, n:size] = ((0,), (0,), (-1,), (0,))
+        packed[0, :n] = inputs.input_ids
+        packed[1, :n] = inputs.positions
+        packed[2, :n] = inputs.slot_mapping
+        packed[3, :n] = inputs.seq_lens
+        self.packed.copy_(self._packed, non_blocking=True)
         self._block_tables.numpy()[:n] = inputs.block_tables
         self.block_tables[:n].copy_(self._block_tables[:n], non_blocking=True)
 

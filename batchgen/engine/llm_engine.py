@@ -229,6 +229,7 @@ class LLMEngine:
         finished += self.scheduler.update(step, result.sampled_token_ids)
         if self.detokenizer is not None:
             finished += self.detokenizer.apply_stop_strings(step, result.sampled_token_ids, self.scheduler)
+        self.runner.release(finished)
         block_manager = self.scheduler.block_manager
         record = StepRecord(
             step=self.num_steps, kind=step.kind, num_seqs=step.num_seqs, num_tokens=step.num_tokens,

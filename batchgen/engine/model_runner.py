@@ -10,7 +10,9 @@ from itertools import pairwise
 import torch
 from torch import nn
 
+from batchgen.engine.block_tables import BlockTables
 from batchgen.engine.cuda_graph import CaptureStats, CudaGraphRunner, GraphCaptureBuffers
+from batchgen.engine.request import Request
 from batchgen.engine.scheduler import SchedulerOutput
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs
 from batchgen.layers import attention_torch
@@ -62,6 +64,7 @@ class ModelRunner:
         self.attention_ops = attention_ops
         self.kv_cache: torch.Tensor | None = None
         self.graphs: CudaGraphRunner | None = None
+        self.block_tables = BlockTables(self.block_table_width)
 
     # -- KV cache -------------------------------------------------------------------------------------------
 
@@ -117,7 +120,7 @@ class ModelRunner:
         start = time.perf_counter()
         graph_size = self.graphs.padded_size(step.num_seqs) if self.graphs and _is_pure_decode(step) else None
         width = self.block_table_width if graph_size else None
-        inputs = build_step_inputs(step, self.block_size, width)
+        inputs = build_step_inputs(step, self.block_size, self.block_tables, width)
         sample_requests = [step.requests[i] for i in inputs.sample_rows]
         sampling = SamplingTensors.from_params(
             [r.sampling_params for r in sample_requests],
@@ -143,6 +146,10 @@ class ModelRunner:
         for row, token in zip(inputs.sample_rows, sampled, strict=True):
             token_ids[row] = token
         return StepResult(token_ids, prepare_ms, forward_ms, sample_ms, graph_size)
+
+    def release(self, requests: list[Request]) -> None:
+        """Forget finished requests' block-table rows."""
+        self.block_tables.release(requests)
 
     def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         def put(array) -> torch.Tensor:

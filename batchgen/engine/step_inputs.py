@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchgen.engine.block_tables import BlockTables
+from batchgen.engine.request import Request
 from batchgen.engine.scheduler import SchedulerOutput
 
 
@@ -31,16 +33,19 @@ class StepInputs:
         return self.max_query_len == 1
 
 
-def build_step_inputs(step: SchedulerOutput, block_size: int, block_table_width: int | None = None) -> StepInputs:
+def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTables,
+                      block_table_width: int | None = None) -> StepInputs:
     """block_table_width: a fixed width (the CUDA-graph buffers' width) or None for the widest request's."""
     requests, counts = step.requests, step.num_scheduled_tokens
+    width = block_table_width or max(len(r.block_ids) for r in requests)
+    block_tables = tables.table[tables.rows(requests), :width]
+    if all(count == 1 for count in counts):
+        return _one_token_each(requests, block_size, block_tables)
     num_tokens = sum(counts)
     input_ids = np.empty(num_tokens, dtype=np.int64)
     positions = np.empty(num_tokens, dtype=np.int64)
     seq_lens = np.empty(len(requests), dtype=np.int32)
     query_start_loc = np.zeros(len(requests) + 1, dtype=np.int32)
-    width = block_table_width or max(len(r.block_ids) for r in requests)
-    block_tables = np.zeros((len(requests), width), dtype=np.int32)
     sample_rows: list[int] = []
     start = 0
     for row, (request, count) in enumerate(zip(requests, counts, strict=True)):
@@ -49,23 +54,37 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, block_table_width:
         input_ids[start:start + count] = request.token_ids(begin, end)
         positions[start:start + count] = np.arange(begin, end)
         seq_lens[row] = end
-        block_tables[row, :len(request.block_ids)] = request.block_ids
         start += count
         query_start_loc[row + 1] = start
         if end == request.num_tokens:
             sample_rows.append(row)
-    blocks = block_tables[np.repeat(np.arange(len(requests)), counts), positions // block_size]
-    slot_mapping = blocks.astype(np.int64) * block_size + positions % block_size
-    sample_token_index = query_start_loc[1:][sample_rows].astype(np.int64) - 1
+    return _finish(input_ids, positions, seq_lens, query_start_loc, block_tables, sample_rows, block_size,
+                   np.repeat(np.arange(len(requests)), counts), max(counts))
+
+
+def _one_token_each(requests: list[Request], block_size: int, block_tables: np.ndarray) -> StepInputs:
+    """The decode-shaped step, vectorized: no per-request numpy calls."""
+    n = len(requests)
+    positions = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
+    input_ids = np.fromiter((r.token_id(r.num_computed_tokens) for r in requests), dtype=np.int64, count=n)
+    sample_rows = [i for i, r in enumerate(requests) if r.num_computed_tokens + 1 == r.num_tokens]
+    return _finish(input_ids, positions, (positions + 1).astype(np.int32), np.arange(n + 1, dtype=np.int32),
+                   block_tables, sample_rows, block_size, np.arange(n), 1)
+
+
+def _finish(input_ids: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
+            block_tables: np.ndarray, sample_rows: list[int], block_size: int, token_rows: np.ndarray,
+            max_query_len: int) -> StepInputs:
+    blocks = block_tables[token_rows, positions // block_size]
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
-        slot_mapping=slot_mapping,
+        slot_mapping=blocks.astype(np.int64) * block_size + positions % block_size,
         seq_lens=seq_lens,
         query_start_loc=query_start_loc,
         block_tables=block_tables,
         sample_rows=sample_rows,
-        sample_token_index=sample_token_index,
-        max_query_len=max(counts),
+        sample_token_index=query_start_loc[1:][sample_rows].astype(np.int64) - 1,
+        max_query_len=max_query_len,
         max_seq_len=int(seq_lens.max()),
     )

@@ -20,12 +20,13 @@ _SALT = 0x9E3779B9  # 2**32 / golden ratio
 
 @dataclass
 class SamplingTensors:
-    temperatures: torch.Tensor  # (B,) float32, 0 = greedy row
+    # Every tensor is None when all rows are greedy: argmax needs none of them.
+    temperatures: torch.Tensor | None  # (B,) float32, 0 = greedy row
     top_ks: torch.Tensor | None  # (B,) int64, 0 = off; None when no row uses top-k
     top_ps: torch.Tensor | None  # (B,) float32; None when no row uses top-p
     min_ps: torch.Tensor | None  # (B,) float32; None when no row uses min-p
-    seeds: torch.Tensor  # (B,) int64, per-request seed
-    positions: torch.Tensor  # (B,) int64, index in the sequence of the token being sampled
+    seeds: torch.Tensor | None  # (B,) int64, per-request seed
+    positions: torch.Tensor | None  # (B,) int64, index in the sequence of the token being sampled
     all_greedy: bool
 
     @classmethod
@@ -34,19 +35,23 @@ class SamplingTensors:
     ) -> SamplingTensors:
         """Seeds may be any integers; they are reduced modulo 2**63."""
         sampled = [p for p in params if not p.greedy]  # greedy rows ignore the filters
-
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        if not sampled:
+            return cls(None, None, None, None, None, None, all_greedy=True)
+        # Two host arrays, so the step pays two copies to the device rather than one per field.
+        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
+                               [p.min_p for p in params]], dtype=torch.float32).to(device, non_blocking=True)
+        ints = torch.tensor([[max(p.top_k, 0) for p in params], [seed % _SEED_MODULUS for seed in seeds],
+                             positions], dtype=torch.int64).to(device, non_blocking=True)
+        temperatures, top_ps, min_ps = floats
+        top_ks, seeds_tensor, positions_tensor = ints
         return cls(
-            temperatures=column([p.temperature for p in params], torch.float32),
-            top_ks=column([max(p.top_k, 0) for p in params], torch.int64) if any(p.top_k > 0 for p in sampled)
-            else None,
-            top_ps=column([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in sampled) else None,
-            min_ps=column([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in sampled) else None,
-            seeds=column([seed % _SEED_MODULUS for seed in seeds], torch.int64),
-            positions=column(positions, torch.int64),
-            all_greedy=not sampled,
+            temperatures=temperatures,
+            top_ks=top_ks if any(p.top_k > 0 for p in sampled) else None,
+            top_ps=top_ps if any(p.top_p < 1 for p in sampled) else None,
+            min_ps=min_ps if any(p.min_p > 0 for p in sampled) else None,
+            seeds=seeds_tensor,
+            positions=positions_tensor,
+            all_greedy=False,
         )
 
 

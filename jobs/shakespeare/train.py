@@ -56,10 +56,10 @@ def estimate_loss(model: GPT2LMHeadModel, data: torch.Tensor, batches: int, seed
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=900)
+    parser.add_argument("--iters", type=int, default=1200)
     parser.add_argument("--out", type=Path, default=HERE / "model")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=7e-3)
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--eval-every", type=int, default=150)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()

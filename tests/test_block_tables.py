@@ -1,0 +1,45 @@
+"""The persistent host block tables: only new blocks are written, preemption rewrites, rows are reused."""
+
+import numpy as np
+
+from batchgen.engine.block_tables import BlockTables
+from batchgen.engine.request import Request
+from batchgen.sampling_params import SamplingParams
+
+
+def request(request_id: int, blocks: list[int]) -> Request:
+    return Request(request_id, [1, 2, 3], SamplingParams(), block_ids=list(blocks))
+
+
+def table_of(tables: BlockTables, requests: list[Request]) -> list[list[int]]:
+    rows = tables.rows(requests)
+    return [tables.table[row, :len(r.block_ids)].tolist() for row, r in zip(rows, requests, strict=True)]
+
+
+def test_rows_follow_growing_block_lists():
+    tables = BlockTables(width=8, rows=2)
+    a, b = request(0, [5]), request(1, [7, 3])
+    assert table_of(tables, [a, b]) == [[5], [7, 3]]
+    a.block_ids.append(9)
+    assert table_of(tables, [b, a]) == [[7, 3], [5, 9]]
+
+
+def test_preemption_rewrites_the_row():
+    tables = BlockTables(width=8)
+    a = request(0, [5, 6])
+    tables.rows([a])
+    a.block_ids, a.num_preemptions = [1, 2, 4], 1
+    assert table_of(tables, [a]) == [[1, 2, 4]]
+
+
+def test_released_rows_are_reused_and_the_table_grows():
+    tables = BlockTables(width=4, rows=2)
+    first = [request(i, [i]) for i in range(2)]
+    rows_before = set(tables.rows(first).tolist())
+    tables.release(first)
+    same_id_new_request = [request(0, [8, 9]), request(1, [7])]
+    assert set(tables.rows(same_id_new_request).tolist()) == rows_before
+    assert table_of(tables, same_id_new_request) == [[8, 9], [7]]
+    many = [request(10 + i, [i, i + 1]) for i in range(5)]
+    assert table_of(tables, many) == [[i, i + 1] for i in range(5)]
+    assert len(np.unique(tables.rows(many + same_id_new_request))) == 7

@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from batchgen.layers.compiled import compiled
-
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -48,6 +46,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin tables of every position; `apply_rotary` rotates q and k with them."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         if head_dim % 2 != 0:
@@ -61,18 +61,6 @@ class RotaryEmbedding(nn.Module):
         # Kept in float32 whatever the model dtype (cast at use, as transformers does).
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-        self._apply = apply_rotary
-
-    def use_compiled(self) -> None:
-        self._apply = compiled(apply_rotary)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # (T,) int64
-        q: torch.Tensor,  # (T, H, D)
-        k: torch.Tensor,  # (T, KVH, D)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._apply(positions, q, k, self.cos, self.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

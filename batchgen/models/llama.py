@@ -15,8 +15,9 @@ from transformers import PretrainedConfig
 
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention, AttentionMetadata
-from batchgen.layers.norms import RMSNorm
-from batchgen.layers.rotary import RotaryEmbedding, rope_parameters
+from batchgen.layers.compiled import compiled
+from batchgen.layers.norms import RMSNorm, rms_norm
+from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from batchgen.models.weights import WeightTarget, fused_rows, load_into
 
 
@@ -40,16 +41,30 @@ class LlamaAttention(nn.Module):
         self.qk_norm = qk_norm
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self._norm_and_rotate = norm_and_rotate
+
+    def use_compiled(self) -> None:
+        self._norm_and_rotate = compiled(norm_and_rotate)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+        q, k = self._norm_and_rotate(positions, q, k, norms, self.rotary.cos, self.rotary.sin)
         return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
+
+
+def norm_and_rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    norms: tuple[torch.Tensor, torch.Tensor, float] | None, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head q/k RMSNorm (norms: q weight, k weight, eps), then RoPE: one function, so that on CUDA
+    torch.compile fuses them into one kernel."""
+    if norms is not None:
+        q_weight, k_weight, eps = norms
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    return apply_rotary(positions, q, k, cos, sin)
 
 
 class LlamaMLP(nn.Module):

@@ -43,3 +43,16 @@ def test_released_rows_are_reused_and_the_table_grows():
     many = [request(10 + i, [i, i + 1]) for i in range(5)]
     assert table_of(tables, many) == [[i, i + 1] for i in range(5)]
     assert len(np.unique(tables.rows(many + same_id_new_request))) == 7
+
+
+def test_step_inputs_survive_the_table_growing_mid_step():
+    from batchgen.engine.scheduler import SchedulerOutput
+    from batchgen.engine.step_inputs import build_step_inputs
+
+    requests = [request(i, [i, 100 + i]) for i in range(5)]
+    for r in requests:
+        r.num_computed_tokens = 2
+    step = SchedulerOutput(requests, [1] * 5, [], 0, 5)
+    inputs = build_step_inputs(step, block_size=2, tables=BlockTables(width=4, rows=2))
+    assert inputs.block_tables[:, :2].tolist() == [[i, 100 + i] for i in range(5)]
+    assert inputs.slot_mapping.tolist() == [(100 + i) * 2 for i in range(5)]

@@ -38,7 +38,8 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
     """block_table_width: a fixed width (the CUDA-graph buffers' width) or None for the widest request's."""
     requests, counts = step.requests, step.num_scheduled_tokens
     width = block_table_width or max(len(r.block_ids) for r in requests)
-    block_tables = tables.table[tables.rows(requests), :width]
+    rows = tables.rows(requests)  # before reading tables.table: it may grow
+    block_tables = tables.table[rows, :width]
     if all(count == 1 for count in counts):
         return _one_token_each(requests, block_size, block_tables)
     num_tokens = sum(counts)

@@ -49,6 +49,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # fixes the number of KV blocks (tests force a small cache)
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space_gib: float = 1.0  # the KV-cache budget on CPU
+    cpu_threads: int | None = None  # torch intra-op threads on CPU (process-wide); None: torch's default
     enforce_eager: bool = False
     mixed_prefill_decode: bool = False  # False: a step is all prefill or all decode (decode steps replay graphs)
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
@@ -124,6 +125,7 @@ def validate_engine(engine: EngineConfig) -> None:
     _positive("engine.max_num_batched_tokens", engine.max_num_batched_tokens)
     _positive("engine.max_model_len", engine.max_model_len, optional=True)
     _positive("engine.num_gpu_blocks_override", engine.num_gpu_blocks_override, optional=True)
+    _positive("engine.cpu_threads", engine.cpu_threads, optional=True)
     bs = engine.block_size
     _require(isinstance(bs, int) and bs > 0 and bs & (bs - 1) == 0, "engine.block_size", bs,
              "must be a power of two")

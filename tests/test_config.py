@@ -74,6 +74,7 @@ def test_model_configs_compose(model):
         ("model.load_format=gguf", "model.load_format"),
         ("model.path=/no/such/model", "model.path"),
         ("job.flush_rows=0", "job.flush_rows"),
+        ("engine.cpu_threads=0", "engine.cpu_threads"),
     ],
 )
 def test_invalid_values_name_the_key(override, key):

@@ -80,6 +80,8 @@ class LLMEngine:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, detokenizer: Detokenizer | None = None):
         self.config = engine_config
         self.device = resolve_device(engine_config.device)
+        if self.device.type == "cpu" and engine_config.cpu_threads is not None:
+            torch.set_num_threads(engine_config.cpu_threads)
         hf_config = load_hf_config(model_config)
         self.hf_config = hf_config
         self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)

@@ -68,9 +68,9 @@ def decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_positions = block_tables.shape[1] * block_size
-    tables = block_tables.long()
-    k = k_cache[tables].view(num_seqs, max_positions, num_kv_heads, head_dim)  # (B, M * BS, KVH, D)
-    v = v_cache[tables].view(num_seqs, max_positions, num_kv_heads, head_dim)
+    blocks = block_tables.reshape(-1).long()  # index_select gathers several times faster than fancy indexing on CPU
+    k = k_cache.index_select(0, blocks).view(num_seqs, max_positions, num_kv_heads, head_dim)  # (B, M * BS, KVH, D)
+    v = v_cache.index_select(0, blocks).view(num_seqs, max_positions, num_kv_heads, head_dim)
     positions = torch.arange(max_positions, device=q.device)
     allowed = (positions[None, :] < seq_lens[:, None])[:, None, :]  # (B, 1, M * BS)
     grouped_q = q.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, 1, KVH, G, D)

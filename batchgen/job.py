@@ -71,11 +71,11 @@ class Job:
                 if row.error is not None:
                     self._write_error_row(row)
             engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer)
-            feed = self._requests(engine, [row for row in self.pending if row.error is None])
-            while True:
-                feed_more = next(feed, None)
-                if feed_more is None and not engine.has_unfinished_requests:
-                    break
+            rows = iter([row for row in self.pending if row.error is None])
+            rows_left = True
+            while rows_left or engine.has_unfinished_requests:
+                if rows_left:
+                    rows_left = self._add_requests(engine, rows)
                 finished, step = engine.step()
                 if step is not None:
                     self.steps.write({**asdict(step), "attempt": self.attempt})
@@ -94,7 +94,7 @@ class Job:
         wall = time.perf_counter() - start
         summary = summarize(self.completions.close(), self.steps.close(), self.attempt, wall,
                             (self.progress.prompt_tokens, self.progress.output_tokens),
-                            engine.info if engine else {}, asdict(self.config))
+                            engine.info, asdict(self.config))
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
         log.info("Done: %d rows in %.1f s -> %s", len(self.rows), wall, self.run_dir)
         return summary
@@ -103,23 +103,21 @@ class Job:
         self.completions.write(completion_record(row))
         self.progress.update([], errors=1)
 
-    def _requests(self, engine: LLMEngine, rows: list[PromptRow]) -> Iterator[bool]:
-        """Adds rows lazily, keeping about two batches waiting, and yields once per step while rows remain."""
-        defaults = self.config.sampling
+    def _add_requests(self, engine: LLMEngine, rows: Iterator[PromptRow]) -> bool:
+        """Adds rows until about two batches wait (rows are read lazily); returns whether rows are left."""
         backlog = 2 * self.config.engine.max_num_seqs
-        remaining = iter(rows)
-        row = next(remaining, None)
-        while row is not None:
-            while row is not None and engine.num_waiting < backlog:
-                try:
-                    params = defaults.with_overrides(row.overrides)
-                except ValueError as exc:
-                    row.error = f"row {row.index}: {exc}"
-                    self._write_error_row(row)
-                else:
-                    engine.add_request(row.index, row.prompt, row.prompt_token_ids, params)
-                row = next(remaining, None)
-            yield True
+        while engine.num_waiting < backlog:
+            row = next(rows, None)
+            if row is None:
+                return False
+            try:
+                params = self.config.sampling.with_overrides(row.overrides)
+            except ValueError as exc:
+                row.error = f"row {row.index}: {exc}"
+                self._write_error_row(row)
+            else:
+                engine.add_request(row.index, row.prompt, row.prompt_token_ids, params)
+        return True
 
 
 def run(config: Config, run_dir: Path) -> dict[str, Any]:

@@ -120,3 +120,14 @@ def test_existing_results_need_resume(tmp_path):
     assert first.returncode == 0
     again = batchgen(tmp_path, "job=shakespeare", "preset=smoke_test", "data.limit=4")
     assert again.returncode != 0 and "job.resume=true" in again.stdout + again.stderr
+
+
+def test_multirun_sweep_writes_one_run_per_value(tmp_path):
+    command = [sys.executable, "-m", "batchgen", "-m", "job=shakespeare", "preset=smoke_test", "data.limit=4",
+               "engine.device=cpu", "job.progress=false", "sampling.max_tokens=3,5", f"hydra.sweep.dir={tmp_path}"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for run, max_tokens in (("0", 3), ("1", 5)):
+        completions = pq.read_table(tmp_path / run / "completions.parquet").to_pandas()
+        assert (completions["num_output_tokens"] == max_tokens).all()
+        assert (tmp_path / run / "steps.parquet").exists() and (tmp_path / run / "summary.json").exists()

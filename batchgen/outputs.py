@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -22,6 +22,3 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
-
-    def as_dict(self) -> dict:
-        return asdict(self)

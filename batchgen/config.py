@@ -52,6 +52,7 @@ class EngineConfig:
     cpu_threads: int | None = None  # torch intra-op threads on CPU (process-wide); None: torch's default
     enforce_eager: bool = False
     mixed_prefill_decode: bool = False  # False: a step is all prefill or all decode (decode steps replay graphs)
+    async_scheduling: bool = True  # schedule and stage step N+1 while the device runs step N
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     torch_compile: bool = True  # on CUDA, fuse the small elementwise layers (norms, rotary, activation)
     seed: int = 0

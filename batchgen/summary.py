@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-TIME_COLUMNS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "step_ms")
+TIME_COLUMNS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "wait_ms", "step_ms")
 
 
 def versions() -> dict[str, str | None]:

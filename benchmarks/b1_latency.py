@@ -1,8 +1,9 @@
 """b1_latency: decode ms per token of the Qwen3-0.6B shape (dummy bf16 weights), graph vs eager, against the floor.
 
-One request (128 prompt tokens, random ids < 10000, seed 0; 256 new tokens, greedy, ignore_eos), eager and graph;
-then the graph engine at batch 8, 64 and 256 (each request 128 + 256). The weight-read floor of a decode step is
-weight bytes / measured device-to-device copy bandwidth: no step can read all weights faster.
+One request (128 prompt tokens, random ids < 10000, seed 0; 256 new tokens, greedy, ignore_eos), eager, graph
+without async scheduling (graph_sync) and graph; then the graph engine at batch 8, 64 and 256 (each 128 + 256).
+The weight-read floor of a decode step is weight bytes / measured device-to-device copy bandwidth: no step can read
+all weights faster.
 
 Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 8 64 256] [--tiny] [--out DIR]
 """
@@ -53,7 +54,7 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, rep
 
 def run_mode(model_config: ModelConfig, mode: str, batches: list[int], args: argparse.Namespace) -> dict[str, Any]:
     engine = build_engine(model_config, enforce_eager=mode == "eager", max_num_seqs=max([1, *batches]),
-                          max_model_len=args.max_model_len)
+                          max_model_len=args.max_model_len, async_scheduling=mode != "graph_sync")
     try:
         results = []
         for batch in batches:
@@ -80,10 +81,10 @@ def main() -> None:
 
     model_config = qwen3_model_config(args.tiny)
     bandwidth = copy_bandwidth_gbs(args.copy_mib * 2**20)
-    modes = {"eager": [1], "graph": [1, *args.batches]}
+    modes = {"eager": [1], "graph_sync": [1], "graph": [1, *args.batches]}
     if not cuda_available():
-        print("no CUDA device: graph mode skipped", flush=True)
-        del modes["graph"]
+        print("no CUDA device: graph modes skipped", flush=True)
+        del modes["graph"], modes["graph_sync"]
     runs = {mode: run_mode(model_config, mode, batches, args) for mode, batches in modes.items()}
 
     weights = runs["eager"]["weight_bytes"]

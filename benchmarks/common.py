@@ -29,7 +29,7 @@ from batchgen.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 Request = tuple[list[int], SamplingParams]
-STEP_TIMES = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "step_ms")
+STEP_TIMES = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "wait_ms", "step_ms")
 QWEN3 = "qwen3_0_6b"
 # A Qwen3 small enough for a CPU smoke test; the vocabulary still holds the benchmarks' prompt ids (< 10001).
 TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -4,7 +4,7 @@ Requests exactly as nano-vllm draws them (random.seed(0); prompt ids randint(0, 
 randint(100, 1024); temperature 0.6, ignore_eos), max_model_len 4096. --num-seqs N takes the first N of those 256,
 so a run with N = 64 matches the transformers peer in peers.py. Warm-up: the first 16 requests cut to 8 new tokens.
 
-Usage: python -m benchmarks.nanovllm_bench [--num-seqs 256] [--mixed] [--greedy] [--tiny] [--out DIR]
+Usage: python -m benchmarks.nanovllm_bench [--num-seqs 256] [--mixed] [--greedy] [--sync] [--tiny] [--out DIR]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def result_name(args: argparse.Namespace) -> str:
     parts = ["nanovllm_bench"]
     if args.num_seqs != NANOVLLM_NUM_SEQS:
         parts.append(f"n{args.num_seqs}")
-    parts += [flag for flag in ("mixed", "greedy", "eager", "tiny") if getattr(args, flag)]
+    parts += [flag for flag in ("mixed", "greedy", "eager", "sync", "tiny") if getattr(args, flag)]
     return "_".join(parts)
 
 
@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--mixed", action="store_true", help="mixed prefill/decode steps (vLLM v1 style)")
     parser.add_argument("--greedy", action="store_true", help="temperature 0 instead of 0.6")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--sync", action="store_true", help="no async scheduling: each step waits for the last")
     parser.add_argument("--tiny", action="store_true", help="a two-layer Qwen3 instead of the 0.6B shape (CPU test)")
     add_out_argument(parser)
     args = parser.parse_args()
@@ -55,7 +56,8 @@ def main() -> None:
         requests = [(ids, replace(params, temperature=0.0)) for ids, params in requests]
     engine = build_engine(qwen3_model_config(args.tiny), enforce_eager=args.eager or not cuda_available(),
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.max_model_len, mixed_prefill_decode=args.mixed)
+                          max_model_len=args.max_model_len, mixed_prefill_decode=args.mixed,
+                          async_scheduling=not args.sync)
     try:
         run_engine(engine, [(ids, replace(params, max_tokens=8)) for ids, params in requests[:16]])
         outputs, records, wall = run_engine(engine, requests)

@@ -6,37 +6,20 @@ down, through Triton's CPU interpreter (it needs numpy<2.4; bf16 attention and C
 
 from __future__ import annotations
 
-import os
 import random
 import zlib
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
+
 from batchgen.layers import attention_torch, attention_triton
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    DEVICE = None
+pytestmark = TRITON_MARKS
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(DEVICE is None, reason="needs CUDA, or TRITON_INTERPRET=1 for Triton's CPU interpreter"),
-    # The interpreter int()s 1-element arrays (data-dependent loop bounds): NumPy 2.4 raises, older ones warn.
-    pytest.mark.skipif(
-        DEVICE == "cpu" and np.lib.NumpyVersion(np.__version__) >= "2.4.0",
-        reason="Triton 3.6's interpreter needs numpy<2.4",
-    ),
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-]
-
-ON_GPU = DEVICE == "cuda"
 TOLERANCE = {  # (atol, rtol); bf16/fp16 kernels round P to the input dtype before the PV dot, like flash-attention
     torch.float32: (1e-3, 1e-3),
     torch.bfloat16: (2e-2, 2e-2),

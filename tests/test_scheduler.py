@@ -5,7 +5,7 @@ import random
 import pytest
 
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.request import Request, RequestStatus
+from batchgen.engine.request import PENDING_TOKEN, Request, RequestStatus
 from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from batchgen.sampling_params import SamplingParams
 
@@ -334,3 +334,51 @@ def test_preempted_greedy_requests_match_unpreempted_run(mixed):
     roomy, no_preemptions = run(num_blocks=1000)
     assert preemptions > 0 and no_preemptions == 0
     assert tight == roomy
+
+
+# -- async scheduling: step N+1 is scheduled and advanced before step N's sampled ids are committed ------------
+
+
+def test_async_token_of_a_step_launched_after_eos_is_discarded():
+    scheduler = make_scheduler()
+    request = add_requests(scheduler, [4])[0]
+    prefill = scheduler.schedule()
+    scheduler.advance(prefill)
+    assert request.output_token_ids == [PENDING_TOKEN] and request.is_decoding
+    decode = scheduler.schedule()  # scheduled although its pending token may be EOS
+    assert scheduled(decode) == {0: 1} and decode.output_slots == [1]
+    scheduler.advance(decode)
+    assert scheduler.commit(prefill, [EOS]) == [request]
+    assert request.finish_reason == "stop" and request.output_token_ids == [EOS] and request.block_ids == []
+    assert scheduler.commit(decode, [1234]) == []
+    assert request.output_token_ids == [EOS] and not scheduler.has_unfinished_requests()
+
+
+def test_async_request_that_ends_on_length_is_not_scheduled_again():
+    scheduler = make_scheduler()
+    ending, going_on = add_requests(scheduler, [4], max_tokens=1) + add_requests(scheduler, [4], first_id=1)
+    prefill = scheduler.schedule()
+    scheduler.advance(prefill)
+    decode = scheduler.schedule()
+    assert scheduled(decode) == {1: 1}
+    scheduler.advance(decode)
+    assert scheduler.commit(prefill, [1500, 1501]) == [ending]
+    assert ending.finish_reason == "length" and ending.output_token_ids == [1500]
+    assert scheduler.commit(decode, [1502]) == []
+    assert going_on.output_token_ids == [1501, 1502]
+
+
+def test_async_preempted_request_that_ends_on_its_pending_token_leaves_the_waiting_queue():
+    scheduler = make_scheduler(num_blocks=2, block_size=4)
+    first, second = add_requests(scheduler, [4, 4], max_tokens=4)
+    prefill = scheduler.schedule()
+    scheduler.advance(prefill)
+    decode = scheduler.schedule()  # the first request's new block preempts the second
+    assert scheduled(decode) == {0: 1} and decode.preempted == [second]
+    assert second.status == RequestStatus.WAITING and second.num_computed_tokens == 0
+    scheduler.advance(decode)
+    assert scheduler.commit(prefill, [1500, EOS]) == [second]
+    assert second.finish_reason == "stop" and second.output_token_ids == [EOS]
+    assert scheduler.num_waiting == 0 and scheduler.running == [first]
+    scheduler.commit(decode, [1501])
+    assert first.output_token_ids == [1500, 1501]

@@ -55,6 +55,7 @@ def step(attempt: int, number: int) -> dict[str, Any]:
         "prepare_ms": 0.2,
         "forward_ms": 3.0,
         "sample_ms": 0.3,
+        "wait_ms": 2.9,
         "step_ms": 3.6,
         "kv_blocks_used": 10,
         "kv_blocks_total": 100,

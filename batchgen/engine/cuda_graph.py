@@ -37,16 +37,20 @@ def padded_size(sizes: list[int], n: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+def fill_pending_tokens(input_ids: torch.Tensor, pending_source: torch.Tensor,
+                        last_sampled: torch.Tensor) -> torch.Tensor:
+    """input_ids with each pending token taken from the previous step's sampled ids, still on the device."""
+    return torch.where(pending_source >= 0, last_sampled[pending_source.clamp(min=0)], input_ids)
+
+
 class GraphCaptureBuffers:
     """Static device inputs sized for the largest bucket; every graph reads views of their first rows."""
 
     def __init__(self, max_size: int, block_table_width: int, device: torch.device):
-        pinned = device.type == "cuda"
-        # Ids, positions, slots and context lengths share one (4, max_size) buffer: one small copy per step.
-        self._packed = torch.zeros(4, max_size, dtype=torch.int64, pin_memory=pinned)
-        self.packed = torch.zeros(4, max_size, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.packed
-        self._block_tables = torch.zeros(max_size, block_table_width, dtype=torch.int32, pin_memory=pinned)
+        self.pinned = device.type == "cuda"
+        # Ids, positions, slots, context lengths and pending sources share one (5, max_size) buffer: one copy.
+        self.packed = torch.zeros(5, max_size, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.pending_source = self.packed
         self.block_tables = torch.zeros(max_size, block_table_width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
         self.block_table_width = block_table_width
@@ -65,18 +69,22 @@ class GraphCaptureBuffers:
     def load(self, inputs: StepInputs, size: int) -> None:
         """Stage the step in pinned host memory, padded to `size`, then copy it to the device without a sync.
 
-        Padding rows get token 0 at position 0, slot -1 (no KV write) and context length 0 (no KV read).
+        Padding rows get token 0 at position 0, slot -1 (no KV write), context length 0 (no KV read), no pending
+        token. The staging tensors are fresh from torch's pinned-memory cache, which reuses a buffer only after
+        its copy has run: the host may stage the next step while this one is still queued.
         """
         n = inputs.num_tokens
-        packed = self._packed.numpy()
-        packed[:, n:size] = ((0,), (0,), (-1,), (0,))
-        packed[0, :n] = inputs.input_ids
-        packed[1, :n] = inputs.positions
-        packed[2, :n] = inputs.slot_mapping
-        packed[3, :n] = inputs.seq_lens
-        self.packed.copy_(self._packed, non_blocking=True)
-        self._block_tables.numpy()[:n] = inputs.block_tables
-        self.block_tables[:n].copy_(self._block_tables[:n], non_blocking=True)
+        packed = torch.empty(5, size, dtype=torch.int64, pin_memory=self.pinned)
+        staged = packed.numpy()
+        staged[:, n:] = ((0,), (0,), (-1,), (0,), (-1,))
+        staged[0, :n] = inputs.input_ids
+        staged[1, :n] = inputs.positions
+        staged[2, :n] = inputs.slot_mapping
+        staged[3, :n] = inputs.seq_lens
+        staged[4, :n] = inputs.pending_source
+        self.packed[:, :size].copy_(packed, non_blocking=True)
+        block_tables = torch.from_numpy(inputs.block_tables)
+        self.block_tables[:n].copy_(block_tables.pin_memory() if self.pinned else block_tables, non_blocking=True)
 
 
 @dataclass
@@ -89,16 +97,18 @@ class CaptureStats:
 class CudaGraphRunner:
     """Captures model forward + logits for each bucket, largest first, into one shared memory pool."""
 
-    def __init__(self, model: nn.Module, buffers: GraphCaptureBuffers, sizes: list[int]):
+    def __init__(self, model: nn.Module, buffers: GraphCaptureBuffers, sizes: list[int], last_sampled: torch.Tensor):
         self.model = model
         self.buffers = buffers
+        self.last_sampled = last_sampled  # (max_num_seqs,) int64: the previous step's sampled ids
         self.sizes = sorted(sizes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
     def _forward(self, size: int) -> torch.Tensor:
         b = self.buffers
-        hidden = self.model(b.input_ids[:size], b.positions[:size], b.metadata(size))
+        input_ids = fill_pending_tokens(b.input_ids[:size], b.pending_source[:size], self.last_sampled)
+        hidden = self.model(input_ids, b.positions[:size], b.metadata(size))
         return self.model.compute_logits(hidden)
 
     def capture(self) -> CaptureStats:

@@ -11,6 +11,7 @@ from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+STOP_WINDOW_MARGIN = 8  # extra tokens decoded beyond the longest stop string's length in characters
 
 
 class Detokenizer:
@@ -37,24 +38,34 @@ class Detokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def apply_stop_strings(self, step: SchedulerOutput, sampled: list[int], scheduler: Scheduler) -> list[Request]:
-        """Finish requests whose text now contains a stop string; returns those not already finished."""
+    def apply_stop_strings(self, step: SchedulerOutput, scheduler: Scheduler) -> list[Request]:
+        """After `Scheduler.commit`: finishes requests whose text now ends in a stop string; returns those not
+        already finished."""
         newly_finished = []
-        for request, token in zip(step.requests, sampled, strict=True):
+        for request, samples, slot in zip(step.requests, step.samples, step.output_slots, strict=True):
             stops = request.sampling_params.stop
-            if token < 0 or not stops:
+            if not samples or not stops or slot >= request.num_output_tokens:  # no token, or a discarded one
                 continue
-            text = self.decode(request.output_token_ids)
-            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if cut < 0:
+            if not self._tail_has_stop(request.output_token_ids[:slot + 1], stops):
                 continue
-            self._stop_texts[request.request_id] = text[:cut]
+            text = self.decode(request.output_token_ids[:slot + 1])
+            self._stop_texts[request.request_id] = text[:min(i for i in (text.find(s) for s in stops) if i >= 0)]
             if request.is_finished:
                 request.finish_reason = "stop"
             else:
                 scheduler.finish_request(request, "stop")
                 newly_finished.append(request)
         return newly_finished
+
+    def _tail_has_stop(self, token_ids: list[int], stops: list[str]) -> bool:
+        """Decodes only the last tokens, enough for the longest stop string: a full decode per step is O(n^2).
+
+        Earlier text was checked at earlier steps, so a new match must end in the newest token. Tokens decode to
+        at least one character each, except pieces of a multi-byte character: the margin covers those.
+        """
+        window = max(len(s) for s in stops) + STOP_WINDOW_MARGIN
+        tail = self.decode(token_ids[-window:])
+        return any(s in tail for s in stops)
 
     def final_text(self, request: Request) -> str:
         stopped = self._stop_texts.pop(request.request_id, None)

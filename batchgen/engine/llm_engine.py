@@ -14,10 +14,10 @@ from batchgen.config import EngineConfig, ModelConfig
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cuda_graph import default_capture_sizes
 from batchgen.engine.detokenizer import Detokenizer
-from batchgen.engine.model_runner import ModelRunner
+from batchgen.engine.model_runner import LaunchedStep, ModelRunner
 from batchgen.engine.request import Request
-from batchgen.engine.scheduler import Scheduler, SchedulerConfig
-from batchgen.layers.compiled import compile_small_layers
+from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batchgen.layers.compiled import compile_small_layers, use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -41,12 +41,23 @@ class StepRecord:
     prepare_ms: float
     forward_ms: float
     sample_ms: float
+    wait_ms: float
     step_ms: float
     kv_blocks_used: int
     kv_blocks_total: int
     num_waiting: int
     num_running: int
     num_preempted: int
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled ids the host has not read yet."""
+
+    step: SchedulerOutput
+    launched: LaunchedStep
+    start: float  # perf_counter when its scheduling began
+    schedule_ms: float
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,12 +68,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def attention_ops(name: str, device: torch.device):
+def resolve_attention_backend(name: str, device: torch.device) -> str:
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        if device.type != "cuda":
-            raise ValueError("engine.attention_backend='triton' needs a CUDA device; allowed on CPU: torch, auto")
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type != "cuda":
+        raise ValueError("engine.attention_backend='triton' needs a CUDA device; allowed on CPU: torch, auto")
+    return name
+
+
+def attention_ops(backend: str):
+    if backend == "triton":
         from batchgen.layers import attention_triton
 
         return attention_triton
@@ -93,9 +108,12 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(hf_config, model.sliding_window)
         if self.device.type == "cuda" and engine_config.torch_compile:
             compile_small_layers(model)  # compiles lazily, at the memory-profiling run below
+        backend = resolve_attention_backend(engine_config.attention_backend, self.device)
+        if backend == "triton":
+            use_triton_layers(model, gemv=not engine_config.enforce_eager)
         self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start}
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
-                                  attention_ops(engine_config.attention_backend, self.device))
+                                  engine_config.max_num_seqs, attention_ops(backend))
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.info.update(
@@ -117,6 +135,8 @@ class LLMEngine:
         )
         self._finished_on_arrival: list[Request] = []
         self._prompts: dict[int, str | None] = {}
+        self._in_flight: _InFlight | None = None
+        self._last_result_time: float | None = None  # when the previous step's sampled ids reached the host
         self.num_steps = 0
 
     # -- setup ----------------------------------------------------------------------------------------------
@@ -208,7 +228,8 @@ class LLMEngine:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._finished_on_arrival)
+        return (self.scheduler.has_unfinished_requests() or bool(self._finished_on_arrival)
+                or self._in_flight is not None)
 
     @property
     def num_waiting(self) -> int:
@@ -217,34 +238,62 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------------------------------------
 
     def step(self) -> tuple[list[RequestOutput], StepRecord | None]:
-        """Run one step; returns the requests that finished in it and the step's timing row (None if idle)."""
+        """Launch one step and apply the results of one; returns the requests that finished and the applied step's
+        timing row (None when no step completed).
+
+        With async scheduling the applied step is the previous one: step N+1 is scheduled and queued while the
+        device still runs step N, so the host's work hides behind the device's.
+        """
         finished = self._finished_on_arrival
         self._finished_on_arrival = []
-        if not self.scheduler.has_unfinished_requests():
+        launched = self._launch_next()
+        if self.config.async_scheduling:
+            to_apply, self._in_flight = self._in_flight, launched
+        else:
+            to_apply = launched
+        if to_apply is None:
+            if launched is None and self.scheduler.has_unfinished_requests():
+                raise RuntimeError("the scheduler produced an empty step while requests are unfinished")
             return [self._output(r) for r in finished], None
+        finished_now, record = self._apply(to_apply)
+        return [self._output(r) for r in finished + finished_now], record
+
+    def _launch_next(self) -> _InFlight | None:
+        if not self.scheduler.has_unfinished_requests():
+            return None
         start = time.perf_counter()
         step = self.scheduler.schedule()
-        if step.is_empty:
-            raise RuntimeError("the scheduler produced an empty step while requests are unfinished")
+        if step.is_empty:  # every running request ends with its pending token
+            return None
         schedule_ms = (time.perf_counter() - start) * 1000
-        result = self.runner.execute(step)
-        finished += self.scheduler.update(step, result.sampled_token_ids)
+        launched = self.runner.launch(step)
+        self.scheduler.advance(step)
+        return _InFlight(step, launched, start, schedule_ms)
+
+    def _apply(self, in_flight: _InFlight) -> tuple[list[Request], StepRecord]:
+        step = in_flight.step
+        result = self.runner.collect(in_flight.launched)
+        finished = self.scheduler.commit(step, result.sampled_token_ids)
         if self.detokenizer is not None:
-            finished += self.detokenizer.apply_stop_strings(step, result.sampled_token_ids, self.scheduler)
+            finished += self.detokenizer.apply_stop_strings(step, self.scheduler)
         self.runner.release(finished)
+        now = time.perf_counter()
+        step_ms = (now - (self._last_result_time or in_flight.start)) * 1000
+        idle = self._in_flight is None and not self.scheduler.has_unfinished_requests()
+        self._last_result_time = None if idle else now
         block_manager = self.scheduler.block_manager
         record = StepRecord(
             step=self.num_steps, kind=step.kind, num_seqs=step.num_seqs, num_tokens=step.num_tokens,
             num_prefill_tokens=step.num_prefill_tokens, num_decode_tokens=step.num_decode_tokens,
             padded_size=result.padded_size, cuda_graph=result.padded_size is not None,
-            schedule_ms=schedule_ms, prepare_ms=result.prepare_ms, forward_ms=result.forward_ms,
-            sample_ms=result.sample_ms, step_ms=(time.perf_counter() - start) * 1000,
+            schedule_ms=in_flight.schedule_ms, prepare_ms=result.prepare_ms, forward_ms=result.forward_ms,
+            sample_ms=result.sample_ms, wait_ms=result.wait_ms, step_ms=step_ms,
             kv_blocks_used=block_manager.num_used_blocks, kv_blocks_total=block_manager.num_total_blocks,
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
             num_preempted=len(step.preempted),
         )
         self.num_steps += 1
-        return [self._output(r) for r in finished], record
+        return finished, record
 
     def _output(self, request: Request) -> RequestOutput:
         prompt = self._prompts.pop(request.request_id)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from batchgen.engine.block_tables import BlockTables
-from batchgen.engine.cuda_graph import CaptureStats, CudaGraphRunner, GraphCaptureBuffers
+from batchgen.engine.cuda_graph import CaptureStats, CudaGraphRunner, GraphCaptureBuffers, fill_pending_tokens
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import SchedulerOutput
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs
@@ -20,15 +20,6 @@ from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.sampler import SamplingTensors, sample
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    sampled_token_ids: list[int]  # parallel to the scheduled requests; -1 where no token was sampled
-    prepare_ms: float
-    forward_ms: float
-    sample_ms: float
-    padded_size: int | None  # the CUDA-graph bucket that ran the step, None when eager
 
 
 class _Timer:
@@ -53,9 +44,32 @@ class _Timer:
         return [(b - a) * 1000 for a, b in pairs]
 
 
+@dataclass
+class StepResult:
+    sampled_token_ids: list[int]  # parallel to the scheduled requests; -1 where no token was sampled
+    prepare_ms: float
+    forward_ms: float
+    sample_ms: float
+    wait_ms: float  # host time spent waiting for the sampled ids
+    padded_size: int | None  # the CUDA-graph bucket that ran the step, None when eager
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device; `ModelRunner.collect` waits for its sampled ids."""
+
+    num_seqs: int
+    sample_rows: list[int]
+    sampled: torch.Tensor  # (S,) int64 on the host (pinned on CUDA), filled when `done` completes
+    done: torch.cuda.Event | None  # None on CPU, where the step ran synchronously
+    timer: _Timer
+    prepare_ms: float
+    padded_size: int | None
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, block_size: int, max_model_len: int,
-                 attention_ops=attention_torch):
+                 max_num_seqs: int, attention_ops=attention_torch):
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -65,6 +79,10 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.graphs: CudaGraphRunner | None = None
         self.block_tables = BlockTables(self.block_table_width)
+        # The latest step's sampled ids stay on the device as the next step's inputs; the host learns them later.
+        self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self._last_sample_rows: dict[int, int] = {}  # id(request) -> its row in last_sampled
+        self._pinned = device.type == "cuda"
 
     # -- KV cache -------------------------------------------------------------------------------------------
 
@@ -109,18 +127,19 @@ class ModelRunner:
 
     def capture_graphs(self, sizes: list[int]) -> CaptureStats:
         buffers = GraphCaptureBuffers(max(sizes), self.block_table_width, self.device)
-        self.graphs = CudaGraphRunner(self.model, buffers, sizes)
+        self.graphs = CudaGraphRunner(self.model, buffers, sizes, self.last_sampled)
         with torch.inference_mode():
             return self.graphs.capture()
 
     # -- one step -------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> StepResult:
+    def launch(self, step: SchedulerOutput) -> LaunchedStep:
+        """Queues the step's forward and sampling on the device without waiting for them."""
         start = time.perf_counter()
         graph_size = self.graphs.padded_size(step.num_seqs) if self.graphs and _is_pure_decode(step) else None
         width = self.block_table_width if graph_size else None
-        inputs = build_step_inputs(step, self.block_size, self.block_tables, width)
+        inputs = build_step_inputs(step, self.block_size, self.block_tables, width, self._last_sample_rows)
         sample_requests = [step.requests[i] for i in inputs.sample_rows]
         sampling = SamplingTensors.from_params(
             [r.sampling_params for r in sample_requests],
@@ -139,13 +158,34 @@ class ModelRunner:
             timer.mark()
             logits = self._eager_logits(inputs, *tensors)
         timer.mark()
-        sampled = sample(logits, sampling).tolist() if inputs.sample_rows else []
+        num_samples = len(inputs.sample_rows)
+        sampled = torch.empty(num_samples, dtype=torch.int64, pin_memory=self._pinned)
+        if num_samples:
+            on_device = sample(logits, sampling)
+            self.last_sampled[:num_samples].copy_(on_device)
+            sampled.copy_(on_device, non_blocking=True)
         timer.mark()
-        forward_ms, sample_ms = timer.intervals_ms()
-        token_ids = [-1] * step.num_seqs
-        for row, token in zip(inputs.sample_rows, sampled, strict=True):
+        done = torch.cuda.Event() if self._pinned else None
+        if done is not None:
+            done.record()
+        self._last_sample_rows = {id(step.requests[row]): i for i, row in enumerate(inputs.sample_rows)}
+        return LaunchedStep(step.num_seqs, inputs.sample_rows, sampled, done, timer, prepare_ms, graph_size)
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """Waits for a launched step; its sampled ids are parallel to the step's requests."""
+        start = time.perf_counter()
+        if launched.done is not None:
+            launched.done.synchronize()
+        wait_ms = (time.perf_counter() - start) * 1000
+        forward_ms, sample_ms = launched.timer.intervals_ms()
+        token_ids = [-1] * launched.num_seqs
+        for row, token in zip(launched.sample_rows, launched.sampled.tolist(), strict=True):
             token_ids[row] = token
-        return StepResult(token_ids, prepare_ms, forward_ms, sample_ms, graph_size)
+        return StepResult(token_ids, launched.prepare_ms, forward_ms, sample_ms, wait_ms, launched.padded_size)
+
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        """launch + collect: runs one step to completion."""
+        return self.collect(self.launch(step))
 
     def release(self, requests: list[Request]) -> None:
         """Forget finished requests' block-table rows."""
@@ -153,7 +193,8 @@ class ModelRunner:
 
     def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         def put(array) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device, non_blocking=True)
+            host = torch.from_numpy(array)
+            return (host.pin_memory() if self._pinned else host).to(self.device, non_blocking=True)
 
         meta = AttentionMetadata(
             slot_mapping=put(inputs.slot_mapping),
@@ -164,7 +205,10 @@ class ModelRunner:
             max_seq_len=inputs.max_seq_len,
             is_decode=inputs.is_decode,
         )
-        return put(inputs.input_ids), put(inputs.positions), meta, put(inputs.sample_token_index)
+        input_ids = put(inputs.input_ids)
+        if inputs.has_pending_tokens:
+            input_ids = fill_pending_tokens(input_ids, put(inputs.pending_source), self.last_sampled)
+        return input_ids, put(inputs.positions), meta, put(inputs.sample_token_index)
 
     def _eager_logits(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata, sample_token_index: torch.Tensor) -> torch.Tensor:

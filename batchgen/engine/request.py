@@ -8,6 +8,9 @@ from enum import Enum, auto
 
 from batchgen.sampling_params import SamplingParams
 
+# An output slot whose token is still being sampled on the device (async scheduling runs one step ahead).
+PENDING_TOKEN = -1
+
 
 class RequestStatus(Enum):
     WAITING = auto()
@@ -53,6 +56,11 @@ class Request:
     def is_decoding(self) -> bool:
         """Only the last sampled token is missing from the cache: the next step is a decode."""
         return self.num_output_tokens > 0 and self.num_computed_tokens == self.num_tokens - 1
+
+    def drop_pending_tokens(self) -> None:
+        """Forget the slots of steps launched after the request finished: their tokens are discarded."""
+        while self.output_token_ids and self.output_token_ids[-1] == PENDING_TOKEN:
+            self.output_token_ids.pop()
 
     def token_id(self, position: int) -> int:
         if position < self.num_prompt_tokens:

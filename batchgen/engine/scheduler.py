@@ -14,6 +14,12 @@ requests leave and waiting ones join at every step. Step composition, chosen by 
 Tokens count as decode tokens iff the request `is_decoding` (a recompute after preemption is prefill).
 `SchedulerOutput.requests` lists decodes first, then prefill chunks.
 
+A step is applied in two halves, so that the engine can schedule step N+1 while the device still runs step N
+(async scheduling): `advance` when the step is launched (tokens count as computed; each sampled token gets a
+PENDING_TOKEN slot) and `commit` when its sampled ids arrive (slots filled, stop conditions checked). A request
+whose pending token may end it is still scheduled; if it does end, the later step's token is discarded. One that
+will end on length whatever the token is not scheduled again.
+
 Preemption by recompute: when a running request cannot get the blocks its next tokens need, the most recently
 admitted running request is preempted (blocks freed, `num_computed_tokens = 0`, back to the FRONT of the waiting
 queue) and the allocation retried; when the request itself is the most recent one, it preempts itself and is not
@@ -28,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.request import Request, RequestStatus
+from batchgen.engine.request import PENDING_TOKEN, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -51,15 +57,17 @@ class SchedulerOutput:
     preempted: list[Request]  # preempted while building this step
     num_prefill_tokens: int
     num_decode_tokens: int
-    # Parallel to requests: this step completes the request's sequence, so a token is sampled for it.
-    # Fixed when the step is built, because `Scheduler.update` then advances the requests.
+    # Parallel to requests: this step completes the request's sequence, so a token is sampled for it, into
+    # output_token_ids[output_slots[i]]. Fixed when the step is built, because `Scheduler.advance` moves requests on.
     samples: list[bool] = field(init=False)
+    output_slots: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.samples = [
             request.num_computed_tokens + num_tokens == request.num_tokens
             for request, num_tokens in zip(self.requests, self.num_scheduled_tokens, strict=True)
         ]
+        self.output_slots = [request.num_output_tokens for request in self.requests]
 
     @property
     def num_seqs(self) -> int:
@@ -156,24 +164,29 @@ class Scheduler:
                 self._admit_waiting(step)
             if not step.decodes and not step.prefills:
                 self._schedule_running(step, decodes=True, prefills=False)
-        output = step.build()
-        assert not output.is_empty or not self.has_unfinished_requests(), "scheduler stalled with work left"
-        return output
+        return step.build()
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """Applies a finished step; returns the requests that finished in it."""
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step is launched: its tokens count as computed, and each sampled token gets a pending slot."""
+        for request, num_tokens, samples in zip(output.requests, output.num_scheduled_tokens, output.samples,
+                                                strict=True):
+            request.num_computed_tokens += num_tokens
+            if samples:
+                request.output_token_ids.append(PENDING_TOKEN)
+
+    def commit(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        """The step's sampled ids arrived: fills the pending slots; returns the requests that finished."""
         now = time.perf_counter()
         finished = []
-        for request, num_tokens, samples, token_id in zip(
-            output.requests, output.num_scheduled_tokens, output.samples, sampled_token_ids, strict=True
+        for request, samples, slot, token_id in zip(
+            output.requests, output.samples, output.output_slots, sampled_token_ids, strict=True
         ):
-            request.num_computed_tokens += num_tokens
-            if not samples:
+            if not samples or request.is_finished:  # it ended at an earlier step: this token is discarded
                 continue
-            request.output_token_ids.append(token_id)
+            request.output_token_ids[slot] = token_id
             if request.first_token_time is None:
                 request.first_token_time = now
-            reason = self._stop_reason(request, token_id)
+            reason = self._stop_reason(request, token_id, slot + 1)
             if reason is not None:
                 self._mark_finished(request, reason, now)
                 finished.append(request)
@@ -181,28 +194,38 @@ class Scheduler:
             self.running = [request for request in self.running if not request.is_finished]
         return finished
 
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        """advance + commit: applies a step whose sampled ids are already known."""
+        self.advance(output)
+        return self.commit(output, sampled_token_ids)
+
     def finish_request(self, request: Request, reason: str) -> None:
         """Ends a request the engine decided to stop (a stop string in its detokenized text)."""
         if request in self.running:
             self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
         self._mark_finished(request, reason, time.perf_counter())
 
-    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+    def _stop_reason(self, request: Request, token_id: int, num_output_tokens: int) -> str | None:
         params = request.sampling_params
         if token_id == request.eos_token_id and not params.ignore_eos:
             return "stop"
         if token_id in params.stop_token_ids:
             return "stop"
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if self._reaches_length(request, num_output_tokens):
             return "length"
         return None
 
+    def _reaches_length(self, request: Request, num_output_tokens: int) -> bool:
+        return (num_output_tokens >= request.sampling_params.max_tokens
+                or request.num_prompt_tokens + num_output_tokens >= self.config.max_model_len)
+
     def _mark_finished(self, request: Request, reason: str, now: float) -> None:
+        if request.status == RequestStatus.WAITING:  # preempted while its last token was still pending
+            self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = now
+        request.drop_pending_tokens()
         self.block_manager.free(request)
 
     def _wants_prefill_step(self) -> bool:
@@ -220,6 +243,8 @@ class Scheduler:
             index += 1
             if not (decodes if request.is_decoding else prefills):
                 continue
+            if self._reaches_length(request, request.num_output_tokens):
+                continue  # its pending token ends it, whatever the token is
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             if not self._allocate_or_preempt(request, num_new, step):
                 return  # it preempted itself: it was the last running request

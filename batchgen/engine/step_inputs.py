@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.engine.block_tables import BlockTables
-from batchgen.engine.request import Request
+from batchgen.engine.request import PENDING_TOKEN, Request
 from batchgen.engine.scheduler import SchedulerOutput
 
 
@@ -21,6 +21,9 @@ class StepInputs:
     block_tables: np.ndarray  # (B, max_blocks) int32
     sample_rows: list[int]  # indices into the scheduled requests that sample a token this step
     sample_token_index: np.ndarray  # (S,) int64: flattened token index whose hidden state gives each sample's logits
+    # (T,) int64: where input_ids holds PENDING_TOKEN, the row of the previous step's sampled ids that holds the
+    # token (still on the device); -1 elsewhere.
+    pending_source: np.ndarray
     max_query_len: int
     max_seq_len: int
 
@@ -32,16 +35,22 @@ class StepInputs:
     def is_decode(self) -> bool:
         return self.max_query_len == 1
 
+    @property
+    def has_pending_tokens(self) -> bool:
+        return bool((self.pending_source >= 0).any())
+
 
 def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTables,
-                      block_table_width: int | None = None) -> StepInputs:
-    """block_table_width: a fixed width (the CUDA-graph buffers' width) or None for the widest request's."""
+                      block_table_width: int | None = None,
+                      previous_sample_rows: dict[int, int] | None = None) -> StepInputs:
+    """block_table_width: a fixed width (the CUDA-graph buffers' width) or None for the widest request's.
+    previous_sample_rows: id(request) -> its row among the previous step's samples, for tokens still pending."""
     requests, counts = step.requests, step.num_scheduled_tokens
     width = block_table_width or max(len(r.block_ids) for r in requests)
     rows = tables.rows(requests)  # before reading tables.table: it may grow
     block_tables = tables.table[rows, :width]
     if all(count == 1 for count in counts):
-        return _one_token_each(requests, block_size, block_tables)
+        return _one_token_each(requests, block_size, block_tables, previous_sample_rows)
     num_tokens = sum(counts)
     input_ids = np.empty(num_tokens, dtype=np.int64)
     positions = np.empty(num_tokens, dtype=np.int64)
@@ -59,24 +68,30 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
         query_start_loc[row + 1] = start
         if end == request.num_tokens:
             sample_rows.append(row)
-    return _finish(input_ids, positions, seq_lens, query_start_loc, block_tables, sample_rows, block_size,
-                   np.repeat(np.arange(len(requests)), counts), max(counts))
+    return _finish(requests, input_ids, positions, seq_lens, query_start_loc, block_tables, sample_rows, block_size,
+                   np.repeat(np.arange(len(requests)), counts), max(counts), previous_sample_rows)
 
 
-def _one_token_each(requests: list[Request], block_size: int, block_tables: np.ndarray) -> StepInputs:
+def _one_token_each(requests: list[Request], block_size: int, block_tables: np.ndarray,
+                    previous_sample_rows: dict[int, int] | None) -> StepInputs:
     """The decode-shaped step, vectorized: no per-request numpy calls."""
     n = len(requests)
     positions = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
     input_ids = np.fromiter((r.token_id(r.num_computed_tokens) for r in requests), dtype=np.int64, count=n)
     sample_rows = [i for i, r in enumerate(requests) if r.num_computed_tokens + 1 == r.num_tokens]
-    return _finish(input_ids, positions, (positions + 1).astype(np.int32), np.arange(n + 1, dtype=np.int32),
-                   block_tables, sample_rows, block_size, np.arange(n), 1)
+    return _finish(requests, input_ids, positions, (positions + 1).astype(np.int32),
+                   np.arange(n + 1, dtype=np.int32), block_tables, sample_rows, block_size, np.arange(n), 1,
+                   previous_sample_rows)
 
 
-def _finish(input_ids: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
-            block_tables: np.ndarray, sample_rows: list[int], block_size: int, token_rows: np.ndarray,
-            max_query_len: int) -> StepInputs:
+def _finish(requests: list[Request], input_ids: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray,
+            query_start_loc: np.ndarray, block_tables: np.ndarray, sample_rows: list[int], block_size: int,
+            token_rows: np.ndarray, max_query_len: int, previous_sample_rows: dict[int, int] | None) -> StepInputs:
     blocks = block_tables[token_rows, positions // block_size]
+    pending_source = np.full(len(input_ids), -1, dtype=np.int64)
+    pending = np.flatnonzero(input_ids == PENDING_TOKEN)
+    if len(pending):  # only the previous step's tokens can still be pending: every earlier step is committed
+        pending_source[pending] = [previous_sample_rows[id(requests[row])] for row in token_rows[pending]]
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -88,4 +103,5 @@ def _finish(input_ids: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray, 
         sample_token_index=query_start_loc[1:][sample_rows].astype(np.int64) - 1,
         max_query_len=max_query_len,
         max_seq_len=int(seq_lens.max()),
+        pending_source=pending_source,
     )

@@ -44,6 +44,7 @@ STEPS_SCHEMA = pa.schema(
         pa.field("prepare_ms", pa.float64(), nullable=False),
         pa.field("forward_ms", pa.float64(), nullable=False),
         pa.field("sample_ms", pa.float64(), nullable=False),
+        pa.field("wait_ms", pa.float64(), nullable=False),
         pa.field("step_ms", pa.float64(), nullable=False),
         pa.field("kv_blocks_used", pa.int32(), nullable=False),
         pa.field("kv_blocks_total", pa.int32(), nullable=False),

@@ -51,10 +51,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # (T, H * D)
         if self.k_cache.numel() == 0:
             raise RuntimeError("the KV cache is not bound: set k_cache and v_cache on every Attention layer first")
-        q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.attend(q, meta)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # (T, H * D) or (T, H, D)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, H * D)
+        """Attention over the cache, which already holds this step's K/V."""
+        q = q.view(-1, self.num_heads, self.head_dim)
         if meta.is_decode:
             out = self.ops.decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale)
         else:

@@ -72,7 +72,9 @@ def store_kv(
     )  # fmt: skip
 
 
-@triton.jit
+# Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
+# a second) whenever that width first changes divisibility.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale,
@@ -244,7 +246,7 @@ def decode_attention(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale,

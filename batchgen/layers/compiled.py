@@ -1,7 +1,9 @@
-"""torch.compile for the small elementwise layers on CUDA: each becomes one fused kernel instead of several.
+"""Switches layers to their fused CUDA paths; the CPU path and the reference tests keep the plain functions.
 
-Only the pure functions are compiled (once each, with dynamic shapes, shared by every layer instance); the CPU
-path and the tests keep the plain functions.
+- torch.compile for the small elementwise layers: each becomes one fused kernel instead of several. Only the pure
+  functions are compiled (once each, with dynamic shapes, shared by every layer instance).
+- Triton kernels for the layers that offer `use_triton()`: the fused q/k-norm + RoPE + K/V store, and the
+  small-M GEMV of `Linear`.
 """
 
 from __future__ import annotations
@@ -12,15 +14,27 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from batchgen.layers.linear import Linear
+
 
 @functools.cache
 def compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True)
 
 
-def compile_small_layers(model: nn.Module) -> int:
-    """Switches every layer that offers `use_compiled()` to its compiled function; returns how many."""
-    layers = [m for m in model.modules() if hasattr(m, "use_compiled")]
-    for layer in layers:
-        layer.use_compiled()
-    return len(layers)
+def compile_small_layers(model: nn.Module) -> None:
+    """Switches every layer that offers `use_compiled()` to its compiled function."""
+    for layer in model.modules():
+        if hasattr(layer, "use_compiled"):
+            layer.use_compiled()
+
+
+def use_triton_layers(model: nn.Module, gemv: bool) -> None:
+    """Switches every layer that offers `use_triton()` to its Triton kernel; `Linear`s only if `gemv`.
+
+    The GEMV pays off only replayed in CUDA graphs: launched from Python, a Triton kernel costs more host time than
+    it saves over cuBLAS.
+    """
+    for layer in model.modules():
+        if hasattr(layer, "use_triton") and (gemv or not isinstance(layer, Linear)):
+            layer.use_triton()

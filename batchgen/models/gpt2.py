@@ -11,6 +11,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from batchgen.layers.attention import Attention, AttentionMetadata
+from batchgen.layers.linear import Linear
 from batchgen.models.weights import WeightTarget, load_into
 
 ACTIVATIONS = {
@@ -44,8 +45,8 @@ class GPT2Attention(nn.Module):
         num_heads = config.num_attention_heads
         head_dim = hidden // num_heads
         scale = head_dim**-0.5 if config.scale_attn_weights else 1.0
-        self.c_attn = nn.Linear(hidden, 3 * hidden)
-        self.c_proj = nn.Linear(hidden, hidden)
+        self.c_attn = Linear(hidden, 3 * hidden)
+        self.c_proj = Linear(hidden, hidden)
         self.attn = Attention(num_heads, num_heads, head_dim, scale)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # (T, E) -> (T, E)
@@ -57,8 +58,8 @@ class GPT2MLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.hidden_size
-        self.c_fc = nn.Linear(config.hidden_size, inner)
-        self.c_proj = nn.Linear(inner, config.hidden_size)
+        self.c_fc = Linear(config.hidden_size, inner)
+        self.c_proj = Linear(inner, config.hidden_size)
         self.act = ACTIVATIONS[config.activation_function]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, E) -> (T, E)
@@ -99,7 +100,7 @@ class GPT2LMHeadModel(nn.Module):
         _check_supported(config)
         self.config = config
         self.transformer = GPT2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # GPT-2 always ties them
         self.sliding_window: int | None = None
 

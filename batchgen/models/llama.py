@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.compiled import compiled
+from batchgen.layers.linear import Linear
 from batchgen.layers.norms import RMSNorm, rms_norm
 from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from batchgen.models.weights import WeightTarget, fused_rows, load_into
@@ -33,8 +34,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -42,16 +43,28 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self._norm_and_rotate = norm_and_rotate
+        self._rotate_and_store = None  # the fused Triton op, once use_triton() is called
 
     def use_compiled(self) -> None:
         self._norm_and_rotate = compiled(norm_and_rotate)
 
+    def use_triton(self) -> None:
+        """q/k norm, RoPE and the K/V cache store as one Triton kernel, for CUDA inputs."""
+        from batchgen.layers.rotary_triton import rotate_and_store
+
+        self._rotate_and_store = rotate_and_store
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)  # (T, (H + 2 * KVH) * D)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+        if self._rotate_and_store is not None and qkv.is_cuda:
+            q = self._rotate_and_store(qkv, positions, self.rotary.cos, self.rotary.sin, norms, self.attn.k_cache,
+                                       self.attn.v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads)
+            return self.o_proj(self.attn.attend(q, meta))  # (T, hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         q, k = self._norm_and_rotate(positions, q, k, norms, self.rotary.cos, self.rotary.sin)
         return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
 
@@ -71,8 +84,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
@@ -127,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias = self.qkv_bias_always or getattr(config, "attention_bias", False)
         self.model = LlamaModel(config, qkv_bias, self.qk_norm)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.sliding_window: int | None = self._sliding_window(config)

@@ -1,0 +1,109 @@
+"""One Triton kernel between the QKV projection and attention: Qwen3's q/k RMSNorm, RoPE, and the K/V cache store.
+
+The reference path runs these as separate ops (on CUDA, torch.compile still makes four kernels of the norm and
+rotation, plus the store): at batch 1 each costs a launch of a few microseconds for a few kilobytes of work, in
+every layer. One launch reads the step's fused q/k/v rows once and writes the rotated q and the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_normed(x1, x2, weight_ptr, i, i_mask, eps, dtype: tl.constexpr, HALF: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """RMSNorm of a head given as halves (1, BLOCK_HALF) in fp32, rounded like the reference: weight * x.to(dtype).
+
+    i: (1, BLOCK_HALF) offsets into the first half of the weight."""
+    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+    w1 = tl.load(weight_ptr + i, mask=i_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)
+    y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return y1, y2
+
+
+@triton.jit
+def _rotate_and_store_kernel(
+    qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    slot_mapping_ptr, eps,
+    stride_qkv_t, stride_cos_p, stride_qo_t, stride_qo_h,
+    stride_kc_blk, stride_kc_off, stride_kc_h, stride_vc_blk, stride_vc_off, stride_vc_h,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr,
+):  # fmt: skip
+    """One program per (token, q head) and per (token, kv head): small programs, so a decode step's few tokens
+    still spread over many SMs."""
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dtype = q_out_ptr.dtype.element_ty
+    pos = tl.load(positions_ptr + t)
+    i = tl.arange(0, BLOCK_HALF)[None, :]  # (1, BLOCK_HALF): each head is rotated as two halves
+    i_mask = i < HALF
+    # The reference casts the fp32 tables to the model dtype before rotating.
+    cos = tl.load(cos_ptr + pos * stride_cos_p + i, mask=i_mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_cos_p + i, mask=i_mask, other=0.0).to(dtype).to(tl.float32)
+    row = qkv_ptr + t * stride_qkv_t
+    if head < NUM_HEADS:
+        q_at = row + head * HEAD_DIM + i
+        q1 = tl.load(q_at, mask=i_mask, other=0.0).to(tl.float32)
+        q2 = tl.load(q_at + HALF, mask=i_mask, other=0.0).to(tl.float32)
+        if QK_NORM:
+            q1, q2 = _rms_normed(q1, q2, q_norm_ptr, i, i_mask, eps, dtype, HALF, HEAD_DIM)
+        q_out = q_out_ptr + t * stride_qo_t + head * stride_qo_h + i
+        tl.store(q_out, (q1 * cos - q2 * sin).to(dtype), mask=i_mask)
+        tl.store(q_out + HALF, (q2 * cos + q1 * sin).to(dtype), mask=i_mask)
+    else:
+        slot = tl.load(slot_mapping_ptr + t)
+        if slot >= 0:  # padding rows of a graph bucket write no K/V
+            g = head - NUM_HEADS
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            k_at = row + (NUM_HEADS + g) * HEAD_DIM + i
+            k1 = tl.load(k_at, mask=i_mask, other=0.0).to(tl.float32)
+            k2 = tl.load(k_at + HALF, mask=i_mask, other=0.0).to(tl.float32)
+            if QK_NORM:
+                k1, k2 = _rms_normed(k1, k2, k_norm_ptr, i, i_mask, eps, dtype, HALF, HEAD_DIM)
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            k_out = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + g * stride_kc_h + i
+            tl.store(k_out, (k1 * cos - k2 * sin).to(dtype).to(cache_dtype), mask=i_mask)
+            tl.store(k_out + HALF, (k2 * cos + k1 * sin).to(dtype).to(cache_dtype), mask=i_mask)
+            v_at = k_at + NUM_KV_HEADS * HEAD_DIM
+            v_out = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_off + g * stride_vc_h + i
+            tl.store(v_out, tl.load(v_at, mask=i_mask).to(cache_dtype), mask=i_mask)
+            tl.store(v_out + HALF, tl.load(v_at + HALF, mask=i_mask).to(cache_dtype), mask=i_mask)
+
+
+def rotate_and_store(
+    qkv: torch.Tensor,  # (T, (H + 2 * KVH) * D): q heads, then k heads, then v heads
+    positions: torch.Tensor,  # (T,) int64
+    cos: torch.Tensor,  # (P, D / 2) float32
+    sin: torch.Tensor,  # (P, D / 2) float32
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (q weight (D,), k weight (D,), eps): Qwen3 only
+    k_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    v_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    slot_mapping: torch.Tensor,  # (T,) int64, -1 = write nothing
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:  # (T, H, D): q, normed and rotated
+    num_tokens = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    assert qkv.stride(1) == 1 and cos.stride(1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)  # unread without QK_NORM
+    half = head_dim // 2
+    _rotate_and_store_kernel[(num_tokens, num_heads + num_kv_heads)](
+        qkv, positions, cos, sin, q_weight, k_weight, q, k_cache, v_cache, slot_mapping, eps,
+        qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1], QK_NORM=qk_norm is not None,
+        num_warps=1,
+    )  # fmt: skip
+    return q

@@ -1,0 +1,204 @@
+"""bench_linear: the Triton small-M linear kernel vs cuBLAS (F.linear) on the Qwen3-0.6B projections (CUDA only).
+
+For each layer shape (qkv, o, gate_up, down, lm_head; bf16) and M in 1, 2, 4, 8 tokens: one CUDA graph holds
+--calls back-to-back calls, as a decode step's graph does, each on the next of several copies of the weight, so that
+(like 28 layers in a row) no call finds its weight in L2. Time per call = median over --replays replays (CUDA events)
+/ calls. GB/s = (weight + x + output bytes) / time. The decode-step sum is the 113 linears of one decode step at M=1
+(28 layers x 4 projections + lm_head). --sweep times alternatives to default_config's (BLOCK_N, BLOCK_K, num_warps).
+
+Usage: python -m benchmarks.bench_linear [--ms 1 2 4 8] [--calls 100] [--replays 10] [--sweep] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from batchgen.layers.linear_triton import MAX_M, LinearConfig, default_config, small_m_linear
+from benchmarks.common import (
+    QWEN3,
+    add_out_argument,
+    copy_bandwidth_gbs,
+    environment,
+    load_model_config,
+    markdown_table,
+    save_json,
+    time_ms,
+)
+
+
+def qwen3_linears() -> dict[str, tuple[int, int, int]]:
+    """name: (N, K, calls per decode step) of every linear layer of the Qwen3-0.6B shape."""
+    c = load_model_config(QWEN3).hf_config
+    q_size, kv_size = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    layers, hidden = c["num_hidden_layers"], c["hidden_size"]
+    return {
+        "qkv_proj": (q_size + 2 * kv_size, hidden, layers),
+        "o_proj": (hidden, q_size, layers),
+        "gate_up_proj": (2 * c["intermediate_size"], hidden, layers),
+        "down_proj": (hidden, c["intermediate_size"], layers),
+        "lm_head": (c["vocab_size"], hidden, 1),
+    }
+
+
+def weight_copies(n: int, k: int, dtype: torch.dtype, rotate_bytes: int) -> list[torch.Tensor]:
+    """Enough (n, k) weights (at least 2) to add up to rotate_bytes: cycling through them keeps each out of L2."""
+    count = max(2, -(-rotate_bytes // (n * k * dtype.itemsize)))
+    return [torch.randn(n, k, device="cuda").mul_(k**-0.5).to(dtype) for _ in range(count)]
+
+
+def graph_ms_per_call(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], calls: int,
+                      replays: int) -> float:
+    """ms per call of fn(weight): median over replays of one CUDA graph of `calls` calls cycling through weights."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(weights[0])  # compiles the kernel / sets up cuBLAS outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(weights[i % len(weights)])
+    graph.replay()
+    torch.cuda.synchronize()
+    ms = statistics.median(time_ms(graph.replay) for _ in range(replays)) / calls
+    del graph
+    return ms
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig | None = None) -> None:
+    expected = F.linear(x.float(), weight.float())
+    scale = max(float(expected.abs().max()), 1.0)
+    torch.testing.assert_close(small_m_linear(x, weight, config=config).float(), expected, atol=1e-2 * scale,
+                               rtol=1e-2)
+
+
+def sweep_configs(n: int, k: int, element_size: int) -> list[LinearConfig]:
+    """BLOCK_N of 1..16, BLOCK_K of K (rounded up to a power of two, at most 8 KB of a row), its half and its quarter,
+    1..8 warps: those where each thread loads 1 to 8 16-byte vectors of weight per step."""
+    k_pow2 = triton.next_power_of_2(k)
+    configs = []
+    for block_k in sorted({min(k_pow2 >> shift, 8192 // element_size) for shift in (0, 1, 2)}):
+        for block_n in (1, 2, 4, 8, 16):
+            for num_warps in (1, 2, 4, 8):
+                if 1 <= block_n * block_k * element_size // (16 * 32 * num_warps) <= 8:
+                    configs.append(LinearConfig(block_n, block_k, num_warps))
+    return configs
+
+
+def run_sweep(shapes: dict[str, tuple[int, int, int]], args: argparse.Namespace,
+              dtype: torch.dtype) -> list[dict[str, Any]]:
+    rows = []
+    for name, (n, k, _) in shapes.items():
+        weights = weight_copies(n, k, dtype, args.rotate_mib * 2**20)
+        default = default_config(n, k, dtype.itemsize)
+        for m in args.sweep_ms:
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            for config in sweep_configs(n, k, dtype.itemsize):
+                row: dict[str, Any] = {"layer": name, "n": n, "k": k, "m": m, **config._asdict(),
+                                       "default": config == default}
+                try:
+                    check(x, weights[0], config)
+                    row["ms"] = graph_ms_per_call(lambda w, x=x, c=config: small_m_linear(x, w, config=c), weights,
+                                                  args.calls, args.replays)
+                except Exception as error:  # a config the GPU cannot run (out of resources) is a result, not a crash
+                    row["error"] = f"{type(error).__name__}: {error}"[:200]
+                rows.append(row)
+            print(f"swept {name} m={m}", file=sys.stderr, flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_table(rows: list[dict[str, Any]], top: int) -> str:
+    """Per (layer, M): the `top` fastest configs and the default one; microseconds and time / the fastest's."""
+    lines = []
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["layer"], row["m"]), []).append(row)
+    for (name, m), group in groups.items():
+        timed = sorted((r for r in group if "ms" in r), key=lambda r: r["ms"])
+        shown = timed[:top] + [r for r in timed[top:] if r["default"]]
+        lines += [(name, m, r["block_n"], r["block_k"], r["num_warps"], "yes" if r["default"] else "",
+                   r["ms"] * 1000, r["ms"] / timed[0]["ms"]) for r in shown]
+    return markdown_table(["layer", "M", "BLOCK_N", "BLOCK_K", "warps", "default", "us", "vs best"], lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ms", type=int, nargs="*", default=[1, 2, 4, 8], help=f"token counts, 1..{MAX_M}")
+    parser.add_argument("--layers", nargs="*", default=None, help="layer names (default: all of Qwen3-0.6B's)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--calls", type=int, default=100, help="back-to-back calls in one CUDA graph")
+    parser.add_argument("--replays", type=int, default=10, help="timed graph replays (median)")
+    parser.add_argument("--rotate-mib", type=int, default=512, help="total size of the weight copies per layer")
+    parser.add_argument("--sweep", action="store_true", help="also time the alternatives to the default config")
+    parser.add_argument("--sweep-ms", type=int, nargs="*", default=[1], help="token counts the sweep times")
+    parser.add_argument("--top", type=int, default=3, help="sweep configs shown per layer and M")
+    add_out_argument(parser)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_linear needs a CUDA device")
+    if not all(1 <= m <= MAX_M for m in [*args.ms, *args.sweep_ms]):
+        sys.exit(f"token counts must be in 1..{MAX_M}")
+    dtype = getattr(torch, args.dtype)
+    shapes = qwen3_linears()
+    shapes = {name: shape for name, shape in shapes.items() if args.layers is None or name in args.layers}
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth_gbs()
+
+    results = []
+    for name, (n, k, per_step) in shapes.items():
+        weights = weight_copies(n, k, dtype, args.rotate_mib * 2**20)
+        config = default_config(n, k, dtype.itemsize)
+        for m in args.ms:
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            check(x, weights[0])
+            cublas_ms = graph_ms_per_call(lambda w, x=x: F.linear(x, w), weights, args.calls, args.replays)
+            triton_ms = graph_ms_per_call(lambda w, x=x: small_m_linear(x, w), weights, args.calls, args.replays)
+            gb = (n * k + m * k + m * n) * dtype.itemsize / 1e9
+            results.append({"layer": name, "n": n, "k": k, "m": m, "per_step": per_step, "config": config._asdict(),
+                            "cublas_ms": cublas_ms, "triton_ms": triton_ms, "cublas_gbs": gb / cublas_ms * 1e3,
+                            "triton_gbs": gb / triton_ms * 1e3})
+            print(f"done {name} m={m}", file=sys.stderr, flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    step = [r for r in results if r["m"] == 1]
+    decode_step = {"linears": sum(r["per_step"] for r in step),
+                   "cublas_ms": sum(r["per_step"] * r["cublas_ms"] for r in step),
+                   "triton_ms": sum(r["per_step"] * r["triton_ms"] for r in step)} if step else None
+    sweep = run_sweep(shapes, args, dtype) if args.sweep else []
+
+    env = environment()
+    save_json(args.out, "bench_linear", {
+        "environment": env, "dtype": args.dtype, "calls_per_graph": args.calls, "replays": args.replays,
+        "rotate_bytes": args.rotate_mib * 2**20, "copy_bandwidth_gbs": bandwidth, "results": results,
+        "decode_step_m1": decode_step, "sweep": sweep,
+        "notes": "ms per call inside a CUDA graph of back-to-back calls over weight copies that do not fit in L2; "
+                 "GB/s counts weight + x + output bytes; copy bandwidth counts bytes read + written",
+    })
+    if sweep:
+        print(f"\n## bench_linear sweep ({env['device']}, {args.dtype}; fastest {args.top} and the default)\n")
+        print(sweep_table(sweep, args.top))
+    print(f"\n## bench_linear ({env['device']}, {args.dtype}; {args.calls} calls per graph, median of {args.replays} "
+          f"replays; copy bandwidth {bandwidth:.0f} GB/s)\n")
+    headers = ["layer", "N", "K", "M", "BLOCK_N", "BLOCK_K", "warps", "cuBLAS us", "Triton us", "cuBLAS GB/s",
+               "Triton GB/s", "speedup"]
+    print(markdown_table(headers, [
+        [r["layer"], r["n"], r["k"], r["m"], *r["config"].values(), r["cublas_ms"] * 1000, r["triton_ms"] * 1000,
+         r["cublas_gbs"], r["triton_gbs"], r["cublas_ms"] / r["triton_ms"]] for r in results
+    ]))
+    if decode_step:
+        print(f"\nOne decode step's {decode_step['linears']} linears at M=1: cuBLAS {decode_step['cublas_ms']:.3f} ms, "
+              f"Triton {decode_step['triton_ms']:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

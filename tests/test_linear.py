@@ -1,0 +1,77 @@
+"""`Linear` as a drop-in nn.Linear in every model: same parameters, tied lm_head kept, plain F.linear on CPU.
+
+The Triton kernel itself is tested in test_linear_triton.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ARCHITECTURES
+from paged_helpers import PagedTestCache
+from torch import nn
+
+from batchgen.config import ModelConfig
+from batchgen.layers.compiled import use_triton_layers
+from batchgen.layers.linear import Linear
+from batchgen.models.loader import load_hf_config, load_model
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def test_linear_is_a_drop_in_nn_linear() -> None:
+    torch.manual_seed(0)
+    plain = nn.Linear(16, 8)
+    ours = Linear(16, 8)
+    ours.load_state_dict(plain.state_dict())
+    assert [name for name, _ in ours.named_parameters()] == ["weight", "bias"]
+    assert isinstance(ours, nn.Linear) and Linear(16, 8, bias=False).bias is None
+    x = torch.randn(3, 5, 16)
+    assert torch.equal(ours(x), plain(x))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="use_triton imports the Triton kernel")
+def test_switched_linear_falls_back_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchgen.layers import linear_triton
+
+    monkeypatch.setattr(linear_triton, "small_m_linear", lambda *args: pytest.fail("the kernel ran on CPU"))
+    layer = Linear(16, 8)
+    layer.use_triton()
+    x = torch.randn(1, 16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_models_build_their_projections_from_linear(
+    architecture: str, tiny_model_dir: Callable[..., Path]
+) -> None:
+    """Every projection and lm_head is a `Linear`; a tied lm_head still shares the embedding after loading, and the
+    switch to the Triton path (a no-op on CPU) leaves the logits unchanged."""
+    model_config = ModelConfig(path=str(tiny_model_dir(architecture)))
+    model = load_model(model_config, load_hf_config(model_config), torch.float32, torch.device("cpu"))
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, Linear) for m in linears)
+    assert len(linears) == 4 * model.config.num_hidden_layers + 1
+    embedding = model.get_submodule("transformer.wte" if architecture == "GPT2LMHeadModel" else "model.embed_tokens")
+    assert (model.lm_head.weight is embedding.weight) == model.config.tie_word_embeddings
+    tokens = [3, 1, 4, 1, 5]
+    (expected,) = PagedTestCache(model).run(model, [(0, tokens)])
+    if HAS_TRITON:
+        use_triton_layers(model, gemv=True)
+        assert all(layer._small_m_linear is not None for layer in linears)
+        (logits,) = PagedTestCache(model).run(model, [(0, tokens)])
+        assert torch.equal(logits, expected)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the dispatch rule lives beside the Triton kernel")
+def test_gemv_takes_single_rows_and_small_launches_only() -> None:
+    from batchgen.layers.linear_triton import MAX_M, beats_cublas
+
+    assert beats_cublas(1, 151936) and not beats_cublas(2, 151936)  # lm_head: only a single row
+    assert beats_cublas(MAX_M, 1024) and not beats_cublas(MAX_M + 1, 16)
+    assert beats_cublas(2, 6144) and not beats_cublas(4, 6144)

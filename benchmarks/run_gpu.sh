@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU run: the gpu tests, then every benchmark with its defaults. Run from the repository root:
-#   bash benchmarks/run_gpu.sh
+#   bash benchmarks/run_gpu.sh              # every step, in order
+#   bash benchmarks/run_gpu.sh peers bench_linear   # only the named steps (one device command holds ~10 minutes)
 # Each step writes its JSON to $OUT (default benchmarks/out) and its log to $OUT/<name>.log. A failing or
 # timed-out step is recorded in $OUT/failures.txt and the run goes on; all tables are printed at the end.
 # Every step gets min(its cap, the time left of BUDGET_S), so the whole run ends before the device's 10-minute limit.
@@ -13,9 +14,11 @@ mkdir -p "$OUT"
 deadline=$((SECONDS + ${BUDGET_S:-560}))
 names=()
 
+wanted=" $* "
 step() {  # step NAME CAP_SECONDS COMMAND...
     local name=$1 cap=$2 left=$((deadline - SECONDS))
     shift 2
+    [[ $wanted == "  " || $wanted == *" $name "* ]] || return 0
     names+=("$name")
     if ((left < 30)); then
         echo "$name: skipped, no time left" | tee -a "$OUT/failures.txt"
@@ -29,16 +32,19 @@ step() {  # step NAME CAP_SECONDS COMMAND...
     fi
 }
 
-step pytest_gpu 150 "$PY" -m pytest -m gpu -q
-step seed_table 120 "$PY" -m benchmarks.seed_table
-step b1_latency 150 "$PY" -m benchmarks.b1_latency
-step nanovllm_bench 150 "$PY" -m benchmarks.nanovllm_bench
-step nanovllm_bench_n64 90 "$PY" -m benchmarks.nanovllm_bench --num-seqs 64
-# The cb peer's own limit (30 to 150 s) leaves about 2 minutes for loading, warm-up and the other two peer parts.
+step pytest_gpu 180 "$PY" -m pytest -m gpu -q
+step seed_table 150 "$PY" -m benchmarks.seed_table
+step b1_latency 180 "$PY" -m benchmarks.b1_latency
+step nanovllm_bench 120 "$PY" -m benchmarks.nanovllm_bench
+step profile_decode 90 "$PY" -m benchmarks.profile_decode --batches 1 64 256
+step nanovllm_bench_sync 120 "$PY" -m benchmarks.nanovllm_bench --sync
+step nanovllm_bench_mixed 120 "$PY" -m benchmarks.nanovllm_bench --mixed
+# The cb peer's own limit (30 to 300 s) leaves about 2 minutes for loading, warm-up and the other two peer parts.
 cb_limit=$((deadline - SECONDS - 120))
-cb_limit=$((cb_limit > 150 ? 150 : cb_limit < 30 ? 30 : cb_limit))
-step peers 300 "$PY" -m benchmarks.peers --time-limit "$cb_limit"
+cb_limit=$((cb_limit > 300 ? 300 : cb_limit < 30 ? 30 : cb_limit))
+step peers 450 "$PY" -m benchmarks.peers --num-seqs 256 --time-limit "$cb_limit"
 step bench_attention 60 "$PY" -m benchmarks.bench_attention
+step bench_linear 90 "$PY" -m benchmarks.bench_linear
 
 echo
 echo "# Results ($OUT)"

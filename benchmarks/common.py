@@ -174,6 +174,9 @@ def breakdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def _git_commit() -> str | None:
+    """$BATCHGEN_GIT_COMMIT if set (a copied working tree may carry stale or no git metadata), else HEAD."""
+    if os.environ.get("BATCHGEN_GIT_COMMIT"):
+        return os.environ["BATCHGEN_GIT_COMMIT"]
     try:
         result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.engine.cuda_graph import CudaGraphRunner
 from batchgen.engine.step_inputs import build_step_inputs
 from tests.conftest import ARCHITECTURES
 from tests.test_engine_greedy import MAX_TOKENS, hf_greedy_on, random_prompts
@@ -55,3 +56,25 @@ def test_graph_replay_equals_eager_for_every_bucket(tiny_model_dir, architecture
         for request in list(step.requests):
             engine.scheduler.finish_request(request, "length")
     llm.close()
+
+
+def test_capture_out_of_memory_drops_only_that_bucket(tiny_model_dir, monkeypatch, caplog):
+    capture_forward = CudaGraphRunner._forward
+
+    def forward(self, size: int) -> torch.Tensor:
+        if size == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return capture_forward(self, size)
+
+    monkeypatch.setattr(CudaGraphRunner, "_forward", forward)
+    model_dir = str(tiny_model_dir("Qwen3ForCausalLM"))
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=16, cuda_graph_capture_sizes=CAPTURE_SIZES)
+    assert llm.engine.runner.graphs.sizes == llm.engine.info["cuda_graph_sizes"] == [1, 2, 4, 16]
+    assert "out of memory at batch size 8" in caplog.text
+    prompts = random_prompts(256, count=6, seed=3)  # 6 running requests: replayed in the 16 bucket now
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    eager = LLM(model_dir, dtype="float32", max_num_seqs=16, enforce_eager=True)
+    assert outputs == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    eager.close()

@@ -46,7 +46,7 @@ class Detokenizer:
             stops = request.sampling_params.stop
             if not samples or not stops or slot >= request.num_output_tokens:  # no token, or a discarded one
                 continue
-            if not self._tail_has_stop(request.output_token_ids[:slot + 1], stops):
+            if not self._tail_has_stop(request.output_token_ids, slot + 1, stops):
                 continue
             text = self.decode(request.output_token_ids[:slot + 1])
             self._stop_texts[request.request_id] = text[:min(i for i in (text.find(s) for s in stops) if i >= 0)]
@@ -57,14 +57,15 @@ class Detokenizer:
                 newly_finished.append(request)
         return newly_finished
 
-    def _tail_has_stop(self, token_ids: list[int], stops: list[str]) -> bool:
-        """Decodes only the last tokens, enough for the longest stop string: a full decode per step is O(n^2).
+    def _tail_has_stop(self, token_ids: list[int], end: int, stops: list[str]) -> bool:
+        """Whether token_ids[:end] ends in a stop string, decoding only the last tokens, enough for the longest stop
+        string: a full decode per step is O(n^2).
 
         Earlier text was checked at earlier steps, so a new match must end in the newest token. Tokens decode to
         at least one character each, except pieces of a multi-byte character: the margin covers those.
         """
         window = max(len(s) for s in stops) + STOP_WINDOW_MARGIN
-        tail = self.decode(token_ids[-window:])
+        tail = self.decode(token_ids[max(0, end - window):end])
         return any(s in tail for s in stops)
 
     def final_text(self, request: Request) -> str:

@@ -35,4 +35,3 @@ class Linear(nn.Linear):
                 and self._beats_cublas(x.shape[0], self.out_features)):
             return self._small_m_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-

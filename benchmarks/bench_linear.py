@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from batchgen.layers.linear_triton import MAX_M, LinearConfig, default_config, small_m_linear
+from batchgen.layers.linear_triton import MAX_M, LinearConfig, beats_cublas, default_config, small_m_linear
 from benchmarks.common import (
     QWEN3,
     add_out_argument,
@@ -166,7 +166,8 @@ def main() -> None:
             gb = (n * k + m * k + m * n) * dtype.itemsize / 1e9
             results.append({"layer": name, "n": n, "k": k, "m": m, "per_step": per_step, "config": config._asdict(),
                             "cublas_ms": cublas_ms, "triton_ms": triton_ms, "cublas_gbs": gb / cublas_ms * 1e3,
-                            "triton_gbs": gb / triton_ms * 1e3})
+                            "triton_gbs": gb / triton_ms * 1e3,
+                            "engine_path": "triton" if beats_cublas(m, n) else "cuBLAS"})
             print(f"done {name} m={m}", file=sys.stderr, flush=True)
         del weights
         torch.cuda.empty_cache()
@@ -190,10 +191,10 @@ def main() -> None:
     print(f"\n## bench_linear ({env['device']}, {args.dtype}; {args.calls} calls per graph, median of {args.replays} "
           f"replays; copy bandwidth {bandwidth:.0f} GB/s)\n")
     headers = ["layer", "N", "K", "M", "BLOCK_N", "BLOCK_K", "warps", "cuBLAS us", "Triton us", "cuBLAS GB/s",
-               "Triton GB/s", "speedup"]
+               "Triton GB/s", "speedup", "engine uses"]
     print(markdown_table(headers, [
         [r["layer"], r["n"], r["k"], r["m"], *r["config"].values(), r["cublas_ms"] * 1000, r["triton_ms"] * 1000,
-         r["cublas_gbs"], r["triton_gbs"], r["cublas_ms"] / r["triton_ms"]] for r in results
+         r["cublas_gbs"], r["triton_gbs"], r["cublas_ms"] / r["triton_ms"], r["engine_path"]] for r in results
     ]))
     if decode_step:
         print(f"\nOne decode step's {decode_step['linears']} linears at M=1: cuBLAS {decode_step['cublas_ms']:.3f} ms, "

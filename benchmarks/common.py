@@ -26,10 +26,10 @@ from batchgen.config import EngineConfig, ModelConfig, validate_engine, validate
 from batchgen.engine.llm_engine import LLMEngine, StepRecord
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
+from batchgen.summary import TIME_COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]
 Request = tuple[list[int], SamplingParams]
-STEP_TIMES = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "wait_ms", "step_ms")
 QWEN3 = "qwen3_0_6b"
 # A Qwen3 small enough for a CPU smoke test; the vocabulary still holds the benchmarks' prompt ids (< 10001).
 TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -138,7 +138,7 @@ def step_breakdown(records: Sequence[StepRecord]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"kind": kind, "cuda_graph": graph, "steps": len(group),
                                "num_seqs": median([r.num_seqs for r in group]),
                                "num_tokens": median([r.num_tokens for r in group])}
-        row.update({name: median([getattr(r, name) for r in group]) for name in STEP_TIMES})
+        row.update({name: median([getattr(r, name) for r in group]) for name in TIME_COLUMNS})
         rows.append(row)
     return rows
 
@@ -169,7 +169,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def breakdown_table(rows: Sequence[dict[str, Any]]) -> str:
-    headers = ["kind", "cuda_graph", "steps", "num_seqs", "num_tokens", *STEP_TIMES]
+    headers = ["kind", "cuda_graph", "steps", "num_seqs", "num_tokens", *TIME_COLUMNS]
     return markdown_table(headers, [[row[h] for h in headers] for row in rows])
 
 

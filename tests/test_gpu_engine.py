@@ -44,7 +44,9 @@ def test_graph_replay_equals_eager_for_every_bucket(tiny_model_dir, architecture
             step = engine.scheduler.schedule()
             if step.kind == "decode":
                 break
-            engine.scheduler.update(step, runner.execute(step).sampled_token_ids)
+            launched = runner.launch(step)
+            engine.scheduler.advance(step)
+            engine.scheduler.commit(step, runner.collect(launched).sampled_token_ids)
         size = runner.graphs.padded_size(num_seqs)
         assert size == min(s for s in CAPTURE_SIZES if s >= num_seqs)
         with torch.inference_mode():

@@ -36,11 +36,17 @@ def fake_token(request: Request) -> int:
     return 1000 + (request.request_id * 31 + request.num_tokens * 7) % 500
 
 
+def apply(scheduler: Scheduler, output: SchedulerOutput, sampled: list[int]) -> list[Request]:
+    """Launch and commit at once, as the engine does without async scheduling."""
+    scheduler.advance(output)
+    return scheduler.commit(output, sampled)
+
+
 def run_step(scheduler: Scheduler, token: int | None = None) -> tuple[SchedulerOutput, list[Request]]:
     output = scheduler.schedule()
     sampled = [(fake_token(r) if token is None else token) if s else -1
                for r, s in zip(output.requests, output.samples, strict=True)]
-    return output, scheduler.update(output, sampled)
+    return output, apply(scheduler, output, sampled)
 
 
 def scheduled(output: SchedulerOutput) -> dict[int, int]:
@@ -307,7 +313,7 @@ def test_randomized_simulation(mixed, seed):
             scheduler.add_request(pending.pop(0))
         output = scheduler.schedule()
         check_invariants(scheduler, output, mixed)
-        scheduler.update(output, [rng.randint(1000, 2000) if s else -1 for s in output.samples])
+        apply(scheduler, output, [rng.randint(1000, 2000) if s else -1 for s in output.samples])
         steps += 1
         assert steps < 20_000
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks

@@ -183,10 +183,6 @@ class ModelRunner:
             token_ids[row] = token
         return StepResult(token_ids, launched.prepare_ms, forward_ms, sample_ms, wait_ms, launched.padded_size)
 
-    def execute(self, step: SchedulerOutput) -> StepResult:
-        """launch + collect: runs one step to completion."""
-        return self.collect(self.launch(step))
-
     def release(self, requests: list[Request]) -> None:
         """Forget finished requests' block-table rows."""
         self.block_tables.release(requests)

@@ -194,11 +194,6 @@ class Scheduler:
             self.running = [request for request in self.running if not request.is_finished]
         return finished
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """advance + commit: applies a step whose sampled ids are already known."""
-        self.advance(output)
-        return self.commit(output, sampled_token_ids)
-
     def finish_request(self, request: Request, reason: str) -> None:
         """Ends a request the engine decided to stop (a stop string in its detokenized text)."""
         if request in self.running:

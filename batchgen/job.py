@@ -12,6 +12,8 @@ from typing import Any
 from batchgen.config import Config, ConfigError
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.io.openai_batch import model_name
+from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, read_prompts
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
 from batchgen.outputs import RequestOutput
@@ -42,8 +44,10 @@ class Job:
         self.config = config
         self.run_dir = Path(run_dir)
         # Input problems surface here, before the model loads.
+        self.openai_results = openai_results_wanted(config)
         self.detokenizer = Detokenizer.load(config.model)
-        self.rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None)
+        self.rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
+                                 model_name(config.model))
         existing = [p.name for p in (self.run_dir / CompletionWriter.FILE_NAME,
                                      self.run_dir / "completions.parts") if p.exists()]
         if existing and not config.job.resume:
@@ -96,6 +100,8 @@ class Job:
                             (self.progress.prompt_tokens, self.progress.output_tokens),
                             engine.info, asdict(self.config))
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
+        if self.openai_results:
+            write_openai_results(self.config, self.run_dir)
         log.info("Done: %d rows in %.1f s -> %s", len(self.rows), wall, self.run_dir)
         return summary
 

@@ -111,6 +111,10 @@ BAD_LINES = [
     (request("prompts", COMPLETIONS, prompt=["a", "b"]), "body.prompt must be a string or a list of token ids"),
     (request("image", CHAT, messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
      r"body.messages\[0\].content: only text parts"),
+    (request("schema", CHAT, messages=[{"role": "user", "content": "x"}],
+             response_format={"type": "json_schema", "json_schema": "x"}), "json_schema.schema must be a JSON schema"),
+    (request("mixed", COMPLETIONS, messages=[{"role": "user", "content": "x"}]),
+     "body.messages is not supported by batchgen for /v1/completions"),
     (request("stream", COMPLETIONS, prompt="x", stream=True), "body.stream must be false"),
     (request("good", COMPLETIONS, prompt="again"), "duplicate custom_id 'good': first used at line 1"),
 ]

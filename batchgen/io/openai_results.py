@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 from batchgen.config import Config, ConfigError
 from batchgen.io.atomic import write_atomically
 from batchgen.io.formats import resolve_format
-from batchgen.io.openai_batch import CHAT_URL, BatchLine, model_name, read_batch_lines
+from batchgen.io.openai_batch import BatchLine, model_name, read_batch_lines
+from batchgen.io.openai_fields import CHAT_URL
 from batchgen.io.writers import CompletionWriter
 
 RESULTS_FILE = "results.jsonl"

@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from batchgen.config import DataConfig, ModelConfig
+from batchgen.config import ConfigError, DataConfig, JobConfig, ModelConfig, validate_job
 from batchgen.io.openai_batch import BatchLine, model_name, read_batch_lines
 from batchgen.io.openai_results import write_results
 from batchgen.io.readers import read_prompts, resolve_format
@@ -264,3 +264,8 @@ def test_chat_and_completion_lines_agree_on_a_model_with_a_chat_template(tmp_pat
     assert len(chat_text) == 8 and chat_text == text["response"]["body"]["choices"][0]["text"]
     assert chat["response"]["body"]["usage"] == text["response"]["body"]["usage"]
     assert "body.model='gpt-4o' is not the loaded model 'bard'" in other["error"]["message"]
+
+
+def test_output_format_is_validated() -> None:
+    with pytest.raises(ConfigError, match="job.output_format='csv' is invalid"):
+        validate_job(JobConfig(output_format="csv"))

@@ -54,7 +54,7 @@ def test_request_fields_map_onto_row_overrides(tmp_path: Path, chat_tokenizer: A
     path = write_lines(tmp_path / "batch.jsonl", [
         request("chat-1", CHAT, model="m", messages=[{"role": "system", "content": "be brief"},
                                                      {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                max_completion_tokens=7, temperature=0.5, top_p=0.9, stop="\n", seed=3, n=1, user="u"),
+                max_tokens=99, max_completion_tokens=7, temperature=0.5, top_p=0.9, stop="\n", seed=3, n=1, user="u"),
         request("text-1", COMPLETIONS, model="m", prompt="once upon", max_tokens=4, top_k=5, min_p=0.1,
                 stop=["a", "b"], ignore_eos=True, stop_token_ids=[1], presence_penalty=0, stream=False),
         request("ids-1", COMPLETIONS, prompt=[5, 6, 7]),

@@ -84,6 +84,8 @@ def body_overrides(body: dict[str, Any], url: str) -> dict[str, Any]:
     for field, value in body.items():
         if field in IGNORED_FIELDS or field == PROMPT_FIELD_BY_URL[url]:
             continue
+        if field == "max_tokens" and body.get("max_completion_tokens") is not None:
+            continue  # as in vLLM, the newer name wins
         name = OVERRIDE_BY_FIELD.get(field)
         if name is None:
             raise RowError(f"body.{field} is not supported by batchgen for {url}")

@@ -80,6 +80,7 @@ class JobConfig:
     flush_seconds: float = 10.0
     log_every_seconds: float = 10.0
     progress: bool = True
+    profile_steps: int = 0  # >0: kernel timelines of this many decode steps (and a prefill) in kernels.parquet
 
 
 @dataclass
@@ -154,6 +155,8 @@ def validate_job(job: JobConfig) -> None:
     _positive("job.flush_rows", job.flush_rows)
     _require(job.flush_seconds > 0, "job.flush_seconds", job.flush_seconds, "must be positive")
     _require(job.log_every_seconds > 0, "job.log_every_seconds", job.log_every_seconds, "must be positive")
+    _require(isinstance(job.profile_steps, int) and job.profile_steps >= 0, "job.profile_steps", job.profile_steps,
+             "must be a non-negative integer")
 
 
 def validate(config: Config) -> Config:

@@ -12,7 +12,7 @@ from batchgen.report.labels import label_runs
 from batchgen.report.plots import PlotFile
 from batchgen.report.render import html_page, markdown
 from batchgen.report.run_data import Run, load_run
-from batchgen.report.tables_kernels import kernel_share_table, kernel_steps_table
+from batchgen.report.tables_kernels import TOP_KERNELS, kernel_share_table, kernel_steps_table
 from batchgen.report.tables_pairs import eager_graph_table
 from batchgen.report.tables_requests import requests_table
 from batchgen.report.tables_runs import runs_table, time_shares_table
@@ -42,7 +42,8 @@ def build_report(paths: list[Path]) -> Report:
         "time_shares": ("Where the time goes (share of summed step time)", time_shares_table(stepped)),
         "requests": ("Requests, by finish reason", requests_table(completed)),
         "kernel_steps": ("Kernels: per profiled step", kernel_steps_table(runs)),
-        "kernel_share": ("Kernels by share of time", kernel_share_table(runs)),
+        "kernel_share": (f"Kernels by share of time (top {TOP_KERNELS} per run, kind and mode)",
+                         kernel_share_table(runs)),
     }
     incomplete = [run for run in runs if not run.complete]
     notes = [f"{len(runs)} runs" + (f", {len(incomplete)} incomplete (killed or still running)" if incomplete else "")]

@@ -70,6 +70,7 @@ class Plotter:
         batch = ax.twinx()
         batch.plot(steps["step"], steps["num_seqs"], color="grey", linewidth=0.8, alpha=0.6, label="batch size")
         batch.set_ylabel("batch size (sequences)")
+        batch.set_ylim(0, steps["num_seqs"].max() * 1.1 + 1)
         handles, labels = ax.get_legend_handles_labels()
         extra_handles, extra_labels = batch.get_legend_handles_labels()
         ax.legend(handles + extra_handles, labels + extra_labels, loc="upper right", fontsize=8)

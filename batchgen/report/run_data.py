@@ -57,6 +57,10 @@ class Run:
         return pd.read_parquet(path) if path.exists() else None
 
 
+# A sweep records its values as Hydra parsed them (True); configs flatten to true/false/null.
+CANONICAL = {"true": "true", "false": "false", "null": "null", "none": "null"}
+
+
 def as_text(value: Any) -> str:
     """Config and override values compared as Hydra writes them: true/false, null, numbers, strings."""
     if isinstance(value, bool):
@@ -82,7 +86,7 @@ def read_overrides(path: Path) -> dict[str, str]:
     overrides: dict[str, str] = {}
     for item in yaml.safe_load(path.read_text()) or []:
         key, _, value = str(item).partition("=")
-        overrides[key.lstrip("+~")] = value
+        overrides[key.lstrip("+~")] = CANONICAL.get(value.lower(), value)
     return overrides
 
 

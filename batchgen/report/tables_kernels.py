@@ -33,8 +33,12 @@ def kernel_steps_table(runs: list[Run]) -> pd.DataFrame:
     return table
 
 
-def kernel_share_table(runs: list[Run]) -> pd.DataFrame:
-    """Kernels by share of kernel time within each run, step kind and mode: %, average µs, launches per step."""
+TOP_KERNELS = 20
+
+
+def kernel_share_table(runs: list[Run], top: int = TOP_KERNELS) -> pd.DataFrame:
+    """The `top` kernels by share of kernel time within each run, step kind and mode: %, average µs, launches per
+    step (all of them in the `total_us` sum)."""
     kernels = _kernels(runs)
     if kernels.empty:
         return kernels
@@ -46,5 +50,7 @@ def kernel_share_table(runs: list[Run]) -> pd.DataFrame:
     table["time_pct"] = 100 * table["total_us"] / table["group_us"]
     table["avg_us"] = table["total_us"] / table["launches"]
     table["launches_per_step"] = table["launches"] / table["steps"]
-    table = table.sort_values([*group, "time_pct"], ascending=[True, True, True, False], kind="stable")
+    table["order"] = table["run"].map({run.label: i for i, run in enumerate(runs)})
+    table = table.sort_values(["order", "kind", "mode", "time_pct"], ascending=[True, True, True, False])
+    table = table.groupby(group, sort=False).head(top)
     return table[[*group, "name", "time_pct", "avg_us", "launches_per_step", "total_us"]].reset_index(drop=True)

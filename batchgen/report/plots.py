@@ -14,7 +14,7 @@ from batchgen.report.tables_runs import DEVICE_TIME, HOST_TIME
 from batchgen.report.tables_steps import labelled_steps
 
 COMPONENTS = [*HOST_TIME, *DEVICE_TIME, "wait_ms"]
-THROUGHPUT_BINS = 30
+THROUGHPUT_POINTS = 50  # points per run: the window spans len(steps) / 50 steps
 
 
 @dataclass
@@ -113,19 +113,18 @@ class Plotter:
         self._save(fig, "decode_vs_batch", "Decode step time against batch size")
 
     def throughput_over_time(self, runs: list[Run]) -> None:
-        """Sampled tokens per second of engine time: every scheduled sequence samples one token (a prefill chunk that
-        does not finish its prompt is the exception, so prefill-heavy stretches read slightly high)."""
+        """Sampled tokens per second over a sliding window of steps: every scheduled sequence samples one token (a
+        prefill chunk that does not finish its prompt is the exception, so prefill-heavy stretches read high)."""
         fig, ax = self.plt.subplots(figsize=(8, 4))
         for run in runs:
             steps = run.steps
-            seconds = steps["step_ms"].cumsum().to_numpy() / 1000
-            edges = np.linspace(0, seconds[-1], THROUGHPUT_BINS + 1) if len(seconds) else np.array([0.0])
-            tokens, _ = np.histogram(seconds, bins=edges, weights=steps["num_seqs"].to_numpy(dtype=float))
-            width = np.diff(edges)
-            ax.plot(edges[1:], np.divide(tokens, width, out=np.zeros_like(tokens), where=width > 0),
-                    label=_short(run.label))
+            window = max(1, len(steps) // THROUGHPUT_POINTS)
+            tokens = steps["num_seqs"].rolling(window).sum()
+            seconds = steps["step_ms"].rolling(window).sum() / 1000
+            ax.plot(steps["step_ms"].cumsum() / 1000, tokens / seconds, label=_short(run.label))
         ax.set_xlabel("engine time (s)")
         ax.set_ylabel("output tokens per second")
+        ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
         self._save(fig, "throughput_over_time", "Output tok/s over the run")
 

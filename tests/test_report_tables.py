@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 pd = pytest.importorskip("pandas", reason="the report needs pandas (the report extra)")
@@ -138,3 +143,10 @@ def test_write_report_writes_every_table_as_parquet_and_markdown(sweep):
         assert pd.read_parquet(sweep / "report" / "tables" / f"{name}.parquet").equals(table(report, name))
     text = md.read_text()
     assert "| engine.enforce_eager=true | true |" in text and "## Eager vs CUDA graph" in text
+
+
+def test_the_report_never_imports_torch():
+    code = "import sys, batchgen.report.__main__, batchgen.report.build; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert done.stdout.strip() == "False"

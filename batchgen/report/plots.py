@@ -13,6 +13,7 @@ from batchgen.report.run_data import Run
 from batchgen.report.tables_runs import DEVICE_TIME, HOST_TIME
 from batchgen.report.tables_steps import labelled_steps
 
+MAX_LINES = 10  # lines per sweep plot: more make an unreadable legend
 COMPONENTS = [*HOST_TIME, *DEVICE_TIME, "wait_ms"]
 THROUGHPUT_POINTS = 50  # points per run: the window spans len(steps) / 50 steps
 
@@ -64,7 +65,7 @@ class Plotter:
         steps = labelled_steps(run)
         fig, ax = self.plt.subplots(figsize=(9, 4))
         for (kind, mode), group in steps.groupby(["kind", "mode"]):
-            ax.scatter(group["step"], group["step_ms"], s=8, label=f"{kind} / {mode}")
+            ax.plot(group["step"], group["step_ms"], ".", markersize=4, label=f"{kind} / {mode}")
         ax.set_xlabel("step index")
         ax.set_ylabel("step time (ms)")
         batch = ax.twinx()
@@ -147,9 +148,9 @@ class Plotter:
         if done[key].nunique() < 2:
             return
         others = [k for k in keys if k != key]
+        groups = list(done.groupby(others, sort=True)) if others else [((), done)]
         fig, ax = self.plt.subplots(figsize=(7, 4))
-        groups = done.groupby(others, sort=True) if others else [((), done)]
-        for values, group in groups:
+        for values, group in groups[:MAX_LINES]:
             values = values if isinstance(values, tuple) else (values,)
             name = " ".join(f"{k}={v}" for k, v in zip(others, values, strict=True)) or "output tok/s"
             group = group.assign(x=_axis(group[key])).sort_values("x")
@@ -157,7 +158,8 @@ class Plotter:
         ax.set_xlabel(key)
         ax.set_ylabel("output tok/s")
         ax.legend(fontsize=7)
-        self._save(fig, f"sweep_{_file_name(key)}", f"Output tok/s against {key}")
+        shown = f" (first {MAX_LINES} of {len(groups)} lines)" if len(groups) > MAX_LINES else ""
+        self._save(fig, f"sweep_{_file_name(key)}", f"Output tok/s against {key}{shown}")
 
 
 def _axis(values: pd.Series) -> pd.Series:

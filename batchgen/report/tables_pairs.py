@@ -28,11 +28,15 @@ def eager_graph_pairs(runs: list[Run]) -> list[tuple[str, Run, Run]]:
 
 def identical_rows(eager: Run, graph: Run) -> tuple[int, int]:
     """(rows whose output tokens are equal, rows compared), matching rows by index; a row in only one run differs."""
-    a = eager.completions.set_index("index")["output_token_ids"]
-    b = graph.completions.set_index("index")["output_token_ids"]
-    both = a.index.intersection(b.index)
-    equal = sum(list(a[i]) == list(b[i]) for i in both)
-    return equal, len(a.index.union(b.index))
+    a, b = _tokens_by_index(eager), _tokens_by_index(graph)
+    equal = sum(tokens == b.get(index) for index, tokens in a.items())
+    return equal, len(a.keys() | b.keys())
+
+
+def _tokens_by_index(run: Run) -> dict[int, list[int]]:
+    completions = run.completions
+    return dict(zip(completions["index"].tolist(), (t.tolist() if t is not None else None
+                                                    for t in completions["output_token_ids"]), strict=True))
 
 
 def tokens_identical(eager: Run, graph: Run, equal: int, compared: int) -> str:

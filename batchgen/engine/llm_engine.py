@@ -323,6 +323,10 @@ class LLMEngine:
         """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean."""
         self.runner.close()
         self.runner.model = None
+        self._in_flight = None  # a stopped job may leave a launched step holding device tensors
         gc.collect()
         if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            # cuBLAS keeps a workspace per handle and stream in the caching allocator, which empty_cache() skips.
+            torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()

@@ -64,8 +64,14 @@ class Plotter:
     def step_timeline(self, run: Run, number: int) -> None:
         steps = labelled_steps(run)
         fig, ax = self.plt.subplots(figsize=(9, 4))
-        for (kind, mode), group in steps.groupby(["kind", "mode"]):
+        profiled = steps["step"].isin(run.kernels["step"]) if run.kernels is not None else steps["step"] < 0
+        for (kind, mode), group in steps[~profiled].groupby(["kind", "mode"]):
             ax.plot(group["step"], group["step_ms"], ".", markersize=4, label=f"{kind} / {mode}")
+        if profiled.any():
+            ax.plot(steps.loc[profiled, "step"], steps.loc[profiled, "step_ms"], "x", color="black", markersize=5,
+                    label="profiled (slowed by the profiler)")
+            if (~profiled).any():  # the scale of the unprofiled steps; a profiled step may run off the top
+                ax.set_ylim(0, steps.loc[~profiled, "step_ms"].max() * 1.2)
         ax.set_xlabel("step index")
         ax.set_ylabel("step time (ms)")
         batch = ax.twinx()
@@ -81,15 +87,16 @@ class Plotter:
         steps = pd.concat([labelled_steps(run) for run in runs], ignore_index=True)
         medians = steps.groupby(["run", "kind", "mode", "bucket"], sort=False)[COMPONENTS].median()
         names = [_group_name(runs, *index) for index in medians.index]
-        fig, ax = self.plt.subplots(figsize=(max(6, 0.5 * len(names) + 3), 4.5))
-        bottom = np.zeros(len(names))
+        fig, ax = self.plt.subplots(figsize=(10, 2 + 0.4 * len(names)))
+        left = np.zeros(len(names))
         for column in COMPONENTS:
-            ax.bar(names, medians[column].to_numpy(), bottom=bottom, label=column.removesuffix("_ms"))
-            bottom += medians[column].to_numpy()
-        ax.set_ylabel("median time per step (ms)")
-        ax.set_xlabel("run / step kind / mode / bucket")
-        ax.tick_params(axis="x", labelrotation=60, labelsize=7)
-        ax.legend(fontsize=8)
+            ax.barh(names, medians[column].to_numpy(), left=left, label=column.removesuffix("_ms"))
+            left += medians[column].to_numpy()
+        ax.invert_yaxis()  # first run on top
+        ax.set_xlabel("median time per step (ms)")
+        ax.set_ylabel("step group")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), title="component")
         self._save(fig, "step_components", "Median step time by component")
 
     def decode_vs_batch(self, runs: list[Run]) -> None:

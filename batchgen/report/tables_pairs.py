@@ -60,6 +60,8 @@ def eager_graph_table(runs: list[Run]) -> pd.DataFrame:
         eager_tok_s, graph_tok_s = eager.figures.output_tok_s, graph.figures.output_tok_s
         rows.append({
             "config": label,
+            "prompt_tokens_max": eager.value("sampling.truncate_prompt_tokens"),
+            "new_tokens_max": eager.value("sampling.max_tokens"),
             "eager_output_tok_s": eager_tok_s,
             "graph_output_tok_s": graph_tok_s,
             "e2e_speedup_x": graph_tok_s / eager_tok_s if eager_tok_s else None,

@@ -128,11 +128,13 @@ def test_an_empty_or_missing_path_is_an_error_naming_it(tmp_path):
         build_report([tmp_path / "nope"])
 
 
-def test_summary_figures_read_todays_and_a_nested_shape():
+def test_summary_figures_read_todays_and_a_scoped_shape():
     flat = summary(7.0)
-    nested = {"job": {k: flat[k] for k in ("rows", "finish_reasons", "prompt_tokens", "output_tokens")},
-              "attempt": {"number": 0, "wall_seconds": 2.0, "prompt_tokens_per_s": 5.0, "output_tokens_per_s": 7.0},
-              "engine": flat["engine"], "config": flat["config"]}
+    nested = {"job": {"error_rows": 1, **{k: flat[k] for k in ("rows", "finish_reasons", "prompt_tokens",
+                                                              "output_tokens")}},
+              "this_attempt": {"attempt": 0, "wall_seconds": 2.0, "prompt_tokens_per_s": 5.0,
+                               "output_tokens_per_s": 7.0},
+              "attempt": 0, "engine": flat["engine"], "config": flat["config"]}
     assert read_figures(flat) == read_figures(nested)
 
 

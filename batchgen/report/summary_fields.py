@@ -1,7 +1,8 @@
 """The figures the report takes from a run's summary.json, looked up in one place.
 
-summary.json keeps job totals (all attempts) and this attempt's figures; whether they sit at the top level (today)
-or under a nested scope, every key the report reads is found here, so a change of shape is mended in this file.
+summary.json keeps job totals (all attempts) and this attempt's figures: at the top level, and (from the reliability
+work on) repeated under the scopes `job` and `this_attempt`. Every key the report reads is looked up here, scope
+first, top level second, so a change of shape is mended in this file.
 """
 
 from __future__ import annotations
@@ -9,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Where job totals and this attempt's figures may live; the top level (today's shape) is tried first.
-TOTAL_SCOPES = ("", "job", "total", "totals")
-ATTEMPT_SCOPES = ("", "attempt", "this_attempt", "last_attempt")
+TOTAL_SCOPES = ("job", "")
+ATTEMPT_SCOPES = ("this_attempt", "")
 
 
 def _lookup(summary: dict[str, Any], key: str, scopes: tuple[str, ...]) -> Any:
@@ -38,10 +38,11 @@ class SummaryFigures:
 
 def read_figures(summary: dict[str, Any]) -> SummaryFigures:
     reasons = _lookup(summary, "finish_reasons", TOTAL_SCOPES) or {}
+    errors = _lookup(summary, "error_rows", TOTAL_SCOPES)
     engine = summary.get("engine") or {}
     return SummaryFigures(
         rows=_lookup(summary, "rows", TOTAL_SCOPES),
-        errors=int(reasons.get("error", 0)),
+        errors=int(reasons.get("error", 0) if errors is None else errors),
         prompt_tokens=_lookup(summary, "prompt_tokens", TOTAL_SCOPES),
         output_tokens=_lookup(summary, "output_tokens", TOTAL_SCOPES),
         wall_s=_lookup(summary, "wall_seconds", ATTEMPT_SCOPES),

@@ -85,6 +85,7 @@ class JobConfig:
     progress: bool = True
     # auto: openai_batch for OpenAI Batch input, else parquet. openai_batch adds results.jsonl to the Parquet files.
     output_format: str = "auto"
+    profile_steps: int = 0  # >0: kernel timelines of this many decode steps (and a prefill) in kernels.parquet
 
 
 @dataclass
@@ -160,6 +161,8 @@ def validate_job(job: JobConfig) -> None:
     _one_of("job.output_format", job.output_format, OUTPUT_FORMATS)
     _require(job.flush_seconds > 0, "job.flush_seconds", job.flush_seconds, "must be positive")
     _require(job.log_every_seconds > 0, "job.log_every_seconds", job.log_every_seconds, "must be positive")
+    _require(isinstance(job.profile_steps, int) and job.profile_steps >= 0, "job.profile_steps", job.profile_steps,
+             "must be a non-negative integer")
 
 
 def validate(config: Config) -> Config:

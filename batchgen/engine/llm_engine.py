@@ -17,6 +17,7 @@ from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.model_runner import LaunchedStep, ModelRunner
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batchgen.engine.step_profiler import StepProfiler
 from batchgen.layers.compiled import compile_small_layers, use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.outputs import RequestOutput
@@ -138,6 +139,7 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None
         self._last_result_time: float | None = None  # when the previous step's sampled ids reached the host
         self.num_steps = 0
+        self.profiler: StepProfiler | None = None  # set by the job for job.profile_steps
 
     # -- setup ----------------------------------------------------------------------------------------------
 
@@ -266,7 +268,11 @@ class LLMEngine:
         if step.is_empty:  # every running request ends with its pending token
             return None
         schedule_ms = (time.perf_counter() - start) * 1000
-        launched = self.runner.launch(step)
+        index = self.num_steps + (self._in_flight is not None)  # the number this step's record will carry
+        if self.profiler is not None and self.profiler.wants(index, step.kind, self.scheduler.num_waiting):
+            launched = self.profiler.launch(self.runner.launch, step, index)
+        else:
+            launched = self.runner.launch(step)
         self.scheduler.advance(step)
         return _InFlight(step, launched, start, schedule_ms)
 
@@ -317,6 +323,10 @@ class LLMEngine:
         """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean."""
         self.runner.close()
         self.runner.model = None
+        self._in_flight = None  # a stopped job may leave a launched step holding device tensors
         gc.collect()
         if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            # cuBLAS keeps a workspace per handle and stream in the caching allocator, which empty_cache() skips.
+            torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()

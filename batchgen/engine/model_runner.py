@@ -219,8 +219,13 @@ class ModelRunner:
             attention.k_cache = attention.v_cache = torch.empty(0)
 
     def close(self) -> None:
+        """Drops every device tensor the runner holds: graphs (their pool and static buffers), KV cache, and the
+        sampled-ids buffer, so the caching allocator can hand the memory back."""
         self.graphs = None
         self._unbind_kv_cache()
+        self.attention_layers = []
+        self.last_sampled = None
+        self._last_sample_rows = {}
 
 
 def _is_pure_decode(step: SchedulerOutput) -> bool:

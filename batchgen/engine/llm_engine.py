@@ -105,7 +105,7 @@ class LLMEngine:
 
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, self.device)
-        self.max_model_len = self._max_model_len(hf_config, model.sliding_window)
+        self.max_model_len = self._max_model_len(hf_config)
         if self.device.type == "cuda" and engine_config.torch_compile:
             compile_small_layers(model)  # compiles lazily, at the memory-profiling run below
         backend = resolve_attention_backend(engine_config.attention_backend, self.device)
@@ -141,15 +141,11 @@ class LLMEngine:
 
     # -- setup ----------------------------------------------------------------------------------------------
 
-    def _max_model_len(self, hf_config, sliding_window: int | None) -> int:
+    def _max_model_len(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
         wanted = self.config.max_model_len or limit
         if limit is not None and wanted > limit:
             raise ValueError(f"engine.max_model_len={wanted} is invalid: the model supports at most {limit} positions")
-        if sliding_window is not None and wanted > sliding_window:
-            # Attention here is always full, which equals sliding-window attention only within the window.
-            log.warning("max_model_len capped at the model's sliding window, %d tokens", sliding_window)
-            wanted = sliding_window
         return wanted
 
     def _eos_token_ids(self, hf_config) -> list[int]:

@@ -237,3 +237,19 @@ def test_job_with_per_row_guided_options(llguidance, tmp_path: Path) -> None:
     assert table["finish_reason"][3] == "error" and table["error"][3].startswith("guided_regex is invalid")
     assert table["completion"][4] in ("ay", "nay")
     assert list(table["finish_reason"][[0, 1, 2, 4]]) == ["stop"] * 4
+
+
+def test_model_vocab_larger_than_the_tokenizer_masks_extra_ids(llguidance) -> None:
+    from transformers import AutoTokenizer
+
+    from batchgen.engine.request import Request
+    from batchgen.engine.structured_output import StructuredOutputManager
+
+    manager = StructuredOutputManager(AutoTokenizer.from_pretrained(SHAKESPEARE), vocab_size=200)
+    guided = Request(0, [1], SamplingParams(guided_regex="[a-z]+"))
+    manager.add(guided)
+    mask = manager.bitmask([Request(1, [1], SamplingParams()), guided])
+    assert mask.shape == (2, 7)
+    allowed = unpack_token_bitmask(torch.from_numpy(mask), 200)
+    assert allowed[0].all()
+    assert allowed[1, 39:65].all() and allowed[1].sum() == 26  # a-z: ids 39-64 of 66; none of the extra ids

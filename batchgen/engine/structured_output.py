@@ -85,6 +85,7 @@ class StructuredOutputManager:
             raise ValueError(EXTRA_HINT) from exc
         self._llguidance = llguidance
         self._tokenizer = guidance_tokenizer(tokenizer, vocab_size)
+        self._executor = llguidance.LLExecutor()  # fills the rows of a step on several threads
         self.num_words = -(-vocab_size // 32)
         # Ids the tokenizer does not know (the model's vocab may be larger) are never allowed.
         self._tokenizer_words = -(-self._tokenizer.vocab_size // 32)
@@ -141,10 +142,17 @@ class StructuredOutputManager:
         rows = [(i, self._requests[r.request_id]) for i, r in enumerate(requests) if r.request_id in self._requests]
         if not rows:
             return None
-        mask = np.full((len(requests), self.num_words), -1, dtype=np.int32)
         for i, guided in rows:
             self._sync(requests[i], guided)
-            self._fill(guided.matcher, mask[i])
+        mask = np.full((len(requests), self.num_words), -1, dtype=np.int32)
+        words = self._tokenizer_words
+        target = mask if words == self.num_words else np.zeros((len(requests), words), dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr([(guided.matcher, i) for i, guided in rows], target.ctypes.data,
+                                               words * 4, len(requests))
+        if target is not mask:  # the model's vocab is larger: its extra ids stay disallowed
+            guided_rows = [i for i, _ in rows]
+            mask[guided_rows] = 0
+            mask[guided_rows, :words] = target[guided_rows]
         return mask
 
     def _fill(self, matcher: Any, row: np.ndarray) -> None:

@@ -152,7 +152,6 @@ class ModelRunner:
             positions=[r.num_tokens for r in sample_requests],
             device=self.device,
         )
-        bitmask = self.bitmask_provider(sample_requests) if self.bitmask_provider and sample_requests else None
         timer = _Timer(self.device)
         if graph_size:
             prepare_ms = (time.perf_counter() - start) * 1000
@@ -167,6 +166,8 @@ class ModelRunner:
         num_samples = len(inputs.sample_rows)
         sampled = torch.empty(num_samples, dtype=torch.int64, pin_memory=self._pinned)
         if num_samples:
+            # Filled on the host after the forward is queued, so on a GPU it overlaps the forward.
+            bitmask = self.bitmask_provider(sample_requests) if self.bitmask_provider else None
             token_bitmask = None
             if bitmask is not None:
                 host = torch.from_numpy(bitmask)

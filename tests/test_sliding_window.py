@@ -105,3 +105,29 @@ def test_triton_eager_and_graph_decode_equal_transformers_on_gpu(tiny_model_dir,
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.token_ids for o in outputs] == expected, setup
         llm.close()
+
+
+@pytest.mark.parametrize("architecture", SLIDING_ARCHITECTURES)
+def test_triton_ops_in_the_model_match_transformers(architecture: str, tiny_model_dir) -> None:
+    """The Triton prefill and decode kernels inside the windowed model, chunks and decodes past the window (runs on
+    CPU through Triton's interpreter with TRITON_INTERPRET=1)."""
+    pytest.importorskip("triton")
+    from triton_support import DEVICE
+
+    if DEVICE is None:
+        pytest.skip("needs CUDA, or TRITON_INTERPRET=1 for Triton's CPU interpreter")
+    from batchgen.layers import attention_triton
+
+    windowed = tiny_model_dir(architecture, sliding_window=WINDOW)
+    tokens = random_tokens(24, seed=12)
+    expected = reference_logits(windowed, tokens).to(DEVICE)
+    model = load_ours(windowed).to(DEVICE)
+    cache = PagedTestCache(model, block_size=4)
+    for layer in model.modules():
+        if isinstance(layer, Attention):
+            layer.ops = attention_triton
+    start = 0
+    for step in [tokens[:6], tokens[6:17]] + [[t] for t in tokens[17:]]:
+        (logits,) = cache.run(model, [(0, step)], num_padding_rows=2 if len(step) == 1 else 0)
+        assert_logits_close(logits, expected[start : start + len(step)])
+        start += len(step)

@@ -79,8 +79,8 @@ def llguidance():
     return pytest.importorskip("llguidance", reason="structured output needs the guided extra (llguidance)")
 
 
-def _generate(model: Path, params: list[SamplingParams], prompt: str, **engine) -> list:
-    llm = LLM(str(model), device="cpu", dtype="float32", **engine)
+def _generate(model: Path, params: list[SamplingParams], prompt: str, device: str = "cpu", **engine) -> list:
+    llm = LLM(str(model), device=device, dtype="float32", **engine)
     try:
         return llm.generate([prompt] * len(params), params, use_tqdm=False)
     finally:
@@ -187,6 +187,23 @@ def test_random_byte_level_model_writes_valid_json(llguidance, byte_level_model:
     assert outputs[5].text in ("red", "green", "blue")
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outputs[6].text)
     assert all(t < 300 for o in outputs for t in o.token_ids), "an id the tokenizer lacks was sampled"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_guided_rows_on_gpu_eager_and_graphs(llguidance, byte_level_model: Path, enforce_eager: bool) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    params = [SamplingParams(max_tokens=120, temperature=t, seed=i, guided_json=PERSON_SCHEMA)
+              for i, t in enumerate([0.0, 1.0, 1.5])]
+    params += [SamplingParams(max_tokens=20, temperature=1.0, guided_choice=["red", "green", "blue"]),
+               SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)]
+    outputs = _generate(byte_level_model, params, "Person:", device="cuda", enforce_eager=enforce_eager)
+    for o in outputs[:3]:
+        assert o.finish_reason == "stop", (o.finish_reason, o.text)
+        jsonschema.validate(json.loads(o.text), PERSON_SCHEMA)
+    assert outputs[3].text in ("red", "green", "blue")
+    assert outputs[4].finish_reason == "length" and len(outputs[4].token_ids) == 20
 
 
 def test_bitmask_is_none_without_guided_rows(llguidance) -> None:

@@ -96,7 +96,7 @@ def test_shakespeare_completions_follow_regex_choice_grammar_and_schema(llguidan
             SamplingParams(max_tokens=40, temperature=temperature, guided_choice=SHAKESPEARE_CHOICES),
             SamplingParams(max_tokens=60, temperature=temperature, guided_grammar=SHAKESPEARE_GRAMMAR, stop=["!"]),
             SamplingParams(max_tokens=10, temperature=temperature, guided_json={"type": "boolean"}),
-            SamplingParams(max_tokens=12, temperature=temperature),  # unguided rows in the same batch
+            SamplingParams(max_tokens=12, temperature=temperature, ignore_eos=True),  # unguided rows alongside
         ]
     outputs = _generate(SHAKESPEARE, params, "KING HENRY:\n", **ENGINE_SETUPS[setup])
     grammar_line = re.compile(r"(ROMEO|JULIET): [a-z]{1,8}( [a-z]{1,8})*\.")
@@ -133,7 +133,7 @@ def test_invalid_specs_are_error_rows_naming_the_field(llguidance) -> None:
         SamplingParams(max_tokens=8, guided_json="{not json"),
         SamplingParams(max_tokens=8, guided_grammar="start: undefined_rule"),
         SamplingParams(max_tokens=8, guided_json={"type": "object"}),  # needs '{', which this vocab lacks
-        SamplingParams(max_tokens=8, temperature=0),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
     ]
     outputs = _generate(SHAKESPEARE, params, "ROMEO:")
     fields = ["guided_regex", "guided_json", "guided_json", "guided_grammar", "guided_json"]

@@ -171,3 +171,15 @@ def test_requests_that_opt_out_take_no_hits_and_caching_off_caches_nothing():
     off = BlockManager(num_blocks=10, block_size=2, enable_prefix_caching=False)
     compute(off, make_request(0, 6))
     assert off.num_cached_blocks == 0 and off.computed_blocks(make_request(1, 6)) == []
+
+
+def test_blocks_filled_chunk_by_chunk_are_cached_as_they_fill():
+    manager = BlockManager(num_blocks=10, block_size=4)
+    request = make_request(0, 14)
+    compute(manager, request, 6)
+    assert manager.num_cached_blocks == 1
+    compute(manager, request, 13)
+    assert manager.num_cached_blocks == 3 and request.num_hashed_blocks == 3
+    request.output_token_ids = [7, 8]  # decode-filled blocks are cached too
+    compute(manager, request)
+    assert manager.num_cached_blocks == 4

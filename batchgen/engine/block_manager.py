@@ -131,7 +131,7 @@ class BlockManager:
         for block_id in computed_blocks:
             self._reference(self.blocks[block_id])
         request.block_ids.extend(computed_blocks)
-        request.num_hashed_blocks = len(request.block_ids)
+        request.num_hashed_blocks += len(computed_blocks)
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_new_blocks = max(0, self.blocks_needed(num_computed + num_new_tokens) - len(request.block_ids))
         request.block_ids.extend(self._take_free_block() for _ in range(num_new_blocks))

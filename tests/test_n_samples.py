@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import Config, DataConfig, EngineConfig, JobConfig, ModelConfig
@@ -117,3 +118,19 @@ def test_job_writes_a_row_per_sample_in_order_and_resumes_missing_samples(tmp_pa
     del partial
     run(job_config(prompts_file, True), resumed_dir)
     assert comparable(resumed_dir / "completions.parquet") == reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_samples_on_gpu_equal_cpu():
+    params = [SamplingParams(temperature=0, max_tokens=20, n=3), SamplingParams(temperature=1.0, max_tokens=20, n=3)]
+    results = []
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(MODEL_DIR), device=device, dtype="float32", max_num_seqs=16)
+        try:
+            results.append([samples_of(llm.generate(PROMPTS, p, use_tqdm=False)) for p in params])
+        finally:
+            llm.close()
+    cpu, cuda = results
+    assert cuda[0] == cpu[0] and all(len(set(map(tuple, samples))) == 1 for samples in cuda[0])
+    assert all(len(set(map(tuple, samples))) == 3 for samples in cuda[1])

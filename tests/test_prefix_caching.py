@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from batchgen import LLM, SamplingParams
 from tests.conftest import ARCHITECTURES
@@ -43,9 +44,9 @@ def references(tiny_model_dir):
     return get
 
 
-def generate(model_dir, prompts: list[list[int]], enable_prefix_caching: bool, **options):
+def generate(model_dir, prompts: list[list[int]], enable_prefix_caching: bool, device: str = "cpu", **options):
     """The first prompt alone, then all of them, so that the later ones find its blocks in the cache."""
-    llm = LLM(str(model_dir), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+    llm = LLM(str(model_dir), device=device, dtype="float32", block_size=BLOCK_SIZE,
               enable_prefix_caching=enable_prefix_caching, **options)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     try:
@@ -71,3 +72,17 @@ def test_cached_greedy_tokens_equal_transformers_and_uncached(references, archit
         assert hits[-1] == 4  # the block-aligned prompt recomputes its last block for the logits of its last token
     if setup == "preemption":
         assert sum(o.num_preemptions for o in cached) > 0, "the small cache should have forced a preemption"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_cached_greedy_tokens_equal_transformers_on_gpu(tiny_model_dir, architecture):
+    model_dir = tiny_model_dir(architecture)
+    prompts = shared_prefix_prompts(256)
+    expected = hf_greedy_on(model_dir, prompts, MAX_TOKENS, device="cuda")
+    graphs = dict(cuda_graph_capture_sizes=[1, 2, 4, 8, 16])
+    for setup in (graphs, dict(**graphs, **SETUPS["preemption"]), dict(enforce_eager=True, **SETUPS["mixed_chunked"])):
+        outputs = generate(model_dir, prompts, True, device="cuda", **setup)
+        assert [o.token_ids for o in outputs] == expected[:1] + expected, setup
+        assert sum(o.num_cached_tokens for o in outputs) > 0, setup

@@ -10,7 +10,7 @@ import torch
 
 from batchgen import LLM, SamplingParams
 from tests.conftest import ARCHITECTURES
-from tests.test_engine_greedy import hf_greedy_on
+from tests.test_engine_greedy import hf_greedy_on, hf_references
 
 MAX_TOKENS = 8
 BLOCK_SIZE = 4
@@ -32,16 +32,7 @@ def shared_prefix_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(tiny_model_dir):
-    cache = {}
-
-    def get(architecture: str):
-        if architecture not in cache:
-            model_dir = tiny_model_dir(architecture)
-            prompts = shared_prefix_prompts(256)
-            cache[architecture] = (model_dir, prompts, hf_greedy_on(model_dir, prompts, MAX_TOKENS))
-        return cache[architecture]
-
-    return get
+    return hf_references(tiny_model_dir, shared_prefix_prompts(256), MAX_TOKENS)
 
 
 def generate(model_dir, prompts: list[list[int]], enable_prefix_caching: bool, device: str = "cpu", **options):

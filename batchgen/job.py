@@ -60,7 +60,7 @@ class Job:
         num_samples = {row.index: self._num_samples(row) for row in self.rows}
         self.missing_samples = {row.index: [i for i in range(num_samples[row.index])
                                             if i not in written.get(row.index, ())] for row in self.rows}
-        self.num_samples = sum(num_samples.values())
+        self.total_samples = sum(num_samples.values())
         self.pending = [row for row in self.rows if self.missing_samples[row.index]]
         # A killed attempt may have flushed no steps, so a resume counts as at least attempt 1.
         self.attempt = max(self.steps.next_attempt(), 1 if written else 0)
@@ -81,7 +81,7 @@ class Job:
         start = time.perf_counter()
         rows_by_index = {row.index: row for row in self.pending}
         missing = sum(len(samples) for samples in self.missing_samples.values())
-        self.progress = Progress(self.num_samples, self.num_samples - missing, self.config.job)
+        self.progress = Progress(self.total_samples, self.total_samples - missing, self.config.job)
         engine = None
         try:
             for row in self.pending:

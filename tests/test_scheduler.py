@@ -490,6 +490,12 @@ def test_later_samples_wait_for_the_first_sample_prompt_then_share_its_blocks():
     assert all(s.num_output_tokens == 4 for s in samples)
 
 
+def test_later_samples_of_a_prompt_without_a_full_block_join_at_once():
+    scheduler = make_scheduler(block_size=4)
+    samples = add_samples(scheduler, 0, prompt_len=4, n=3)
+    assert list(scheduler.waiting) == samples
+
+
 def test_later_samples_join_at_once_without_prefix_caching():
     config = SchedulerConfig(16, 64, 1024)
     scheduler = Scheduler(config, BlockManager(100, 4, enable_prefix_caching=False))

@@ -165,12 +165,17 @@ class Scheduler:
         if error is not None:
             raise ValueError(f"request {request.request_id} can never run: {error}")
         request.status = RequestStatus.WAITING
-        first = request.first_sample
-        if (first is not None and first.first_token_time is None and not first.is_finished
-                and self.block_manager.enable_prefix_caching and request.use_prefix_cache):
-            self._siblings.setdefault(id(first), []).append(request)
+        if self._waits_for_first_sample(request):
+            self._siblings.setdefault(id(request.first_sample), []).append(request)
         else:
             self.waiting.append(request)
+
+    def _waits_for_first_sample(self, request: Request) -> bool:
+        """A later sample of a prompt with a full block to share waits until the first sample has cached it."""
+        first = request.first_sample
+        return (first is not None and first.first_token_time is None and not first.is_finished
+                and self.block_manager.enable_prefix_caching and request.use_prefix_cache
+                and request.num_prompt_tokens > self.block_manager.block_size)
 
     def schedule(self) -> SchedulerOutput:
         step = _StepBuilder(budget=self.config.max_num_batched_tokens)

@@ -312,6 +312,8 @@ def test_randomized_simulation(mixed, seed, shared_prefixes):
         for request in pending:
             stream = rng.randrange(3)
             request.prompt_token_ids = [stream * 100 + k for k in range(request.num_prompt_tokens)]
+        for first, later in zip(pending[::4], pending[1::4], strict=True):  # and some are later samples of a prompt
+            later.prompt_token_ids, later.first_sample, later.sample_index = list(first.prompt_token_ids), first, 1
     every_request = list(pending)
     steps = 0
     while pending or scheduler.has_unfinished_requests():

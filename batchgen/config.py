@@ -57,6 +57,7 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule and stage step N+1 while the device runs step N
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     torch_compile: bool = True  # on CUDA, fuse the small elementwise layers (norms, rotary, activation)
+    enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM v1's default)
     seed: int = 0
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 

@@ -16,6 +16,7 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 
 @dataclass
 class SamplingParams:
+    n: int = 1  # completions per prompt; they share the prompt's KV blocks
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
@@ -37,6 +38,7 @@ class SamplingParams:
         self.validate("sampling")
 
     def validate(self, prefix: str) -> None:
+        _check(isinstance(self.n, int) and self.n > 0, f"{prefix}.n", self.n, "must be a positive integer")
         _check(isinstance(self.max_tokens, int) and self.max_tokens > 0, f"{prefix}.max_tokens", self.max_tokens,
                "must be a positive integer")
         _check(self.temperature >= 0, f"{prefix}.temperature", self.temperature, "must be >= 0")

@@ -90,7 +90,7 @@ class StructuredOutputManager:
         # Ids the tokenizer does not know (the model's vocab may be larger) are never allowed.
         self._tokenizer_words = -(-self._tokenizer.vocab_size // 32)
         self._templates: dict[GuidedSpec, Any] = {}  # compiled matcher, or the error message
-        self._requests: dict[int, _Guided] = {}  # by request id, while unfinished
+        self._requests: dict[tuple[int, int], _Guided] = {}  # by request key, while unfinished
 
     # -- requests -------------------------------------------------------------------------------------------
 
@@ -102,10 +102,10 @@ class StructuredOutputManager:
             template = self._templates[spec] = self._compile(spec)
         if isinstance(template, str):
             raise ValueError(template)
-        self._requests[request.request_id] = _Guided(template.deep_copy())
+        self._requests[request.key] = _Guided(template.deep_copy())
 
     def is_guided(self, request: Request) -> bool:
-        return request.request_id in self._requests
+        return request.key in self._requests
 
     def samples_guided(self, step: SchedulerOutput) -> bool:
         """Whether the step samples a token for a guided request (the next step's mask depends on it)."""
@@ -139,7 +139,7 @@ class StructuredOutputManager:
 
     def bitmask(self, requests: list[Request]) -> np.ndarray | None:
         """(S, ceil(V / 32)) int32 allowed tokens for the step's sampling rows, None when no row is guided."""
-        rows = [(i, self._requests[r.request_id]) for i, r in enumerate(requests) if r.request_id in self._requests]
+        rows = [(i, self._requests[r.key]) for i, r in enumerate(requests) if r.key in self._requests]
         if not rows:
             return None
         for i, guided in rows:
@@ -165,16 +165,16 @@ class StructuredOutputManager:
         those whose grammar is complete; returns the requests it finished."""
         finished = []
         for request in step.requests:
-            guided = self._requests.get(request.request_id)
+            guided = self._requests.get(request.key)
             if guided is None:
                 continue
             if request.is_finished:
-                del self._requests[request.request_id]
+                del self._requests[request.key]
                 continue
             error = self._sync(request, guided)
             if error is None and not guided.matcher.is_stopped():
                 continue
-            del self._requests[request.request_id]
+            del self._requests[request.key]
             scheduler.finish_request(request, "stop" if error is None else "error")
             request.error = error
             finished.append(request)
@@ -182,7 +182,7 @@ class StructuredOutputManager:
 
     def release(self, requests: list[Request]) -> None:
         for request in requests:
-            self._requests.pop(request.request_id, None)
+            self._requests.pop(request.key, None)
 
     def _sync(self, request: Request, guided: _Guided) -> str | None:
         """Feeds the matcher the request's committed output tokens it has not seen; an error message if one is

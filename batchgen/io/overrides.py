@@ -58,6 +58,7 @@ def _choices(value: Any) -> list[str] | None:
 
 
 OVERRIDE_RULES: dict[str, OverrideRule] = {
+    "n": OverrideRule(_integer_from(1), "a positive integer"),
     "max_tokens": OverrideRule(_integer_from(1), "a positive integer"),
     "temperature": OverrideRule(_number_in(0.0, None, low_inclusive=True), "a number >= 0"),
     "top_p": OverrideRule(_number_in(0.0, 1.0, low_inclusive=False), "a number in (0, 1]"),

@@ -26,6 +26,8 @@ COMPLETIONS_SCHEMA = pa.schema(
         pa.field("ttft_ms", pa.float64()),  # timings are null for error rows
         pa.field("tpot_ms", pa.float64()),
         pa.field("latency_ms", pa.float64()),
+        pa.field("sample_index", pa.int32()),  # which of the row's n samples (sampling.n); 0 when n = 1
+        pa.field("num_cached_tokens", pa.int32()),  # prompt tokens found in the prefix cache
     ]
 )
 
@@ -51,6 +53,7 @@ STEPS_SCHEMA = pa.schema(
         pa.field("num_waiting", pa.int32(), nullable=False),
         pa.field("num_running", pa.int32(), nullable=False),
         pa.field("num_preempted", pa.int32(), nullable=False),
+        pa.field("num_cached_tokens", pa.int32(), nullable=False),  # of the requests admitted in the step
     ]
 )
 

@@ -18,6 +18,10 @@ class RequestOutput:
     tpot_ms: float | None = None
     latency_ms: float | None = None
     num_preemptions: int = 0
+    # With sampling.logprobs / prompt_logprobs: per token {token_id, text, logprob, rank, top: [{token_id, text,
+    # logprob}]}, the prompt's first entry None.
+    logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -11,11 +11,13 @@ from typing import Any
 import torch
 
 from batchgen.config import EngineConfig, ModelConfig
+from batchgen.engine.bad_words import bad_words_token_ids
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cuda_graph import default_capture_sizes
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.model_runner import LaunchedStep, ModelRunner
 from batchgen.engine.request import Request
+from batchgen.engine.request_logprobs import attach_logprobs, token_texts
 from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from batchgen.layers.compiled import compile_small_layers, use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
@@ -114,6 +116,8 @@ class LLMEngine:
         self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start}
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
                                   engine_config.max_num_seqs, attention_ops(backend))
+        self.runner.logprobs_mode = engine_config.logprobs_mode
+        self._token_text = token_texts(self.detokenizer)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.info.update(
@@ -199,13 +203,27 @@ class LLMEngine:
         self._prompts[request_id] = prompt
         try:
             request.prompt_token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
+            self._check_token_ids(params)
+            request.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.detokenizer)
             error = self.scheduler.admission_error(request)
         except ValueError as exc:
             error = str(exc)
         if error is not None:
             self._finish_with_error(request, error)
             return
+        if params.logprobs is not None:
+            request.logprobs = []
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token has no logprob
         self.scheduler.add_request(request)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in the sampling options must be in the model's vocabulary."""
+        vocab = self.runner.vocab_size
+        for key, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"sampling.{key} has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
 
     def _prompt_token_ids(self, prompt: str | None, token_ids: list[int] | None, params: SamplingParams) -> list[int]:
         if token_ids is None:
@@ -276,6 +294,8 @@ class LLMEngine:
         finished = self.scheduler.commit(step, result.sampled_token_ids)
         if self.detokenizer is not None:
             finished += self.detokenizer.apply_stop_strings(step, self.scheduler)
+        if result.logprobs or result.prompt_logprobs:
+            attach_logprobs(step, result, self._token_text)
         self.runner.release(finished)
         now = time.perf_counter()
         step_ms = (now - (self._last_result_time or in_flight.start)) * 1000
@@ -311,6 +331,8 @@ class LLMEngine:
             text=text, token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
             error=request.error, ttft_ms=ttft, tpot_ms=tpot, latency_ms=latency,
             num_preemptions=request.num_preemptions,
+            logprobs=None if request.logprobs is None else request.logprobs[:request.num_output_tokens],
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def close(self) -> None:

@@ -35,6 +35,10 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sampling_params.bad_words, tokenized
+    # Per generated token (and per prompt token, the first None) when sampling_params asks for logprobs.
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

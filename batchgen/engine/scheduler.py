@@ -183,6 +183,10 @@ class Scheduler:
         ):
             if not samples or request.is_finished:  # it ended at an earlier step: this token is discarded
                 continue
+            if request.sampling_params.max_tokens == 0:  # scoring only: the prompt's logprobs are the result
+                self._mark_finished(request, "length", now)
+                finished.append(request)
+                continue
             request.output_token_ids[slot] = token_id
             if request.first_token_time is None:
                 request.first_token_time = now

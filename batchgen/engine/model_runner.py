@@ -171,8 +171,7 @@ class ModelRunner:
             input_ids, positions, meta, sample_token_index = self._to_device(inputs)
             prepare_ms = (time.perf_counter() - start) * 1000
             timer.mark()
-            hidden = self.model(input_ids, positions, meta)
-            logits = self.model.compute_logits(hidden[sample_token_index]) if inputs.sample_rows else hidden[:0]
+            hidden, logits = self._eager_forward(inputs, input_ids, positions, meta, sample_token_index)
             prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
             timer.mark()
             last_tokens = input_ids[sample_token_index] if sampling.bad_words is not None else None
@@ -270,6 +269,14 @@ class ModelRunner:
         if inputs.has_pending_tokens:
             input_ids = fill_pending_tokens(input_ids, put(inputs.pending_source), self.last_sampled)
         return input_ids, put(inputs.positions), meta, put(inputs.sample_token_index)
+
+    def _eager_forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata, sample_token_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states of every token, logits of the sampling rows)."""
+        hidden = self.model(input_ids, positions, meta)
+        if not inputs.sample_rows:
+            return hidden, hidden[:0]
+        return hidden, self.model.compute_logits(hidden[sample_token_index])
 
     def _unbind_kv_cache(self) -> None:
         self.kv_cache = None

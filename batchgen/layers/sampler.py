@@ -198,14 +198,13 @@ def _draw(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
             logits = _apply_min_p(logits, tensors.min_ps)
         filtered = logits
     draw_inv_temperatures = torch.ones_like(inv_temperatures) if filtered is not None else inv_temperatures
-    row_keys = _row_keys(tensors.seeds, tensors.positions)
     if logits.is_cuda:
         from batchgen.layers.sampler_triton import gumbel_argmax
 
-        sampled_ids = gumbel_argmax(logits, draw_inv_temperatures, row_keys)
+        sampled_ids = gumbel_argmax(logits, draw_inv_temperatures, tensors.seeds, tensors.positions)
     else:
         # The exponential race in log space: argmax(logits / T - log(-log U)) samples softmax(logits / T).
-        gumbel = _uniform(row_keys, logits.shape[1]).log_().neg_().log_()
+        gumbel = _uniform(_row_keys(tensors.seeds, tensors.positions), logits.shape[1]).log_().neg_().log_()
         sampled_ids = (logits.float() * draw_inv_temperatures.unsqueeze(1)).sub_(gumbel).argmax(dim=-1)
     return SamplerOutput(torch.where(greedy_rows, greedy_ids, sampled_ids), masked_logits, filtered, inv_temperatures)
 

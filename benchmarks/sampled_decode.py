@@ -76,6 +76,7 @@ def main() -> None:
         for name, r in by_setup.items():
             rows.append([mode, name, r["decode_step_ms"], r["decode_forward_ms"], r["decode_sample_ms"],
                          r["decode_step_ms"] / greedy if greedy else None, r["decode_cuda_graph_steps"]])
+    print("## Sampled vs greedy decode step, Shakespeare job")
     print(markdown_table(["mode", "sampling", "decode step ms (median)", "forward ms", "sample ms", "x greedy",
                           "graph steps"], rows))
 

@@ -51,7 +51,7 @@ class SamplerGraphs:
             graph.replay()
         else:
             output = self._pipeline(size, features, logits, state)
-            self.last_sampled[:size].copy_(output.token_ids)
+            self._keep_ids(output, size)
         n = packed.floats.shape[1]
         return SamplerOutput(output.token_ids[:n], output.logits[:n],
                              None if output.filtered is None else output.filtered[:n],
@@ -90,5 +90,9 @@ class SamplerGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             output = self._pipeline(size, features, logits, state)
-            self.last_sampled[:size].copy_(output.token_ids)
+            self._keep_ids(output, size)
         return graph, output
+
+    def _keep_ids(self, output: SamplerOutput, size: int) -> None:
+        rows = min(size, len(self.last_sampled))  # a bucket may be larger than max_num_seqs
+        self.last_sampled[:rows].copy_(output.token_ids[:rows])

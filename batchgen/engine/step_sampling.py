@@ -50,13 +50,16 @@ def build_step_sampling(requests: list[Request], state: SamplingState | None, bi
     params = [r.sampling_params for r in requests]
     state_rows = state.rows(requests) if state is not None else None
     # The token being sampled is output number num_output_tokens (pending slots included).
-    block_stops = [r.num_output_tokens < p.min_tokens for r, p in zip(requests, params, strict=True)]
+    block_stops = None
+    if state_rows is not None:
+        block_stops = [r.num_output_tokens < p.min_tokens for r, p in zip(requests, params, strict=True)]
     packed = PackedSampling.from_params(params, [p.seed for p in params], [r.num_tokens for r in requests],
                                         state_rows, block_stops)
     bitmask = _bitmask(requests, bitmask_provider, vocab_size, pinned)
     if bitmask is not None:
         packed = replace(packed, features=replace(packed.features, bitmask=True))
-    return StepSampling(packed, bitmask, _bad_word_candidates(requests), [p.logprobs for p in params])
+    bad_words = _bad_word_candidates(requests) if state_rows is not None else None  # bad words use state rows
+    return StepSampling(packed, bitmask, bad_words, [p.logprobs for p in params])
 
 
 def _bitmask(requests: list[Request], provider: BitmaskProvider | None, vocab_size: int,

@@ -62,8 +62,10 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
 
 def count_sampled(p: PenaltyTensors, token_ids: torch.Tensor) -> None:
     """Adds the step's sampled tokens to their requests' output counts, on the device (inside a graph too)."""
-    ones = torch.ones_like(token_ids, dtype=p.rows.output_counts.dtype)
-    p.rows.output_counts.index_put_((p.state_rows, token_ids), ones, accumulate=True)
+    counts = p.rows.output_counts
+    flat_index = p.state_rows * counts.shape[1] + token_ids
+    # index_add_ (atomic adds on CUDA): rows sharing the neutral row 0 add to the same entries, with no sync.
+    counts.view(-1).index_add_(0, flat_index, torch.ones_like(token_ids, dtype=counts.dtype))
 
 
 @dataclass

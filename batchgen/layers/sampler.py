@@ -68,6 +68,11 @@ class PackedSampling:
         """Seeds may be any integers; they are reduced modulo 2**63. Greedy rows keep their filter values: the
         filters do not change an argmax."""
         n = len(params)
+        sampled = [p for p in params if not p.greedy]  # greedy rows ignore the filters
+        penalties = state_rows is not None and any(state_rows)
+        if not sampled and not penalties:  # argmax alone (the common greedy step): neutral rows, no per-row work
+            return cls(SamplingFeatures(), np.repeat(np.array(NEUTRAL_FLOATS, dtype=np.float32)[:, None], n, axis=1),
+                       np.repeat(np.array(NEUTRAL_INTS, dtype=np.int64)[:, None], n, axis=1))
         floats = np.empty((len(FLOAT_FIELDS), n), dtype=np.float32)
         ints = np.empty((len(INT_FIELDS), n), dtype=np.int64)
         floats[0] = [p.temperature for p in params]
@@ -81,13 +86,12 @@ class PackedSampling:
         ints[1] = [seed % _SEED_MODULUS for seed in seeds]
         ints[2] = positions
         ints[3] = state_rows if state_rows is not None else 0
-        sampled = [p for p in params if not p.greedy]  # greedy rows ignore the filters
         features = SamplingFeatures(
             random=bool(sampled),
             top_k=any(p.top_k > 0 for p in sampled),
             top_p=any(p.top_p < 1 for p in sampled),
             min_p=any(p.min_p > 0 for p in sampled),
-            penalties=state_rows is not None and any(state_rows),
+            penalties=penalties,
         )
         return cls(features, floats, ints)
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+# The filters and the hash did not change; the reference keeps the old orchestration around them.
+from batchgen.layers.sampler import _apply_min_p, _apply_top_k_top_p, _row_keys, _uniform
 from batchgen.sampling_params import SamplingParams
 
-_MASK32 = 0xFFFFFFFF
 _SEED_MODULUS = 1 << 63
-_SALT = 0x9E3779B9  # 2**32 / golden ratio
 
 
 @dataclass
@@ -71,64 +71,12 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
             logits = _apply_top_k_top_p(logits, tensors.top_ks, tensors.top_ps)
         if tensors.min_ps is not None:
             logits = _apply_min_p(logits, tensors.min_ps)
-    row_keys = _row_keys(tensors.seeds, tensors.positions)
     if logits.is_cuda:
         from batchgen.layers.sampler_triton import gumbel_argmax
 
-        sampled_ids = gumbel_argmax(logits, inv_temperatures, row_keys)
+        sampled_ids = gumbel_argmax(logits, inv_temperatures, tensors.seeds, tensors.positions)
     else:
         # The exponential race in log space: argmax(logits / T - log(-log U)) samples softmax(logits / T).
-        gumbel = _uniform(row_keys, logits.shape[1]).log_().neg_().log_()
+        gumbel = _uniform(_row_keys(tensors.seeds, tensors.positions), logits.shape[1]).log_().neg_().log_()
         sampled_ids = (logits.float() * inv_temperatures.unsqueeze(1)).sub_(gumbel).argmax(dim=-1)
     return torch.where(greedy_rows, greedy_ids, sampled_ids)
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
-    """Masks (-inf) tokens outside each row's top k, then outside the nucleus of what is left."""
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    if top_ks is not None:
-        ranks = torch.arange(logits.shape[1], device=logits.device)
-        k = torch.where(top_ks > 0, top_ks, logits.shape[1]).unsqueeze(1)
-        sorted_logits.masked_fill_(ranks >= k, float("-inf"))
-    if top_ps is not None:
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)
-        # A token stays while the mass ranked above it is short of p: the top token always stays.
-        outside = (mass_before >= top_ps.unsqueeze(1)) & (top_ps < 1).unsqueeze(1)
-        sorted_logits.masked_fill_(outside, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
-
-
-def _apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_ps.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche bijection (Thomas Mueller's integer hash), in place on int64 values in [0, 2**32).
-
-    Its multiplier is below 2**27, so every product stays below 2**59: no int64 overflow, on any device.
-    """
-    for _ in range(2):
-        x ^= x >> 16
-        x.mul_(0x45D9F3B).bitwise_and_(_MASK32)
-    x ^= x >> 16
-    return x
-
-
-def _row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """(B,) int64 in [0, 2**32): one hash key per (seed, position)."""
-    row_keys = _mix32(seeds & _MASK32)
-    row_keys = _mix32(row_keys ^ ((seeds >> 32) & _MASK32))
-    return _mix32(row_keys ^ (positions & _MASK32))
-
-
-def _uniform(row_keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(B, V) float32 in (0, 1), a pure function of (row key, vocab index)."""
-    # Salted because the mix maps 0 to 0: seed 0 at position 0 must not pin vocab index 0 to the smallest draw.
-    column_keys = _mix32(torch.arange(_SALT, _SALT + vocab_size, device=row_keys.device, dtype=torch.int64))
-    bits = _mix32(row_keys.unsqueeze(1) ^ column_keys.unsqueeze(0))
-    # 23 bits plus a half stay exact in float32 and strictly inside (0, 1): with 24 bits the largest value rounds
-    # to 1.0, and log(-log(1)) = -inf would turn a masked (-inf) logit into NaN, which argmax picks.
-    return (bits >> 9).float().add_(0.5).mul_(1.0 / (1 << 23))

@@ -111,3 +111,10 @@ def test_penalties_async_equals_sync(options):
         results.append(([o.token_ids for o in outputs], sum(o.num_preemptions for o in outputs)))
     assert results[0][0] == results[1][0]
     assert (results[0][1] > 0) == ("num_gpu_blocks_override" in options)
+
+
+def test_token_ids_outside_the_vocabulary_are_an_error_row(shakespeare):
+    outputs = shakespeare.generate(PROMPTS[:2], [SamplingParams(logit_bias={1000: 1.0}), SamplingParams(max_tokens=2)],
+                                   use_tqdm=False)
+    assert outputs[0].finish_reason == "error" and "sampling.logit_bias" in outputs[0].error
+    assert outputs[1].finish_reason == "length"

@@ -149,3 +149,10 @@ def test_scoring_request_allows_max_tokens_zero():
     params = SamplingParams().with_overrides({"max_tokens": 0, "prompt_logprobs": 3, "logit_bias": {"5": 1.5},
                                               "bad_words": "thee"})
     assert params.scoring and params.logit_bias == {5: 1.5} and params.bad_words == ["thee"]
+
+
+def test_logprobs_mode_is_validated():
+    from batchgen.config import ConfigError, EngineConfig, validate_engine
+
+    with pytest.raises(ConfigError, match="engine.logprobs_mode='softmax'"):
+        validate_engine(EngineConfig(logprobs_mode="softmax"))

@@ -44,6 +44,8 @@ class SamplerGraphs:
         features = packed.features
         key = (size, features, state.version if features.penalties else 0)
         if self.capture_graphs and key not in self.graphs:
+            if features.penalties:  # graphs of state tensors that have since grown (and moved) are never replayed
+                self.graphs = {k: v for k, v in self.graphs.items() if not k[1].penalties or k[2] == key[2]}
             self.graphs[key] = self._capture(size, features, logits, state)
         self._load(packed, bitmask, size)
         if self.capture_graphs:

@@ -87,7 +87,7 @@ def test_captured_sampler_equals_eager_and_the_old_sampler(penalties):
         logits = torch.zeros(size, VOCAB, device=device)
         tokens = []
         for step in range(4):
-            sampling = build_step_sampling(requests, state, None, VOCAB, pinned=True)
+            sampling = build_step_sampling(requests, state, pinned=True)
             logits[:rows] = logits_for(rows, seed=step).to(device)
             if graphed:
                 ids = graphs.run(sampling.packed, sampling.bitmask, size, logits, state).token_ids.clone()

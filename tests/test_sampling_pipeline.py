@@ -11,8 +11,9 @@ from batchgen.engine.request import Request
 from batchgen.engine.sampler_graph import SamplerGraphs
 from batchgen.engine.sampling_state import SamplingState
 from batchgen.engine.step_sampling import build_step_sampling
-from batchgen.layers.penalties import PenaltyTensors, SamplingStateRows, apply_bitmask, apply_penalties
+from batchgen.layers.penalties import PenaltyTensors, SamplingStateRows, apply_penalties
 from batchgen.layers.sampler import SamplingTensors, run_sampler, sample
+from batchgen.layers.token_bitmask import apply_token_bitmask
 from batchgen.sampling_params import SamplingParams
 from tests import reference_sampler
 
@@ -75,7 +76,7 @@ def test_static_buffer_path_equals_eager(penalties):
         graphs = SamplerGraphs(size, VOCAB, last_sampled, torch.device("cpu"))
         tokens = []
         for step in range(4):
-            sampling = build_step_sampling(requests, state, None, VOCAB, pinned=False)
+            sampling = build_step_sampling(requests, state, pinned=False)
             logits = torch.zeros(size, VOCAB)
             logits[:rows] = logits_for(rows, seed=step)
             if graphed:
@@ -99,13 +100,14 @@ def test_bitmask_restricts_sampling():
             bitmask[row, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
     bitmask[7] = -1  # all allowed
     requests = make_requests(mixed_params(rows))
-    sampling = build_step_sampling(requests, None, lambda reqs: bitmask, VOCAB, pinned=False)
+    sampling = build_step_sampling(requests, None, pinned=False)
+    sampling.add_bitmask(bitmask, VOCAB, pinned=False)
     assert sampling.packed.features.bitmask
     for seed in range(5):
         tokens = run_sampler(logits_for(rows, seed), sampling.tensors(torch.device("cpu"), None, None)).token_ids
         for row in range(7):
             assert tokens[row].item() in allowed_sets[row]
-    masked = apply_bitmask(logits_for(1), torch.from_numpy(bitmask[:1]))
+    masked = apply_token_bitmask(logits_for(1), torch.from_numpy(bitmask[:1]))
     assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [3, 40, 41]
 
 
@@ -156,3 +158,17 @@ def test_logprobs_mode_is_validated():
 
     with pytest.raises(ConfigError, match="engine.logprobs_mode='softmax'"):
         validate_engine(EngineConfig(logprobs_mode="softmax"))
+
+
+def test_rows_override_the_new_fields():
+    from batchgen.io.errors import RowError
+    from batchgen.io.overrides import parse_overrides
+
+    record = {"prompt": "x", "logit_bias": {"5": 1, 7: -2.5}, "bad_words": "thee", "prompt_logprobs": 2,
+              "repetition_penalty": 1.2, "allowed_token_ids": [1, 2]}
+    overrides = parse_overrides(record)
+    params = SamplingParams().with_overrides(overrides)
+    assert params.logit_bias == {5: 1, 7: -2.5} and params.bad_words == ["thee"] and params.prompt_logprobs == 2
+    assert params.allowed_token_ids == [1, 2] and params.repetition_penalty == 1.2
+    with pytest.raises(RowError, match="logit_bias="):
+        parse_overrides({"logit_bias": {"a": 1}})

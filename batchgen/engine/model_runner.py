@@ -166,6 +166,7 @@ class ModelRunner:
             timer.mark()
             logits = self.graphs.replay(inputs, graph_size)
             timer.mark()
+            self._add_bitmask(sampling, sample_requests)
             output = self._graph_sample(sampling, graph_size, logits)
         else:
             input_ids, positions, meta, sample_token_index = self._to_device(inputs)
@@ -174,6 +175,7 @@ class ModelRunner:
             hidden, logits = self._eager_forward(inputs, input_ids, positions, meta, sample_token_index)
             prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
             timer.mark()
+            self._add_bitmask(sampling, sample_requests)
             last_tokens = input_ids[sample_token_index] if sampling.bad_words is not None else None
             output = self._eager_sample(sampling, logits, last_tokens)
         num_samples = len(inputs.sample_rows)
@@ -194,8 +196,12 @@ class ModelRunner:
     def _step_sampling(self, requests: list[Request]) -> StepSampling:
         if self.sampling_state is None and any(r.sampling_params.uses_penalty_state for r in requests):
             self.sampling_state = SamplingState(self.vocab_size, self.device)
-        return build_step_sampling(requests, self.sampling_state, self.bitmask_provider, self.vocab_size,
-                                   self._pinned)
+        return build_step_sampling(requests, self.sampling_state, self._pinned)
+
+    def _add_bitmask(self, sampling: StepSampling, requests: list[Request]) -> None:
+        """Filled on the host after the forward is queued, so on a GPU it overlaps the forward."""
+        if self.bitmask_provider is not None and requests:
+            sampling.add_bitmask(self.bitmask_provider(requests), self.vocab_size, self._pinned)
 
     def _graph_sample(self, sampling: StepSampling, size: int, logits: torch.Tensor) -> SamplerOutput:
         """Inside the sampler graph when any stage beyond argmax runs; the ids land in last_sampled."""
@@ -284,10 +290,15 @@ class ModelRunner:
             attention.k_cache = attention.v_cache = torch.empty(0)
 
     def close(self) -> None:
+        """Drops every device tensor the runner holds: graphs (their pool and static buffers), KV cache, and the
+        sampled-ids buffer, so the caching allocator can hand the memory back."""
         self.graphs = None
         self.sampler_graphs = None
         self.sampling_state = None
         self._unbind_kv_cache()
+        self.attention_layers = []
+        self.last_sampled = None
+        self._last_sample_rows = {}
 
 
 def _is_pure_decode(step: SchedulerOutput) -> bool:

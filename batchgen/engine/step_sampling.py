@@ -25,6 +25,20 @@ class StepSampling:
     bad_words: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (batch rows, expected last token, banned token)
     logprobs: list[int | None]  # per sampling row: how many alternatives to report, None for none
 
+    def add_bitmask(self, array: np.ndarray | None, vocab_size: int, pinned: bool) -> None:
+        """The structured-output mask of the sampling rows (None: no row guided), padded to the vocabulary's words
+        (missing words: disallowed)."""
+        if array is None:
+            return
+        rows, words = len(self.logprobs), -(-vocab_size // 32)
+        if array.ndim != 2 or array.shape[0] != rows or array.dtype != np.int32:
+            raise ValueError(f"bitmask_provider returned {array.dtype} {array.shape}; expected int32 ({rows}, {words})")
+        bitmask = torch.zeros(rows, words, dtype=torch.int32, pin_memory=pinned)
+        width = min(words, array.shape[1])
+        bitmask.numpy()[:, :width] = array[:, :width]
+        self.bitmask = bitmask
+        self.packed = replace(self.packed, features=replace(self.packed.features, bitmask=True))
+
     @property
     def wants_logprobs(self) -> bool:
         return any(k is not None for k in self.logprobs)
@@ -44,8 +58,7 @@ class StepSampling:
         return tensors
 
 
-def build_step_sampling(requests: list[Request], state: SamplingState | None, bitmask_provider: BitmaskProvider | None,
-                        vocab_size: int, pinned: bool) -> StepSampling:
+def build_step_sampling(requests: list[Request], state: SamplingState | None, pinned: bool) -> StepSampling:
     """requests: the step's sampling rows, in order. state: None unless some request uses penalty state."""
     params = [r.sampling_params for r in requests]
     state_rows = state.rows(requests) if state is not None else None
@@ -55,26 +68,8 @@ def build_step_sampling(requests: list[Request], state: SamplingState | None, bi
         block_stops = [r.num_output_tokens < p.min_tokens for r, p in zip(requests, params, strict=True)]
     packed = PackedSampling.from_params(params, [p.seed for p in params], [r.num_tokens for r in requests],
                                         state_rows, block_stops)
-    bitmask = _bitmask(requests, bitmask_provider, vocab_size, pinned)
-    if bitmask is not None:
-        packed = replace(packed, features=replace(packed.features, bitmask=True))
     bad_words = _bad_word_candidates(requests) if state_rows is not None else None  # bad words use state rows
-    return StepSampling(packed, bitmask, bad_words, [p.logprobs for p in params])
-
-
-def _bitmask(requests: list[Request], provider: BitmaskProvider | None, vocab_size: int,
-             pinned: bool) -> torch.Tensor | None:
-    array = provider(requests) if provider is not None and requests else None
-    if array is None:
-        return None
-    words = -(-vocab_size // 32)
-    if array.shape[0] != len(requests) or array.dtype != np.int32:
-        raise ValueError(f"bitmask_provider returned {array.dtype} {array.shape}; expected int32 "
-                         f"({len(requests)}, {words})")
-    bitmask = torch.zeros(len(requests), words, dtype=torch.int32, pin_memory=pinned)  # missing words: disallowed
-    width = min(words, array.shape[1])
-    bitmask.numpy()[:, :width] = array[:, :width]
-    return bitmask
+    return StepSampling(packed, None, bad_words, [p.logprobs for p in params])
 
 
 def _bad_word_candidates(requests: list[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

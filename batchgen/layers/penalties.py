@@ -1,4 +1,4 @@
-"""The pipeline's first stages: the structured-output bitmask, then logit bias, min_tokens and the penalties.
+"""The pipeline stages after the structured-output bitmask: logit bias, min_tokens, the penalties and bad words.
 
 Every stage is a fixed-shape tensor program (no host sync, no data-dependent shape), so it runs as it is inside a
 captured decode graph. Per-request data lives in device rows that persist across steps (`SamplingStateRows`);
@@ -12,17 +12,6 @@ from dataclasses import dataclass
 import torch
 
 NEG_INF = float("-inf")
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Bit j of word w of a row allows token 32 * w + j (xgrammar's and llguidance's layout); others -> -inf.
-
-    bitmask: (B, ceil(V / 32)) int32, -1 (all bits set) where a row allows everything.
-    """
-    cols = torch.arange(logits.shape[1], device=logits.device)
-    words = bitmask.index_select(1, cols >> 5)
-    allowed = (words >> (cols & 31).to(torch.int32)) & 1
-    return logits.masked_fill(allowed == 0, NEG_INF)
 
 
 @dataclass

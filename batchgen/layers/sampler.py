@@ -8,7 +8,7 @@ timing: a seeded request reproduces run to run and across preemption, with no ho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -18,10 +18,10 @@ from batchgen.layers.penalties import (
     PenaltyTensors,
     SamplingStateRows,
     apply_bad_words,
-    apply_bitmask,
     apply_penalties,
     count_sampled,
 )
+from batchgen.layers.token_bitmask import apply_token_bitmask
 from batchgen.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -166,8 +166,13 @@ class SamplerOutput:
         return self.logits.float() * self.inv_temperatures.unsqueeze(1)
 
 
-def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-    """logits (B, V), any float dtype -> (B,) int64 token ids on the same device."""
+def sample(logits: torch.Tensor, tensors: SamplingTensors, token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (B, V), any float dtype -> (B,) int64 token ids on the same device.
+
+    token_bitmask: (B, ceil(V / 32)) int32, packed allowed tokens (structured output), applied before anything else.
+    """
+    if token_bitmask is not None:
+        tensors = replace(tensors, bitmask=token_bitmask)
     return run_sampler(logits, tensors).token_ids
 
 
@@ -175,7 +180,7 @@ def run_sampler(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput
     """The whole pipeline: bitmask -> bias, min_tokens and penalties -> bad words -> greedy argmax | temperature ->
     top-k/top-p -> min-p -> seeded draw; then the sampled ids count into the requests' output counts."""
     if tensors.bitmask is not None:
-        logits = apply_bitmask(logits, tensors.bitmask)
+        logits = apply_token_bitmask(logits, tensors.bitmask)
     if tensors.penalties is not None:
         logits = apply_penalties(logits, tensors.penalties)
     if tensors.bad_words is not None:

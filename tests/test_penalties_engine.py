@@ -88,6 +88,14 @@ def test_min_tokens_masks_stop_tokens(shakespeare):
         assert stop not in output.token_ids[:10] and len(output.token_ids) >= 10
 
 
+def test_min_tokens_holds_back_stop_strings(shakespeare):
+    text = generate(shakespeare, temperature=0)[0].text
+    stop = text[1:3]  # the greedy completion of the first prompt would stop at its second character
+    assert len(generate(shakespeare, temperature=0, stop=[stop])[0].token_ids) <= 3
+    for output in generate(shakespeare, temperature=0, stop=[stop], min_tokens=10):
+        assert len(output.token_ids) >= 10
+
+
 def test_presence_and_frequency_penalties_diversify(shakespeare):
     plain = generate(shakespeare, temperature=0)
     penalized = generate(shakespeare, temperature=0, frequency_penalty=1.5, presence_penalty=1.0)

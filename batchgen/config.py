@@ -19,6 +19,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,7 @@ class EngineConfig:
     torch_compile: bool = True  # on CUDA, fuse the small elementwise layers (norms, rotary, activation)
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM v1's default)
     seed: int = 0
+    logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs (after penalties, temperature, filters)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
 
@@ -129,6 +131,7 @@ def validate_model(model: ModelConfig) -> None:
 def validate_engine(engine: EngineConfig) -> None:
     _one_of("engine.device", engine.device, DEVICES)
     _one_of("engine.attention_backend", engine.attention_backend, ATTENTION_BACKENDS)
+    _one_of("engine.logprobs_mode", engine.logprobs_mode, LOGPROBS_MODES)
     _positive("engine.max_num_seqs", engine.max_num_seqs)
     _positive("engine.max_num_batched_tokens", engine.max_num_batched_tokens)
     _positive("engine.max_model_len", engine.max_model_len, optional=True)

@@ -40,6 +40,7 @@ def completion_record(row: PromptRow, output: RequestOutput | None = None) -> di
         "num_prompt_tokens": len(output.prompt_token_ids), "num_output_tokens": len(output.token_ids),
         "finish_reason": output.finish_reason, "error": output.error,
         "ttft_ms": output.ttft_ms, "tpot_ms": output.tpot_ms, "latency_ms": output.latency_ms,
+        "logprobs": output.logprobs, "prompt_logprobs": output.prompt_logprobs,
     }
 
 

@@ -22,6 +22,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # LLM.generate: the prompt's n samples in sample order (vLLM's RequestOutput.outputs), this one first.
     outputs: list[RequestOutput] = field(default_factory=list, repr=False, compare=False)
+    # With sampling.logprobs / prompt_logprobs: per token {token_id, text, logprob, rank, top: [{token_id, text,
+    # logprob}]}, the prompt's first entry None.
+    logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def num_output_tokens(self) -> int:

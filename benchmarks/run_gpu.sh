@@ -34,6 +34,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...
 
 step pytest_gpu 180 "$PY" -m pytest -m gpu -q
 step seed_table 150 "$PY" -m benchmarks.seed_table
+step sampled_decode 150 "$PY" -m benchmarks.sampled_decode
 step b1_latency 180 "$PY" -m benchmarks.b1_latency
 step nanovllm_bench 120 "$PY" -m benchmarks.nanovllm_bench
 step profile_decode 90 "$PY" -m benchmarks.profile_decode --batches 1 64 256

@@ -89,7 +89,7 @@ def test_completions_schema_and_metadata_round_trip(tmp_path: Path) -> None:
     table = pq.read_table(path)
     assert table.schema.equals(COMPLETIONS_SCHEMA)
     assert read_metadata(path) == METADATA
-    assert table.to_pylist()[0] == {**completion(0), "error": None}
+    assert table.to_pylist()[0] == {**completion(0), "error": None, "logprobs": None, "prompt_logprobs": None}
     frame = pd.read_parquet(path)
     assert list(frame.columns) == COMPLETIONS_SCHEMA.names
     assert frame.loc[1, "finish_reason"] == "error"

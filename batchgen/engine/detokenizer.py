@@ -46,6 +46,8 @@ class Detokenizer:
             stops = request.sampling_params.stop
             if not samples or not stops or slot >= request.num_output_tokens:  # no token, or a discarded one
                 continue
+            if slot + 1 < request.sampling_params.min_tokens:  # as in vLLM, no stop before min_tokens
+                continue
             if not self._tail_has_stop(request.output_token_ids, slot + 1, stops):
                 continue
             text = self.decode(request.output_token_ids[:slot + 1])

@@ -12,11 +12,13 @@ from typing import Any
 import torch
 
 from batchgen.config import EngineConfig, ModelConfig
+from batchgen.engine.bad_words import bad_words_token_ids
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cuda_graph import default_capture_sizes
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.model_runner import LaunchedStep, ModelRunner
 from batchgen.engine.request import Request
+from batchgen.engine.request_logprobs import attach_logprobs, token_texts
 from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from batchgen.engine.step_profiler import StepProfiler
 from batchgen.engine.structured_output import StructuredOutputManager, guided_spec
@@ -126,6 +128,8 @@ class LLMEngine:
         self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start}
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
                                   engine_config.max_num_seqs, attention_ops(backend))
+        self.runner.logprobs_mode = engine_config.logprobs_mode
+        self._token_text = token_texts(self.detokenizer)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.info.update(
@@ -214,8 +218,11 @@ class LLMEngine:
             sample.first_sample = samples[0] if sample is not samples[0] else None
         try:
             token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
+            self._check_token_ids(params)
+            bad_words = bad_words_token_ids(params.bad_words, self.detokenizer)
             for sample in samples:
                 sample.prompt_token_ids = list(token_ids)
+                sample.bad_words_token_ids = bad_words
             error = self.scheduler.admission_error(samples[0])
             if error is None and guided_spec(params) is not None:
                 for sample in samples:
@@ -223,10 +230,23 @@ class LLMEngine:
         except ValueError as exc:
             error = str(exc)
         for sample in samples:
-            if error is None:
-                self.scheduler.add_request(sample)
-            else:
+            if error is not None:
                 self._finish_with_error(sample, error)
+                continue
+            if params.logprobs is not None:
+                sample.logprobs = []
+            if params.prompt_logprobs is not None:
+                sample.prompt_logprobs = [None]  # the first prompt token has no logprob
+                sample.use_prefix_cache = False  # prompt logprobs need every prompt position's logits
+            self.scheduler.add_request(sample)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in the sampling options must be in the model's vocabulary."""
+        vocab = self.runner.vocab_size
+        for key, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"sampling.{key} has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
 
     def _prompt_token_ids(self, prompt: str | None, token_ids: list[int] | None, params: SamplingParams) -> list[int]:
         if token_ids is None:
@@ -317,6 +337,8 @@ class LLMEngine:
             finished += self.detokenizer.apply_stop_strings(step, self.scheduler)
         if self.structured_output is not None:
             finished += self.structured_output.commit(step, self.scheduler)
+        if result.logprobs or result.prompt_logprobs:
+            attach_logprobs(step, result, self._token_text)
         self.runner.release(finished)
         now = time.perf_counter()
         step_ms = (now - (self._last_result_time or in_flight.start)) * 1000
@@ -353,6 +375,8 @@ class LLMEngine:
             error=request.error, ttft_ms=ttft, tpot_ms=tpot, latency_ms=latency,
             num_preemptions=request.num_preemptions, sample_index=request.sample_index,
             num_cached_tokens=request.num_cached_tokens,
+            logprobs=None if request.logprobs is None else request.logprobs[:request.num_output_tokens],
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def close(self) -> None:

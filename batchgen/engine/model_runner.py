@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
-import numpy as np
 import torch
 from torch import nn
 
 from batchgen.engine.block_tables import BlockTables
 from batchgen.engine.cuda_graph import CaptureStats, CudaGraphRunner, GraphCaptureBuffers, fill_pending_tokens
+from batchgen.engine.logprobs_step import StepLogprobs, plan_prompt_logprobs, sampled_logprobs
 from batchgen.engine.request import Request
+from batchgen.engine.sampler_graph import SamplerGraphs
+from batchgen.engine.sampling_state import SamplingState
 from batchgen.engine.scheduler import SchedulerOutput
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs
+from batchgen.engine.step_sampling import BitmaskProvider, StepSampling, build_step_sampling
 from batchgen.layers import attention_torch
 from batchgen.layers.attention import Attention, AttentionMetadata
-from batchgen.layers.sampler import SamplingTensors, sample
+from batchgen.layers.logprobs import compute_logprobs
+from batchgen.layers.sampler import SamplerOutput, run_sampler
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,9 @@ class StepResult:
     sample_ms: float
     wait_ms: float  # host time spent waiting for the sampled ids
     padded_size: int | None  # the CUDA-graph bucket that ran the step, None when eager
+    # {step row: (logprob, rank, top ids, top logprobs)} and [(step row, prompt position, same)]; empty unless asked
+    logprobs: dict[int, tuple] = field(default_factory=dict)
+    prompt_logprobs: list[tuple[int, int, tuple]] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +73,7 @@ class LaunchedStep:
     timer: _Timer
     prepare_ms: float
     padded_size: int | None
+    logprobs: StepLogprobs | None = None
 
 
 class ModelRunner:
@@ -85,9 +92,11 @@ class ModelRunner:
         self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self._last_sample_rows: dict[int, int] = {}  # id(request) -> its row in last_sampled
         self._pinned = device.type == "cuda"
-        # Structured output: a packed int32 (S, ceil(V / 32)) mask of allowed tokens for the step's sampling rows,
-        # or None when no row is guided (then the step pays nothing).
-        self.bitmask_provider: Callable[[list[Request]], np.ndarray | None] | None = None
+        self.vocab_size = model.lm_head.weight.shape[0]
+        self.sampling_state: SamplingState | None = None  # allocated when a request first uses penalties
+        self.sampler_graphs: SamplerGraphs | None = None
+        self.bitmask_provider: BitmaskProvider | None = None  # set by the engine for structured output
+        self.logprobs_mode = "raw_logprobs"  # raw_logprobs | processed_logprobs
 
     # -- KV cache -------------------------------------------------------------------------------------------
 
@@ -133,6 +142,7 @@ class ModelRunner:
     def capture_graphs(self, sizes: list[int]) -> CaptureStats:
         buffers = GraphCaptureBuffers(max(sizes), self.block_table_width, self.device)
         self.graphs = CudaGraphRunner(self.model, buffers, sizes, self.last_sampled)
+        self.sampler_graphs = SamplerGraphs(max(sizes), self.vocab_size, self.last_sampled, self.device)
         with torch.inference_mode():
             return self.graphs.capture()
 
@@ -142,45 +152,89 @@ class ModelRunner:
     def launch(self, step: SchedulerOutput) -> LaunchedStep:
         """Queues the step's forward and sampling on the device without waiting for them."""
         start = time.perf_counter()
-        graph_size = self.graphs.padded_size(step.num_seqs) if self.graphs and _is_pure_decode(step) else None
+        sample_requests = [r for r, samples in zip(step.requests, step.samples, strict=True) if samples]
+        sampling = self._step_sampling(sample_requests)
+        # Bad-word candidates vary in number with the data: such a step runs eagerly.
+        graphed = self.graphs is not None and _is_pure_decode(step) and sampling.bad_words is None
+        graph_size = self.graphs.padded_size(step.num_seqs) if graphed else None
         width = self.block_table_width if graph_size else None
         inputs = build_step_inputs(step, self.block_size, self.block_tables, width, self._last_sample_rows)
-        sample_requests = [step.requests[i] for i in inputs.sample_rows]
-        sampling = SamplingTensors.from_params(
-            [r.sampling_params for r in sample_requests],
-            seeds=[r.sampling_params.seed for r in sample_requests],
-            positions=[r.num_tokens for r in sample_requests],
-            device=self.device,
-        )
         timer = _Timer(self.device)
+        prompt_logprobs = None
         if graph_size:
             prepare_ms = (time.perf_counter() - start) * 1000
             timer.mark()
             logits = self.graphs.replay(inputs, graph_size)
+            timer.mark()
+            self._add_bitmask(sampling, sample_requests)
+            output = self._graph_sample(sampling, graph_size, logits)
         else:
-            tensors = self._to_device(inputs)
+            input_ids, positions, meta, sample_token_index = self._to_device(inputs)
             prepare_ms = (time.perf_counter() - start) * 1000
             timer.mark()
-            logits = self._eager_logits(inputs, *tensors)
-        timer.mark()
+            hidden, logits = self._eager_forward(inputs, input_ids, positions, meta, sample_token_index)
+            prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
+            timer.mark()
+            self._add_bitmask(sampling, sample_requests)
+            last_tokens = input_ids[sample_token_index] if sampling.bad_words is not None else None
+            output = self._eager_sample(sampling, logits, last_tokens)
         num_samples = len(inputs.sample_rows)
         sampled = torch.empty(num_samples, dtype=torch.int64, pin_memory=self._pinned)
+        logprobs = None
         if num_samples:
-            # Filled on the host after the forward is queued, so on a GPU it overlaps the forward.
-            bitmask = self.bitmask_provider(sample_requests) if self.bitmask_provider else None
-            token_bitmask = None
-            if bitmask is not None:
-                host = torch.from_numpy(bitmask)
-                token_bitmask = (host.pin_memory() if self._pinned else host).to(self.device, non_blocking=True)
-            on_device = sample(logits, sampling, token_bitmask)
-            self.last_sampled[:num_samples].copy_(on_device)
-            sampled.copy_(on_device, non_blocking=True)
+            sampled.copy_(output.token_ids, non_blocking=True)
+            logprobs = self._sampled_logprobs(sampling, logits, output, inputs.sample_rows, prompt_logprobs)
+        elif prompt_logprobs is not None:
+            logprobs = StepLogprobs([], None, prompt_logprobs)
         timer.mark()
         done = torch.cuda.Event() if self._pinned else None
         if done is not None:
             done.record()
         self._last_sample_rows = {id(step.requests[row]): i for i, row in enumerate(inputs.sample_rows)}
-        return LaunchedStep(step.num_seqs, inputs.sample_rows, sampled, done, timer, prepare_ms, graph_size)
+        return LaunchedStep(step.num_seqs, inputs.sample_rows, sampled, done, timer, prepare_ms, graph_size, logprobs)
+
+    def _step_sampling(self, requests: list[Request]) -> StepSampling:
+        if self.sampling_state is None and any(r.sampling_params.uses_penalty_state for r in requests):
+            self.sampling_state = SamplingState(self.vocab_size, self.device)
+        return build_step_sampling(requests, self.sampling_state, self._pinned)
+
+    def _add_bitmask(self, sampling: StepSampling, requests: list[Request]) -> None:
+        """Filled on the host after the forward is queued, so on a GPU it overlaps the forward."""
+        if self.bitmask_provider is not None and requests:
+            sampling.add_bitmask(self.bitmask_provider(requests), self.vocab_size, self._pinned)
+
+    def _graph_sample(self, sampling: StepSampling, size: int, logits: torch.Tensor) -> SamplerOutput:
+        """Inside the sampler graph when any stage beyond argmax runs; the ids land in last_sampled."""
+        if not sampling.packed.features.any:
+            return self._eager_sample(sampling, logits, None)
+        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, self.graphs.logits[size],
+                                       self.sampling_state)
+
+    def _eager_sample(self, sampling: StepSampling, logits: torch.Tensor,
+                      last_tokens: torch.Tensor | None) -> SamplerOutput:
+        if not len(logits):
+            return SamplerOutput(logits.new_empty(0, dtype=torch.int64), logits, None, None)
+        output = run_sampler(logits, sampling.tensors(self.device, self.sampling_state, last_tokens))
+        self.last_sampled[:len(logits)].copy_(output.token_ids)
+        return output
+
+    def _sampled_logprobs(self, sampling: StepSampling, logits: torch.Tensor, output: SamplerOutput,
+                          sample_rows: list[int], prompt: tuple | None) -> StepLogprobs | None:
+        if not sampling.wants_logprobs and prompt is None:
+            return None
+        scored = output.processed_logits() if self.logprobs_mode == "processed_logprobs" else logits
+        rows, tensors = sampled_logprobs(scored, output.token_ids, sampling.logprobs, self._pinned)
+        return StepLogprobs([sample_rows[i] for i in rows], tensors, prompt)
+
+    def _prompt_logprobs(self, step: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> tuple | None:
+        """Raw log-probabilities of the prompt tokens this (prefill) step computes, for rows that ask for them."""
+        plan = plan_prompt_logprobs(step, inputs)
+        if plan is None:
+            return None
+        index, targets = (torch.from_numpy(a).to(self.device, non_blocking=True) for a in (plan.token_index,
+                                                                                          plan.targets))
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        return plan, compute_logprobs(logits, targets, plan.k, self._pinned)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Waits for a launched step; its sampled ids are parallel to the step's requests."""
@@ -192,11 +246,16 @@ class ModelRunner:
         token_ids = [-1] * launched.num_seqs
         for row, token in zip(launched.sample_rows, launched.sampled.tolist(), strict=True):
             token_ids[row] = token
-        return StepResult(token_ids, launched.prepare_ms, forward_ms, sample_ms, wait_ms, launched.padded_size)
+        result = StepResult(token_ids, launched.prepare_ms, forward_ms, sample_ms, wait_ms, launched.padded_size)
+        if launched.logprobs is not None:
+            result.logprobs, result.prompt_logprobs = launched.logprobs.entries()
+        return result
 
     def release(self, requests: list[Request]) -> None:
-        """Forget finished requests' block-table rows."""
+        """Forget finished requests' block-table and sampling-state rows."""
         self.block_tables.release(requests)
+        if self.sampling_state is not None:
+            self.sampling_state.release(requests)
 
     def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         def put(array) -> torch.Tensor:
@@ -217,12 +276,13 @@ class ModelRunner:
             input_ids = fill_pending_tokens(input_ids, put(inputs.pending_source), self.last_sampled)
         return input_ids, put(inputs.positions), meta, put(inputs.sample_token_index)
 
-    def _eager_logits(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
-                      meta: AttentionMetadata, sample_token_index: torch.Tensor) -> torch.Tensor:
+    def _eager_forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata, sample_token_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states of every token, logits of the sampling rows)."""
         hidden = self.model(input_ids, positions, meta)
         if not inputs.sample_rows:
-            return hidden[:0]
-        return self.model.compute_logits(hidden[sample_token_index])
+            return hidden, hidden[:0]
+        return hidden, self.model.compute_logits(hidden[sample_token_index])
 
     def _unbind_kv_cache(self) -> None:
         self.kv_cache = None
@@ -233,6 +293,8 @@ class ModelRunner:
         """Drops every device tensor the runner holds: graphs (their pool and static buffers), KV cache, and the
         sampled-ids buffer, so the caching allocator can hand the memory back."""
         self.graphs = None
+        self.sampler_graphs = None
+        self.sampling_state = None
         self._unbind_kv_cache()
         self.attention_layers = []
         self.last_sampled = None

@@ -48,6 +48,10 @@ class Request:
     def key(self) -> tuple[int, int]:
         """Unique among live requests: the n samples of a prompt share its request id."""
         return self.request_id, self.sample_index
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sampling_params.bad_words, tokenized
+    # Per generated token (and per prompt token, the first None) when sampling_params asks for logprobs.
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

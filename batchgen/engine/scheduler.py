@@ -207,6 +207,10 @@ class Scheduler:
         ):
             if request.is_finished:  # it ended at an earlier step: this token is discarded
                 continue
+            if samples and request.sampling_params.max_tokens == 0:  # scoring only: prompt logprobs are the result
+                self._mark_finished(request, "length", now)
+                finished.append(request)
+                continue
             if samples:
                 request.output_token_ids[slot] = token_id
             # A request preempted since this step was launched has no blocks and num_computed_tokens 0.
@@ -215,7 +219,7 @@ class Scheduler:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
-                self.waiting.extendleft(reversed(self._siblings.pop(id(request), [])))
+                self._release_siblings(request)
             reason = self._stop_reason(request, token_id, slot + 1)
             if reason is not None:
                 self._mark_finished(request, reason, now)
@@ -252,6 +256,10 @@ class Scheduler:
         request.finish_time = now
         request.drop_pending_tokens()
         self.block_manager.free(request)
+
+    def _release_siblings(self, first_sample: Request) -> None:
+        """The later samples waiting for this first sample's prompt blocks go to the front of the queue."""
+        self.waiting.extendleft(reversed(self._siblings.pop(id(first_sample), [])))
 
     def _wants_prefill_step(self) -> bool:
         if any(not request.is_decoding for request in self.running):

@@ -57,6 +57,25 @@ def _choices(value: Any) -> list[str] | None:
     return value if isinstance(value, list) and value and all(isinstance(c, str) for c in value) else None
 
 
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """Token id (an integer, or its digits as a JSON object key) -> a number."""
+    if not isinstance(value, dict):
+        return None
+    bias = {}
+    for key, number in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else as_integer(key)
+        number = as_number(number)
+        if token is None or token < 0 or number is None:
+            return None
+        bias[token] = number
+    return bias
+
+
+def _token_id_list(value: Any) -> list[int] | None:
+    token_ids = as_token_ids(value)
+    return token_ids if token_ids else None
+
+
 OVERRIDE_RULES: dict[str, OverrideRule] = {
     "n": OverrideRule(_integer_from(1), "a positive integer"),
     "max_tokens": OverrideRule(_integer_from(1), "a positive integer"),
@@ -72,6 +91,15 @@ OVERRIDE_RULES: dict[str, OverrideRule] = {
     "guided_regex": OverrideRule(_text, "a non-empty string"),
     "guided_choice": OverrideRule(_choices, "a non-empty list of strings"),
     "guided_grammar": OverrideRule(_text, "a non-empty string"),
+    "repetition_penalty": OverrideRule(_number_in(0.0, None, low_inclusive=False), "a number > 0 (1: off)"),
+    "presence_penalty": OverrideRule(_number_in(-2.0, 2.0, low_inclusive=True), "a number in [-2, 2]"),
+    "frequency_penalty": OverrideRule(_number_in(-2.0, 2.0, low_inclusive=True), "a number in [-2, 2]"),
+    "min_tokens": OverrideRule(_integer_from(0), "a non-negative integer"),
+    "logit_bias": OverrideRule(_logit_bias, "an object of token id -> number"),
+    "bad_words": OverrideRule(_stop_strings, "a non-empty string or a list of non-empty strings"),
+    "allowed_token_ids": OverrideRule(_token_id_list, "a non-empty list of non-negative integers"),
+    "logprobs": OverrideRule(_integer_from(0), "a non-negative integer"),
+    "prompt_logprobs": OverrideRule(_integer_from(0), "a non-negative integer"),
 }
 OVERRIDE_FIELDS = tuple(OVERRIDE_RULES)
 

@@ -11,6 +11,19 @@ import pyarrow.parquet as pq
 
 METADATA_PREFIX = "batchgen."
 
+# One token's log-probability with sampling.logprobs / prompt_logprobs: the token, its rank in the distribution
+# (1 = most likely) and the k most likely tokens, most likely first.
+LOGPROB_ENTRY = pa.struct(
+    [
+        pa.field("token_id", pa.int32()),
+        pa.field("text", pa.string()),
+        pa.field("logprob", pa.float32()),
+        pa.field("rank", pa.int32()),
+        pa.field("top", pa.list_(pa.struct([pa.field("token_id", pa.int32()), pa.field("text", pa.string()),
+                                            pa.field("logprob", pa.float32())]))),
+    ]
+)
+
 COMPLETIONS_SCHEMA = pa.schema(
     [
         pa.field("index", pa.int64(), nullable=False),
@@ -28,6 +41,8 @@ COMPLETIONS_SCHEMA = pa.schema(
         pa.field("latency_ms", pa.float64()),
         pa.field("sample_index", pa.int32()),  # which of the row's n samples (sampling.n); 0 when n = 1
         pa.field("num_cached_tokens", pa.int32()),  # prompt tokens found in the prefix cache
+        pa.field("logprobs", pa.list_(LOGPROB_ENTRY)),  # one per output token; null unless sampling.logprobs
+        pa.field("prompt_logprobs", pa.list_(LOGPROB_ENTRY)),  # one per prompt token, the first null
     ]
 )
 

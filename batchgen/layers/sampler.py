@@ -1,4 +1,5 @@
-"""Token sampling on the device: greedy, temperature, top-k, top-p, min-p; returns only token ids.
+"""Token sampling on the device, one pipeline for eager steps and captured decode graphs: structured-output bitmask,
+bias and penalties, then greedy argmax or temperature, top-k, top-p, min-p and the seeded draw.
 
 Random draws come from a counter-based hash of (seed, position, vocab index) instead of a torch.Generator, so a
 request's sample depends only on its seed and the position being sampled, never on the batch it shares or on step
@@ -7,10 +8,19 @@ timing: a seeded request reproduces run to run and across preemption, with no ho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
+from batchgen.layers.penalties import (
+    BadWordCandidates,
+    PenaltyTensors,
+    SamplingStateRows,
+    apply_bad_words,
+    apply_penalties,
+    count_sampled,
+)
 from batchgen.layers.token_bitmask import apply_token_bitmask
 from batchgen.sampling_params import SamplingParams
 
@@ -19,43 +29,141 @@ _SEED_MODULUS = 1 << 63
 _SALT = 0x9E3779B9  # 2**32 / golden ratio
 
 
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency", "block_stops")
+INT_FIELDS = ("top_k", "seed", "position", "state_row")
+# What a row that uses nothing holds (also the padding rows of a graph bucket): greedy, no filter, no penalty.
+NEUTRAL_FLOATS = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0)
+NEUTRAL_INTS = (0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class SamplingFeatures:
+    """The stages a step runs. Fixed per step (and per captured graph): shapes never depend on the data, and a
+    stage no row uses is not run at all."""
+
+    random: bool = False  # some row draws (temperature > 0)
+    top_k: bool = False
+    top_p: bool = False
+    min_p: bool = False
+    penalties: bool = False  # some row uses its per-request state rows (penalties, bias, min_tokens, ...)
+    bitmask: bool = False  # a structured-output token bitmask
+
+    @property
+    def any(self) -> bool:
+        return self != SamplingFeatures()
+
+
+@dataclass
+class PackedSampling:
+    """A step's per-row sampling parameters on the host, one float and one int array, so that the step pays one
+    copy of each to the device (or into a graph's static buffers)."""
+
+    features: SamplingFeatures
+    floats: np.ndarray  # (len(FLOAT_FIELDS), B) float32
+    ints: np.ndarray  # (len(INT_FIELDS), B) int64
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
+                    state_rows: list[int] | None = None, block_stops: list[bool] | None = None) -> PackedSampling:
+        """Seeds may be any integers; they are reduced modulo 2**63. Greedy rows keep their filter values: the
+        filters do not change an argmax."""
+        n = len(params)
+        sampled = [p for p in params if not p.greedy]  # greedy rows ignore the filters
+        penalties = state_rows is not None and any(state_rows)
+        if not sampled and not penalties:  # argmax alone (the common greedy step): neutral rows, no per-row work
+            return cls(SamplingFeatures(), np.repeat(np.array(NEUTRAL_FLOATS, dtype=np.float32)[:, None], n, axis=1),
+                       np.repeat(np.array(NEUTRAL_INTS, dtype=np.int64)[:, None], n, axis=1))
+        floats = np.empty((len(FLOAT_FIELDS), n), dtype=np.float32)
+        ints = np.empty((len(INT_FIELDS), n), dtype=np.int64)
+        floats[0] = [p.temperature for p in params]
+        floats[1] = [p.top_p for p in params]
+        floats[2] = [p.min_p for p in params]
+        floats[3] = [p.repetition_penalty for p in params]
+        floats[4] = [p.presence_penalty for p in params]
+        floats[5] = [p.frequency_penalty for p in params]
+        floats[6] = block_stops if block_stops is not None else 0.0
+        ints[0] = [max(p.top_k, 0) for p in params]
+        ints[1] = [seed % _SEED_MODULUS for seed in seeds]
+        ints[2] = positions
+        ints[3] = state_rows if state_rows is not None else 0
+        features = SamplingFeatures(
+            random=bool(sampled),
+            top_k=any(p.top_k > 0 for p in sampled),
+            top_p=any(p.top_p < 1 for p in sampled),
+            min_p=any(p.min_p > 0 for p in sampled),
+            penalties=penalties,
+        )
+        return cls(features, floats, ints)
+
+    def to_device(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        # Pinned, so that the copies queue behind the device's work instead of waiting for it.
+        pinned = torch.device(device).type == "cuda"
+        floats, ints = torch.from_numpy(self.floats), torch.from_numpy(self.ints)
+        if pinned:
+            floats, ints = floats.pin_memory(), ints.pin_memory()
+        return floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingTensors:
-    # Every tensor is None when all rows are greedy: argmax needs none of them.
+    # The filter tensors are None when no sampled row uses them; every draw tensor is None when all rows are greedy.
     temperatures: torch.Tensor | None  # (B,) float32, 0 = greedy row
-    top_ks: torch.Tensor | None  # (B,) int64, 0 = off; None when no row uses top-k
-    top_ps: torch.Tensor | None  # (B,) float32; None when no row uses top-p
-    min_ps: torch.Tensor | None  # (B,) float32; None when no row uses min-p
+    top_ks: torch.Tensor | None  # (B,) int64, 0 = off
+    top_ps: torch.Tensor | None  # (B,) float32
+    min_ps: torch.Tensor | None  # (B,) float32
     seeds: torch.Tensor | None  # (B,) int64, per-request seed
     positions: torch.Tensor | None  # (B,) int64, index in the sequence of the token being sampled
     all_greedy: bool
+    penalties: PenaltyTensors | None = None
+    bitmask: torch.Tensor | None = None  # (B, ceil(V / 32)) int32, applied first
+    bad_words: BadWordCandidates | None = None  # eager steps only: their count depends on the data
 
     @classmethod
     def from_params(
         cls, params: list[SamplingParams], seeds: list[int], positions: list[int], device: torch.device | str
     ) -> SamplingTensors:
         """Seeds may be any integers; they are reduced modulo 2**63."""
-        sampled = [p for p in params if not p.greedy]  # greedy rows ignore the filters
-        if not sampled:
-            return cls(None, None, None, None, None, None, all_greedy=True)
-        # Two host arrays, so the step pays two copies to the device rather than one per field. Pinned, so that
-        # the copies queue behind the device's work instead of waiting for it.
-        pinned = torch.device(device).type == "cuda"
-        floats = torch.tensor([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
-                              dtype=torch.float32, pin_memory=pinned).to(device, non_blocking=True)
-        ints = torch.tensor([[max(p.top_k, 0) for p in params], [seed % _SEED_MODULUS for seed in seeds], positions],
-                            dtype=torch.int64, pin_memory=pinned).to(device, non_blocking=True)
-        temperatures, top_ps, min_ps = floats
-        top_ks, seeds_tensor, positions_tensor = ints
+        packed = PackedSampling.from_params(params, seeds, positions)
+        return cls.from_packed(packed.features, *packed.to_device(device))
+
+    @classmethod
+    def from_packed(cls, features: SamplingFeatures, floats: torch.Tensor, ints: torch.Tensor,
+                    state: SamplingStateRows | None = None, bitmask: torch.Tensor | None = None) -> SamplingTensors:
+        """Views of packed device tensors (a step's own, or a graph's static buffers) for the stages `features`
+        runs."""
+        temperatures, top_ps, min_ps, repetition, presence, frequency, block_stops = floats
+        top_ks, seeds, positions, state_rows = ints
+        random = features.random
+        penalties = None
+        if features.penalties:
+            penalties = PenaltyTensors(state, state_rows, repetition, presence, frequency, block_stops)
         return cls(
-            temperatures=temperatures,
-            top_ks=top_ks if any(p.top_k > 0 for p in sampled) else None,
-            top_ps=top_ps if any(p.top_p < 1 for p in sampled) else None,
-            min_ps=min_ps if any(p.min_p > 0 for p in sampled) else None,
-            seeds=seeds_tensor,
-            positions=positions_tensor,
-            all_greedy=False,
+            temperatures=temperatures if random else None,
+            top_ks=top_ks if features.top_k else None,
+            top_ps=top_ps if features.top_p else None,
+            min_ps=min_ps if features.min_p else None,
+            seeds=seeds if random else None,
+            positions=positions if random else None,
+            all_greedy=not random,
+            penalties=penalties,
+            bitmask=bitmask if features.bitmask else None,
         )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # (B,) int64
+    logits: torch.Tensor  # (B, V) after the bitmask, bias and penalties; before temperature
+    filtered: torch.Tensor | None  # (B, V) float32 after temperature and the filters, when a filter ran
+    inv_temperatures: torch.Tensor | None  # (B,) float32, 1 for greedy rows; None when all rows are greedy
+
+    def processed_logits(self) -> torch.Tensor:
+        """The logits the draw sampled from (greedy rows: after penalties, without temperature)."""
+        if self.filtered is not None:
+            return self.filtered
+        if self.inv_temperatures is None:
+            return self.logits
+        return self.logits.float() * self.inv_temperatures.unsqueeze(1)
 
 
 def sample(logits: torch.Tensor, tensors: SamplingTensors, token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,29 +172,50 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors, token_bitmask: torch.
     token_bitmask: (B, ceil(V / 32)) int32, packed allowed tokens (structured output), applied before anything else.
     """
     if token_bitmask is not None:
-        logits = apply_token_bitmask(logits, token_bitmask)
+        tensors = replace(tensors, bitmask=token_bitmask)
+    return run_sampler(logits, tensors).token_ids
+
+
+def run_sampler(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
+    """The whole pipeline: bitmask -> bias, min_tokens and penalties -> bad words -> greedy argmax | temperature ->
+    top-k/top-p -> min-p -> seeded draw; then the sampled ids count into the requests' output counts."""
+    if tensors.bitmask is not None:
+        logits = apply_token_bitmask(logits, tensors.bitmask)
+    if tensors.penalties is not None:
+        logits = apply_penalties(logits, tensors.penalties)
+    if tensors.bad_words is not None:
+        logits = apply_bad_words(logits, tensors.bad_words)
+    output = _draw(logits, tensors)
+    if tensors.penalties is not None:
+        count_sampled(tensors.penalties, output.token_ids)
+    return output
+
+
+def _draw(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
     greedy_ids = logits.argmax(dim=-1)
     if tensors.all_greedy:
-        return greedy_ids
+        return SamplerOutput(greedy_ids, logits, None, None)
+    masked_logits = logits
     greedy_rows = tensors.temperatures == 0
     inv_temperatures = 1.0 / torch.where(greedy_rows, 1.0, tensors.temperatures)
+    filtered = None
     if tensors.top_ks is not None or tensors.top_ps is not None or tensors.min_ps is not None:
         logits = logits.float() * inv_temperatures.unsqueeze(1)
-        inv_temperatures = torch.ones_like(inv_temperatures)
         if tensors.top_ks is not None or tensors.top_ps is not None:
             logits = _apply_top_k_top_p(logits, tensors.top_ks, tensors.top_ps)
         if tensors.min_ps is not None:
             logits = _apply_min_p(logits, tensors.min_ps)
-    row_keys = _row_keys(tensors.seeds, tensors.positions)
+        filtered = logits
+    draw_inv_temperatures = torch.ones_like(inv_temperatures) if filtered is not None else inv_temperatures
     if logits.is_cuda:
         from batchgen.layers.sampler_triton import gumbel_argmax
 
-        sampled_ids = gumbel_argmax(logits, inv_temperatures, row_keys)
+        sampled_ids = gumbel_argmax(logits, draw_inv_temperatures, tensors.seeds, tensors.positions)
     else:
         # The exponential race in log space: argmax(logits / T - log(-log U)) samples softmax(logits / T).
-        gumbel = _uniform(row_keys, logits.shape[1]).log_().neg_().log_()
-        sampled_ids = (logits.float() * inv_temperatures.unsqueeze(1)).sub_(gumbel).argmax(dim=-1)
-    return torch.where(greedy_rows, greedy_ids, sampled_ids)
+        gumbel = _uniform(_row_keys(tensors.seeds, tensors.positions), logits.shape[1]).log_().neg_().log_()
+        sampled_ids = (logits.float() * draw_inv_temperatures.unsqueeze(1)).sub_(gumbel).argmax(dim=-1)
+    return SamplerOutput(torch.where(greedy_rows, greedy_ids, sampled_ids), masked_logits, filtered, inv_temperatures)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:

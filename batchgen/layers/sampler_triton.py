@@ -3,6 +3,8 @@
 argmax(probs / E) with E = -log(U) is the exponential race; taking logs, it is argmax(logits / T - log(-log U)),
 so no softmax is needed. U is the same counter-based hash of (seed, position, vocab index) as the torch path's,
 computed here in uint32 registers instead of a (B, V) int64 tensor: one read of the logits, nothing written but ids.
+The row key (the hash of seed and position) is computed in the kernel too: in torch it is some twenty tiny launches,
+which inside a decode graph cost more than the draw itself.
 """
 
 from __future__ import annotations
@@ -26,11 +28,19 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, inv_temperatures_ptr, row_keys_ptr, out_ptr, VOCAB: tl.constexpr,
-                          SALT: tl.constexpr, BLOCK: tl.constexpr):
+def _row_key(seed, position):
+    """The torch path's `_row_keys` for one row: seed in [0, 2**63), position >= 0, both int64."""
+    key = _mix32((seed & 0xFFFFFFFF).to(tl.uint32))
+    key = _mix32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    return _mix32(key ^ (position & 0xFFFFFFFF).to(tl.uint32))
+
+
+@triton.jit
+def _gumbel_argmax_kernel(logits_ptr, stride, inv_temperatures_ptr, seeds_ptr, positions_ptr, out_ptr,
+                          VOCAB: tl.constexpr, SALT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     inv_temperature = tl.load(inv_temperatures_ptr + row)
-    row_key = tl.load(row_keys_ptr + row).to(tl.uint32)
+    row_key = _row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
     best_value = tl.full([BLOCK], float("-inf"), tl.float32)
     best_index = tl.zeros([BLOCK], tl.int32)
     for start in range(0, VOCAB, BLOCK):
@@ -49,9 +59,13 @@ def _gumbel_argmax_kernel(logits_ptr, stride, inv_temperatures_ptr, row_keys_ptr
     tl.store(out_ptr + row, index.to(tl.int64))
 
 
-def gumbel_argmax(logits: torch.Tensor, inv_temperatures: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
-    """logits (B, V), inv_temperatures (B,) float32, row_keys (B,) int64 in [0, 2**32) -> (B,) int64 token ids."""
+def gumbel_argmax(logits: torch.Tensor, inv_temperatures: torch.Tensor, seeds: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """logits (B, V), inv_temperatures (B,) float32, seeds (B,) int64 in [0, 2**63), positions (B,) int64
+    -> (B,) int64 token ids."""
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(logits.shape[0],)](logits, logits.stride(0), inv_temperatures, row_keys, out,
-                                              logits.shape[1], SALT=_SALT, BLOCK=_BLOCK, num_warps=8)
+    block = min(_BLOCK, triton.next_power_of_2(logits.shape[1]))
+    _gumbel_argmax_kernel[(logits.shape[0],)](logits, logits.stride(0), inv_temperatures, seeds, positions, out,
+                                              logits.shape[1], SALT=_SALT, BLOCK=block,
+                                              num_warps=8 if block >= 1024 else 1)
     return out

@@ -1,0 +1,82 @@
+"""Which logits a step turns into log-probabilities, and how the host receives them: the sampled tokens' (with
+`sampling.logprobs`) and the prompt tokens' (with `sampling.prompt_logprobs`, from every prompt position the step
+computes; position p's logits score prompt token p + 1, so the first prompt token has none, as in vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchgen.engine.scheduler import SchedulerOutput
+from batchgen.engine.step_inputs import StepInputs
+from batchgen.layers.logprobs import LogprobsTensors, compute_logprobs
+
+
+@dataclass
+class PromptLogprobsPlan:
+    token_index: np.ndarray  # (P,) int64: the flattened token whose hidden state scores the target
+    targets: np.ndarray  # (P,) int64: the prompt token scored
+    owners: list[tuple[int, int]]  # (step row, prompt position of the target), parallel to targets
+    k: int  # the most alternatives any row asks for
+
+
+def plan_prompt_logprobs(step: SchedulerOutput, inputs: StepInputs) -> PromptLogprobsPlan | None:
+    """Called at launch, before `Scheduler.advance`; skips positions already recorded (a recompute after
+    preemption scores the same prompt again)."""
+    token_index: list[int] = []
+    targets: list[int] = []
+    owners: list[tuple[int, int]] = []
+    k = 0
+    for row, (request, count) in enumerate(zip(step.requests, step.num_scheduled_tokens, strict=True)):
+        wanted = request.sampling_params.prompt_logprobs
+        if wanted is None:
+            continue
+        begin, start = request.num_computed_tokens, int(inputs.query_start_loc[row])
+        first = max(begin, len(request.prompt_logprobs) - 1)
+        for position in range(first, min(begin + count, request.num_prompt_tokens - 1)):
+            token_index.append(start + position - begin)
+            targets.append(request.prompt_token_ids[position + 1])
+            owners.append((row, position + 1))
+            k = max(k, wanted)
+    if not owners:
+        return None
+    return PromptLogprobsPlan(np.array(token_index, dtype=np.int64), np.array(targets, dtype=np.int64), owners, k)
+
+
+@dataclass
+class StepLogprobs:
+    """Device work queued for a step's logprobs; read on the host after the step's event."""
+
+    sample_rows: list[int]  # step rows whose sampled token has logprobs, parallel to `sampled`
+    sampled: LogprobsTensors | None
+    prompt: tuple[PromptLogprobsPlan, LogprobsTensors] | None
+
+    def entries(self) -> tuple[dict[int, tuple], list[tuple[int, int, tuple]]]:
+        """({step row: (logprob, rank, top ids, top logprobs)}, [(step row, prompt position, same tuple)])."""
+        sampled = {}
+        if self.sampled is not None:
+            for row, values in zip(self.sample_rows, _rows(self.sampled), strict=True):
+                sampled[row] = values
+        prompt = []
+        if self.prompt is not None:
+            plan, tensors = self.prompt
+            prompt = [(row, position, values) for (row, position), values in zip(plan.owners, _rows(tensors),
+                                                                                  strict=True)]
+        return sampled, prompt
+
+
+def _rows(t: LogprobsTensors) -> list[tuple]:
+    return list(zip(t.logprobs.tolist(), t.ranks.tolist(), t.top_ids.tolist(), t.top_logprobs.tolist(), strict=True))
+
+
+def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None],
+                     pinned: bool) -> tuple[list[int], LogprobsTensors | None]:
+    """Logprobs of the rows that ask for them; logits (S, V) and token_ids (S,) of the step's sampling rows."""
+    rows = [i for i, k in enumerate(wanted) if k is not None]
+    if not rows:
+        return [], None
+    index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+    k = max(wanted[i] for i in rows)
+    return rows, compute_logprobs(logits.index_select(0, index), token_ids.index_select(0, index), k, pinned)

@@ -1,0 +1,37 @@
+"""Moves a step's log-probabilities onto its requests, as the dicts that completions.parquet stores."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+
+from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.model_runner import StepResult
+from batchgen.engine.scheduler import SchedulerOutput
+
+
+def token_texts(detokenizer: Detokenizer | None) -> Callable[[int], str | None]:
+    """Each token's own text (special tokens included), cached per token id; None without a tokenizer."""
+    if detokenizer is None:
+        return lambda token_id: None
+    return lru_cache(maxsize=65536)(lambda token_id: detokenizer.tokenizer.decode([token_id]))
+
+
+def entry(token_id: int, values: tuple, text: Callable[[int], str | None]) -> dict:
+    logprob, rank, top_ids, top_logprobs = values
+    return {"token_id": token_id, "text": text(token_id), "logprob": logprob, "rank": rank,
+            "top": [{"token_id": t, "text": text(t), "logprob": lp} for t, lp in zip(top_ids, top_logprobs,
+                                                                                      strict=True)]}
+
+
+def attach_logprobs(step: SchedulerOutput, result: StepResult, text: Callable[[int], str | None]) -> None:
+    """After `Scheduler.commit`: a sampled token's entry goes to its output slot, unless the token was discarded
+    (its request had ended); a prompt position's entry is added once (a recompute scores it again)."""
+    for row, values in result.logprobs.items():
+        request, slot = step.requests[row], step.output_slots[row]
+        if request.logprobs is not None and slot < request.num_output_tokens and len(request.logprobs) == slot:
+            request.logprobs.append(entry(request.output_token_ids[slot], values, text))
+    for row, position, values in result.prompt_logprobs:
+        request = step.requests[row]
+        if len(request.prompt_logprobs) == position:
+            request.prompt_logprobs.append(entry(request.prompt_token_ids[position], values, text))

@@ -1,0 +1,100 @@
+"""The sampling pipeline of a graphed decode step, captured as its own CUDA graph per (bucket, features).
+
+The forward graph of a bucket ends in static logits; the sampler graph reads them and the step's per-row parameters
+from static buffers (one packed copy of floats and one of ints per step, plus the bitmask when a row is guided), and
+writes the sampled ids into `last_sampled`, where the next step's graph finds them, and into the requests' output
+counts. A separate graph per feature set keeps each step to the stages its rows use: an unpenalized step never reads
+the penalty state. Graphs are captured on first use (once per bucket and feature set), not at start-up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from batchgen.engine.sampling_state import SamplingState
+from batchgen.layers.sampler import (
+    FLOAT_FIELDS,
+    INT_FIELDS,
+    NEUTRAL_FLOATS,
+    NEUTRAL_INTS,
+    PackedSampling,
+    SamplerOutput,
+    SamplingFeatures,
+    SamplingTensors,
+    run_sampler,
+)
+
+
+class SamplerGraphs:
+    def __init__(self, max_size: int, vocab_size: int, last_sampled: torch.Tensor, device: torch.device):
+        self.device = device
+        self.capture_graphs = device.type == "cuda"  # on CPU the same static-buffer path runs eagerly (tests)
+        self.floats = torch.zeros(len(FLOAT_FIELDS), max_size, dtype=torch.float32, device=device)
+        self.ints = torch.zeros(len(INT_FIELDS), max_size, dtype=torch.int64, device=device)
+        self.bitmask = torch.full((max_size, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
+        self.last_sampled = last_sampled
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
+
+    def run(self, packed: PackedSampling, bitmask: torch.Tensor | None, size: int, logits: torch.Tensor,
+            state: SamplingState | None) -> SamplerOutput:
+        """Samples a decode step of n <= size rows from the bucket's static logits (size, V); the ids land in
+        last_sampled[:n]. bitmask: (n, W) int32 on the host (pinned on CUDA) or None."""
+        features = packed.features
+        key = (size, features, state.version if features.penalties else 0)
+        if self.capture_graphs and key not in self.graphs:
+            if features.penalties:  # graphs of state tensors that have since grown (and moved) are never replayed
+                self.graphs = {k: v for k, v in self.graphs.items() if not k[1].penalties or k[2] == key[2]}
+            self.graphs[key] = self._capture(size, features, logits, state)
+        self._load(packed, bitmask, size)
+        if self.capture_graphs:
+            graph, output = self.graphs[key]
+            graph.replay()
+        else:
+            output = self._pipeline(size, features, logits, state)
+            self._keep_ids(output, size)
+        n = packed.floats.shape[1]
+        return SamplerOutput(output.token_ids[:n], output.logits[:n],
+                             None if output.filtered is None else output.filtered[:n],
+                             None if output.inv_temperatures is None else output.inv_temperatures[:n])
+
+    def _pipeline(self, size: int, features: SamplingFeatures, logits: torch.Tensor,
+                  state: SamplingState | None) -> SamplerOutput:
+        tensors = SamplingTensors.from_packed(features, self.floats[:, :size], self.ints[:, :size],
+                                              state.rows_tensors if features.penalties else None,
+                                              self.bitmask[:size])
+        return run_sampler(logits[:size], tensors)
+
+    def _load(self, packed: PackedSampling, bitmask: torch.Tensor | None, size: int) -> None:
+        """Stage the rows padded to `size` with neutral rows (greedy, state row 0, everything allowed)."""
+        n = packed.floats.shape[1]
+        floats = torch.empty(len(FLOAT_FIELDS), size, dtype=torch.float32, pin_memory=self.capture_graphs)
+        ints = torch.empty(len(INT_FIELDS), size, dtype=torch.int64, pin_memory=self.capture_graphs)
+        floats.numpy()[:, :n], ints.numpy()[:, :n] = packed.floats, packed.ints
+        floats.numpy()[:, n:] = np.array(NEUTRAL_FLOATS, dtype=np.float32)[:, None]
+        ints.numpy()[:, n:] = np.array(NEUTRAL_INTS, dtype=np.int64)[:, None]
+        self.floats[:, :size].copy_(floats, non_blocking=True)
+        self.ints[:, :size].copy_(ints, non_blocking=True)
+        if packed.features.bitmask:
+            self.bitmask[:n].copy_(bitmask, non_blocking=True)
+            self.bitmask[n:size].fill_(-1)
+
+    def _capture(self, size: int, features: SamplingFeatures, logits: torch.Tensor,
+                 state: SamplingState | None) -> tuple[torch.cuda.CUDAGraph, SamplerOutput]:
+        # Warm-up (Triton compiles, lazy init) on neutral rows: it counts only into the neutral state row 0 and
+        # leaves last_sampled alone, so it can run while earlier steps are still queued.
+        self.floats[:, :size].copy_(torch.tensor(NEUTRAL_FLOATS, device=self.device).unsqueeze(1).expand(-1, size))
+        self.ints[:, :size].zero_()
+        self.bitmask[:size].fill_(-1)
+        self._pipeline(size, features, logits, state)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self._pipeline(size, features, logits, state)
+            self._keep_ids(output, size)
+        return graph, output
+
+    def _keep_ids(self, output: SamplerOutput, size: int) -> None:
+        rows = min(size, len(self.last_sampled))  # a bucket may be larger than max_num_seqs
+        self.last_sampled[:rows].copy_(output.token_ids[:rows])

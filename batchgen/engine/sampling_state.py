@@ -1,0 +1,102 @@
+"""Per-request sampling state on the device, in rows that persist across steps (as BlockTables does for block
+tables): output token counts, updated on the device from each step's sampled ids (so a pending token is counted
+before the host knows it), a prompt-token mask, a static bias and the min_tokens stop mask.
+
+Only requests that use a penalty, bias, allowed_token_ids, bad words or min_tokens get a row; the others share the
+neutral row 0. The tensors are allocated on first use and grow by doubling; `version` changes when they move, so
+graphs that captured the old tensors are not replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchgen.engine.request import Request
+from batchgen.layers.penalties import NEG_INF, SamplingStateRows
+
+INITIAL_ROWS = 64
+
+
+class SamplingState:
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.rows_tensors: SamplingStateRows | None = None
+        self.version = 0
+        self._free_rows: list[int] = []
+        self._entries: dict[int, _Entry] = {}  # id(request) -> its row; the entry keeps the request alive
+
+    def rows(self, requests: list[Request]) -> list[int]:
+        """Each request's row (0 for one that uses none), new rows initialised on the device first."""
+        rows = []
+        for request in requests:
+            if not request.sampling_params.uses_penalty_state:
+                rows.append(0)
+                continue
+            entry = self._entries.get(id(request))
+            if entry is None:
+                entry = self._entries[id(request)] = _Entry(request, self._take_row())
+                self._initialise(entry.row, request)
+            rows.append(entry.row)
+        return rows
+
+    def release(self, requests: list[Request]) -> None:
+        for request in requests:
+            entry = self._entries.pop(id(request), None)
+            if entry is not None:
+                self._free_rows.append(entry.row)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            self._grow()
+        return self._free_rows.pop()
+
+    def _grow(self) -> None:
+        old = self.rows_tensors
+        old_rows = 0 if old is None else old.output_counts.shape[0]
+        rows = max(INITIAL_ROWS, 2 * old_rows)
+        shape = (rows, self.vocab_size)
+        new = SamplingStateRows(
+            output_counts=torch.zeros(shape, dtype=torch.float32, device=self.device),
+            prompt_mask=torch.zeros(shape, dtype=torch.bool, device=self.device),
+            bias=torch.zeros(shape, dtype=torch.float32, device=self.device),
+            stop_mask=torch.zeros(shape, dtype=torch.bool, device=self.device),
+        )
+        if old is not None:
+            for name in ("output_counts", "prompt_mask", "bias", "stop_mask"):
+                getattr(new, name)[:old_rows].copy_(getattr(old, name))
+        self.rows_tensors = new
+        self.version += 1
+        self._free_rows = list(range(rows - 1, max(old_rows, 1) - 1, -1))  # row 0 stays neutral
+
+    def _initialise(self, row: int, request: Request) -> None:
+        params = request.sampling_params
+        vocab = self.vocab_size
+        prompt_mask = np.zeros(vocab, dtype=np.bool_)
+        prompt_mask[request.prompt_token_ids] = True
+        bias = np.zeros(vocab, dtype=np.float32)
+        if params.allowed_token_ids is not None:
+            bias[:] = NEG_INF
+            bias[params.allowed_token_ids] = 0.0
+        for token, value in params.logit_bias.items():
+            bias[token] += value
+        bias[[ids[0] for ids in request.bad_words_token_ids if len(ids) == 1]] = NEG_INF
+        stop_mask = np.zeros(vocab, dtype=np.bool_)
+        if params.min_tokens > 0:
+            stop_mask[[t for t in (request.eos_token_id, *params.stop_token_ids) if t is not None]] = True
+        state = self.rows_tensors
+        state.output_counts[row].zero_()  # queued behind earlier steps, which may still count into a freed row
+        pinned = self.device.type == "cuda"
+        for target, values in ((state.prompt_mask[row], prompt_mask), (state.bias[row], bias),
+                               (state.stop_mask[row], stop_mask)):
+            host = torch.from_numpy(values)
+            target.copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
+
+
+@dataclass
+class _Entry:
+    request: Request
+    row: int

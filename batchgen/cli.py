@@ -14,7 +14,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.config import Config, ConfigError, validate
 from batchgen.io.errors import InputError
-from batchgen.job import run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -40,6 +39,8 @@ def to_config(cfg: DictConfig) -> Config:
 def _main(cfg: DictConfig) -> None:
     try:
         config = to_config(cfg)
+        from batchgen.job import run  # torch, pyarrow and the engine load only once the config is valid
+
         run(config, Path(HydraConfig.get().runtime.output_dir))
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)

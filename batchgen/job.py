@@ -7,16 +7,18 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchgen.config import Config, ConfigError
 from batchgen.engine.detokenizer import Detokenizer
-from batchgen.engine.llm_engine import LLMEngine
 from batchgen.io.readers import PromptRow, read_prompts
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
 from batchgen.summary import summarize, versions
+
+if TYPE_CHECKING:
+    from batchgen.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class Job:
                      len(self.rows))
 
     def run(self) -> dict[str, Any]:
+        from batchgen.engine.llm_engine import LLMEngine  # torch: imported once the inputs have been read
+
         start = time.perf_counter()
         rows_by_index = {row.index: row for row in self.pending}
         self.progress = Progress(len(self.rows), len(self.rows) - len(self.pending), self.config.job)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchgen.config import Config, ConfigError
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.kv_sizing import KVDemand
 from batchgen.io.readers import PromptRow, read_prompts
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
 from batchgen.outputs import RequestOutput
@@ -74,8 +75,9 @@ class Job:
             for row in self.pending:
                 if row.error is not None:
                     self._write_error_row(row)
-            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer)
-            rows = iter([row for row in self.pending if row.error is None])
+            rows_to_run = [row for row in self.pending if row.error is None]
+            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run))
+            rows = iter(rows_to_run)
             rows_left = True
             while rows_left or engine.has_unfinished_requests:
                 if rows_left:
@@ -102,6 +104,23 @@ class Job:
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
         log.info("Done: %d rows in %.1f s -> %s", len(self.rows), wall, self.run_dir)
         return summary
+
+    def _kv_demand(self, rows: list[PromptRow]) -> KVDemand:
+        """The rows' prompt lengths and max_tokens, so that the KV cache is sized to the job. Text rows are
+        tokenized here, once: the engine takes their ids."""
+        demand = []
+        for row in rows:
+            if row.prompt_token_ids is None and self.detokenizer is not None:
+                row.prompt_token_ids = self.detokenizer.encode(row.prompt)
+            try:
+                params = self.config.sampling.with_overrides(row.overrides)
+            except ValueError:
+                continue  # the row fails when it is added
+            num_prompt_tokens = len(row.prompt_token_ids or ())
+            if params.truncate_prompt_tokens is not None:
+                num_prompt_tokens = min(num_prompt_tokens, params.truncate_prompt_tokens)
+            demand.append((num_prompt_tokens, params.max_tokens))
+        return KVDemand(demand)
 
     def _write_error_row(self, row: PromptRow) -> None:
         self.completions.write(completion_record(row))

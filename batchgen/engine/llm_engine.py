@@ -14,6 +14,7 @@ from batchgen.config import EngineConfig, ModelConfig
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cuda_graph import default_capture_sizes
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit
 from batchgen.engine.model_runner import LaunchedStep, ModelRunner
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -92,7 +93,9 @@ def request_seed(engine_seed: int, request_id: int) -> int:
 
 
 class LLMEngine:
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, detokenizer: Detokenizer | None = None):
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, detokenizer: Detokenizer | None = None,
+                 kv_demand: KVDemand | None = None):
+        """kv_demand: the job's rows (prompt lengths and max_tokens), when known: the KV cache is sized to them."""
         self.config = engine_config
         self.device = resolve_device(engine_config.device)
         if self.device.type == "cpu" and engine_config.cpu_threads is not None:
@@ -114,18 +117,20 @@ class LLMEngine:
         self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start}
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
                                   engine_config.max_num_seqs, attention_ops(backend))
-        num_blocks = self._num_kv_blocks()
+        kv_choice = self._num_kv_blocks(kv_demand)
+        num_blocks = kv_choice.num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         self.info.update(
             device=str(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else "cpu",
             dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
             kv_blocks=num_blocks,
+            kv_blocks_reason=kv_choice.reason,
             kv_capacity_tokens=num_blocks * engine_config.block_size,
             kv_cache_bytes=num_blocks * self.runner.kv_block_bytes,
         )
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, engine_config.block_size,
-                 num_blocks * engine_config.block_size, self.info["kv_cache_bytes"] / 2**30)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB): %s", num_blocks, engine_config.block_size,
+                 num_blocks * engine_config.block_size, self.info["kv_cache_bytes"] / 2**30, kv_choice.reason)
         if self.device.type == "cuda" and not engine_config.enforce_eager:
             self._capture_graphs()
         self.scheduler = Scheduler(
@@ -160,13 +165,15 @@ class LLMEngine:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, demand: KVDemand | None) -> KVBlockChoice:
         cfg = self.config
         if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override
+            return KVBlockChoice(cfg.num_gpu_blocks_override, "engine.num_gpu_blocks_override")
+        limit = job_block_limit(cfg.max_num_seqs, self.max_model_len, cfg.block_size, demand)
         block_bytes = self.runner.kv_block_bytes
         if self.device.type == "cpu":
-            return max(1, int(cfg.cpu_kv_cache_space_gib * 2**30) // block_bytes)
+            budget = max(1, int(cfg.cpu_kv_cache_space_gib * 2**30) // block_bytes)
+            return choose_num_blocks(budget, f"engine.cpu_kv_cache_space_gib={cfg.cpu_kv_cache_space_gib}", limit)
         peak = self.runner.profile_peak_bytes(cfg.max_num_batched_tokens, min(cfg.max_num_seqs,
                                                                                 cfg.max_num_batched_tokens))
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -174,7 +181,8 @@ class LLMEngine:
         if available < block_bytes:
             raise ValueError(f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}: no memory left for the "
                              f"KV cache (model and activations peak at {peak / 2**30:.2f} GiB of {total / 2**30:.1f})")
-        return available // block_bytes
+        return choose_num_blocks(available // block_bytes,
+                                 f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}", limit)
 
     def _capture_graphs(self) -> None:
         graph_cfg = self.config.cuda_graph

@@ -189,7 +189,8 @@ class LLMEngine:
         sizes = graph_cfg.capture_sizes or default_capture_sizes(self.config.max_num_seqs, graph_cfg.max_capture_size)
         stats = self.runner.capture_graphs(sorted(set(sizes)))
         self.info.update(cuda_graph_sizes=stats.sizes, cuda_graph_capture_seconds=stats.seconds,
-                         cuda_graph_pool_bytes=stats.pool_bytes)
+                         cuda_graph_pool_bytes=stats.pool_bytes,
+                         cuda_graph_capture_seconds_per_size={str(k): v for k, v in stats.seconds_per_size.items()})
         log.info("Captured %d CUDA graphs (batch sizes %s) in %.2f s, pool %.1f MiB", len(stats.sizes),
                  stats.sizes, stats.seconds, stats.pool_bytes / 2**20)
 

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
-
-from batchgen.outputs import RequestOutput
-from batchgen.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from batchgen.llm import LLM
+    from batchgen.outputs import RequestOutput
+    from batchgen.sampling_params import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
+_MODULES = {"LLM": "batchgen.llm", "RequestOutput": "batchgen.outputs", "SamplingParams": "batchgen.sampling_params"}
 
 
 def __getattr__(name: str) -> Any:
-    # LLM imports torch: `import batchgen.cli` (--help, config errors) must not pay for it.
-    if name == "LLM":
-        from batchgen.llm import LLM
-
-        return LLM
+    """Imported on first use, so that `python -m batchgen.report` (Parquet files only) never loads torch."""
+    if name in _MODULES:
+        return getattr(importlib.import_module(_MODULES[name]), name)
     raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

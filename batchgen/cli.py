@@ -9,11 +9,14 @@ from pathlib import Path
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.config import Config, ConfigError, validate
 from batchgen.io.errors import InputError
+from batchgen.report.run_brief import brief_table
+from batchgen.report.summary_fields import read_figures
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -35,16 +38,33 @@ def to_config(cfg: DictConfig) -> Config:
     return validate(config)
 
 
+class MultirunReport(Callback):
+    """At the end of a multirun, writes the sweep's report into the multirun directory (conf/config.yaml)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        try:
+            from batchgen.report.build import build_report, write_report
+        except ImportError:
+            log.warning('No sweep report: it needs pandas (pip install -e ".[report]")')
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        report_md = write_report(build_report([sweep_dir]), sweep_dir / "report")
+        print(f"Sweep report: {report_md} and {report_md.with_suffix('.html')}")
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def _main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> float | None:
+    """Returns the run's output tok/s, the figure Hydra's optimising sweepers maximise."""
     try:
         config = to_config(cfg)
         from batchgen.job import run  # torch, pyarrow and the engine load only once the config is valid
 
-        run(config, Path(HydraConfig.get().runtime.output_dir))
+        summary = run(config, Path(HydraConfig.get().runtime.output_dir))
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)
         sys.exit(2)
+    print(brief_table(summary))
+    return read_figures(summary).output_tok_s
 
 
 def main() -> None:

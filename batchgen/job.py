@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 from batchgen.config import Config, ConfigError
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.kv_sizing import KVDemand
+from batchgen.io.openai_batch import model_name
+from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, read_prompts
-from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
+from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic, write_kernels
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
 from batchgen.summary import summarize, versions
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"
+KERNELS_FILE = "kernels.parquet"
 STEP_FLUSH_ROWS = 4096
 
 
@@ -45,14 +48,17 @@ class Job:
         self.config = config
         self.run_dir = Path(run_dir)
         # Input problems surface here, before the model loads.
+        self.openai_results = openai_results_wanted(config)
         self.detokenizer = Detokenizer.load(config.model)
-        self.rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None)
+        self.rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
+                                 model_name(config.model))
         existing = [p.name for p in (self.run_dir / CompletionWriter.FILE_NAME,
                                      self.run_dir / "completions.parts") if p.exists()]
         if existing and not config.job.resume:
             raise ConfigError(f"job.resume=false but {self.run_dir} already holds results ({', '.join(existing)}); "
                               "pass job.resume=true with hydra.run.dir set to it to continue, or use a new run dir")
         metadata = {"config": asdict(config), "versions": versions()}
+        self.metadata = metadata
         self.completions = CompletionWriter(self.run_dir, metadata, config.job.flush_rows, config.job.flush_seconds)
         # Steps come many per row and matter less than completions: they flush on time, or every STEP_FLUSH_ROWS.
         self.steps = StepWriter(self.run_dir, metadata, STEP_FLUSH_ROWS, config.job.flush_seconds)
@@ -77,6 +83,10 @@ class Job:
                     self._write_error_row(row)
             rows_to_run = [row for row in self.pending if row.error is None]
             engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run))
+            if self.config.job.profile_steps:
+                from batchgen.engine.step_profiler import StepProfiler  # torch.profiler: only when asked for
+
+                engine.profiler = StepProfiler(self.config.job.profile_steps, engine.device)
             rows = iter(rows_to_run)
             rows_left = True
             while rows_left or engine.has_unfinished_requests:
@@ -96,12 +106,16 @@ class Job:
         finally:
             self.progress.close()
             if engine is not None:
+                if engine.profiler is not None:
+                    write_kernels(self.run_dir / KERNELS_FILE, engine.profiler.rows, self.metadata)
                 engine.close()
         wall = time.perf_counter() - start
         summary = summarize(self.completions.close(), self.steps.close(), self.attempt, wall,
                             (self.progress.prompt_tokens, self.progress.output_tokens),
                             engine.info, asdict(self.config))
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
+        if self.openai_results:
+            write_openai_results(self.config, self.run_dir)
         log.info("Done: %d rows in %.1f s -> %s", len(self.rows), wall, self.run_dir)
         return summary
 

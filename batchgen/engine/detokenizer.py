@@ -8,7 +8,7 @@ from typing import Any
 from batchgen.config import ModelConfig
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
-from batchgen.engine.tokenizer import load_tokenizer
+from batchgen.engine.tokenizer import FastTokenizer, load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 STOP_WINDOW_MARGIN = 8  # extra tokens decoded beyond the longest stop string's length in characters
@@ -28,6 +28,12 @@ class Detokenizer:
         if model.path is None or not any((Path(model.path) / name).exists() for name in TOKENIZER_FILES):
             return None
         return cls(load_tokenizer(model.path))
+
+    def transformers_tokenizer(self) -> Any:
+        """The tokenizer as a transformers one, for APIs that need it (structured output)."""
+        if isinstance(self.tokenizer, FastTokenizer):
+            return self.tokenizer.transformers_tokenizer()
+        return self.tokenizer
 
     @property
     def eos_token_id(self) -> int | None:

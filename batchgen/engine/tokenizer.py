@@ -34,7 +34,7 @@ class FastTokenizer:
         self.path = path
         self.backend = backend
         self.config = config
-        self._chat_tokenizer: Any = None
+        self._transformers_tokenizer: Any = None
 
     @classmethod
     def from_dir(cls, path: Path) -> FastTokenizer | None:
@@ -78,11 +78,15 @@ class FastTokenizer:
             return template_file.read_text(encoding="utf-8")
         return self.config.get("chat_template") or _read_json(self.path / "chat_template.json").get("chat_template")
 
+    def transformers_tokenizer(self) -> Any:
+        """The same tokenizer through transformers, for what needs its API (chat templates, structured output);
+        loaded on first use only."""
+        if self._transformers_tokenizer is None:
+            self._transformers_tokenizer = _auto_tokenizer(str(self.path))
+        return self._transformers_tokenizer
+
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
-        """Chat templates render through transformers (loaded on the first chat row only)."""
-        if self._chat_tokenizer is None:
-            self._chat_tokenizer = _auto_tokenizer(str(self.path))
-        return self._chat_tokenizer.apply_chat_template(messages, **kwargs)
+        return self.transformers_tokenizer().apply_chat_template(messages, **kwargs)
 
 
 def _auto_tokenizer(name_or_path: str) -> Any:

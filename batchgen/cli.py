@@ -15,7 +15,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.config import Config, ConfigError, validate
 from batchgen.io.errors import InputError
-from batchgen.job import run
 from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
 
@@ -58,6 +57,8 @@ def _main(cfg: DictConfig) -> float | None:
     """Returns the run's output tok/s, the figure Hydra's optimising sweepers maximise."""
     try:
         config = to_config(cfg)
+        from batchgen.job import run  # torch, pyarrow and the engine load only once the config is valid
+
         summary = run(config, Path(HydraConfig.get().runtime.output_dir))
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)

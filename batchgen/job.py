@@ -7,12 +7,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchgen.config import Config, ConfigError
 from batchgen.engine.detokenizer import Detokenizer
-from batchgen.engine.llm_engine import LLMEngine
-from batchgen.engine.step_profiler import StepProfiler
+from batchgen.engine.kv_sizing import KVDemand
 from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, read_prompts
@@ -20,6 +19,9 @@ from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic,
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
 from batchgen.summary import summarize, versions
+
+if TYPE_CHECKING:
+    from batchgen.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,8 @@ class Job:
             return 1
 
     def run(self) -> dict[str, Any]:
+        from batchgen.engine.llm_engine import LLMEngine  # torch: imported once the inputs have been read
+
         start = time.perf_counter()
         rows_by_index = {row.index: row for row in self.pending}
         missing = sum(len(samples) for samples in self.missing_samples.values())
@@ -95,10 +99,13 @@ class Job:
             for row in self.pending:
                 if row.error is not None:
                     self._write_error_row(row)
-            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer)
+            rows_to_run = [row for row in self.pending if row.error is None]
+            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run))
             if self.config.job.profile_steps:
+                from batchgen.engine.step_profiler import StepProfiler  # torch.profiler: only when asked for
+
                 engine.profiler = StepProfiler(self.config.job.profile_steps, engine.device)
-            rows = iter([row for row in self.pending if row.error is None])
+            rows = iter(rows_to_run)
             rows_left = True
             while rows_left or engine.has_unfinished_requests:
                 if rows_left:
@@ -129,6 +136,23 @@ class Job:
             write_openai_results(self.config, self.run_dir)
         log.info("Done: %d rows in %.1f s -> %s", len(self.rows), wall, self.run_dir)
         return summary
+
+    def _kv_demand(self, rows: list[PromptRow]) -> KVDemand:
+        """The rows' prompt lengths and max_tokens, so that the KV cache is sized to the job. Text rows are
+        tokenized here, once: the engine takes their ids."""
+        demand = []
+        for row in rows:
+            if row.prompt_token_ids is None and self.detokenizer is not None:
+                row.prompt_token_ids = self.detokenizer.encode(row.prompt)
+            try:
+                params = self.config.sampling.with_overrides(row.overrides)
+            except ValueError:
+                continue  # the row fails when it is added
+            num_prompt_tokens = len(row.prompt_token_ids or ())
+            if params.truncate_prompt_tokens is not None:
+                num_prompt_tokens = min(num_prompt_tokens, params.truncate_prompt_tokens)
+            demand.extend([(num_prompt_tokens, params.max_tokens)] * params.n)  # each sample holds its own blocks
+        return KVDemand(demand)
 
     def _write_error_row(self, row: PromptRow) -> None:
         self.completions.write(completion_record(row))

@@ -11,12 +11,13 @@ from typing import Any
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 
 TIME_COLUMNS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "wait_ms", "step_ms")
 
 
 def versions() -> dict[str, str | None]:
+    import torch  # here, not at import: the job reads its inputs before the engine needs torch
+
     found: dict[str, str | None] = {"python": platform.python_version(), "cuda": torch.version.cuda}
     for package in ("batchgen", "torch", "transformers", "triton", "pyarrow"):
         try:

@@ -73,6 +73,7 @@ def test_capture_out_of_memory_drops_only_that_bucket(tiny_model_dir, monkeypatc
     llm = LLM(model_dir, dtype="float32", max_num_seqs=16, cuda_graph_capture_sizes=CAPTURE_SIZES)
     assert llm.engine.runner.graphs.sizes == llm.engine.info["cuda_graph_sizes"] == [1, 2, 4, 16]
     assert "out of memory at batch size 8" in caplog.text
+    assert list(llm.engine.info["cuda_graph_capture_seconds_per_size"]) == ["1", "2", "4", "16"]
     prompts = random_prompts(256, count=6, seed=3)  # 6 running requests: replayed in the 16 bucket now
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -44,6 +44,9 @@ def test_shakespeare_job_writes_three_files(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rows"] == 40 and summary["output_tokens"] == 320 and summary["output_tokens_per_s"] > 0
     assert summary["config"]["sampling"]["max_tokens"] == 8
+    # 40 rows of 4 + 8 tokens, one 16-token block each, all running at once: the cache holds just that.
+    assert summary["engine"]["kv_blocks"] == 40
+    assert "40 largest of the job's 40 rows" in summary["engine"]["kv_blocks_reason"]
     assert read_metadata(tmp_path / "completions.parquet")["config"]["job"]["name"] == "shakespeare"
     assert not (tmp_path / "completions.parts").exists()
 

@@ -226,7 +226,7 @@ def test_bitmask_rows_for_guided_and_unguided_requests(llguidance) -> None:
     mask = engine.structured_output.bitmask(requests)
     assert mask.shape == (2, 3) and mask.dtype == np.int32
     allowed = unpack_token_bitmask(torch.from_numpy(mask), 66)
-    tokenizer = engine.detokenizer.tokenizer
+    tokenizer = engine.detokenizer.transformers_tokenizer()
     assert sorted(tokenizer.convert_ids_to_tokens(allowed[0].nonzero().flatten().tolist())) == ["a", "n"]
     assert allowed[1].all()
     llm.close()

@@ -92,6 +92,7 @@ class CaptureStats:
     sizes: list[int]
     seconds: float
     pool_bytes: int
+    seconds_per_size: dict[int, float]  # warm-up (Triton compiles, autotuning) + capture, by bucket
 
 
 class CudaGraphRunner:
@@ -117,7 +118,9 @@ class CudaGraphRunner:
         before = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         self.buffers.slot_mapping.fill_(-1)  # warm-up and capture runs must not write into real KV blocks
+        seconds_per_size: dict[int, float] = {}
         for size in sorted(self.sizes, reverse=True):
+            size_start = time.perf_counter()
             try:
                 self._forward(size)  # warm-up: lazy initialisation and autotuning stay out of the graph
                 torch.cuda.synchronize()
@@ -125,13 +128,16 @@ class CudaGraphRunner:
                 with torch.cuda.graph(graph, pool=pool):
                     self.logits[size] = self._forward(size)
                 self.graphs[size] = graph
+                torch.cuda.synchronize()
+                seconds_per_size[size] = time.perf_counter() - size_start
             except torch.OutOfMemoryError:
                 log.warning("CUDA-graph capture ran out of memory at batch size %d; that bucket runs eagerly", size)
                 self.logits.pop(size, None)
                 torch.cuda.empty_cache()
         torch.cuda.synchronize()
         self.sizes = sorted(self.graphs)
-        return CaptureStats(self.sizes, time.perf_counter() - start, torch.cuda.memory_reserved() - before)
+        return CaptureStats(self.sizes, time.perf_counter() - start, torch.cuda.memory_reserved() - before,
+                            dict(sorted(seconds_per_size.items())))
 
     def padded_size(self, n: int) -> int | None:
         return padded_size(self.sizes, n)

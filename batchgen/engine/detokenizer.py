@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import Any
 
 from batchgen.config import ModelConfig
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.engine.tokenizer import FastTokenizer, load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 STOP_WINDOW_MARGIN = 8  # extra tokens decoded beyond the longest stop string's length in characters
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, tokenizer: Any):
+        """tokenizer: a FastTokenizer or a transformers tokenizer (both encode, decode and know their eos)."""
         self.tokenizer = tokenizer
         self._stop_texts: dict[tuple[int, int], str] = {}  # text cut before the stop string, by (request id, sample)
 
@@ -23,17 +24,23 @@ class Detokenizer:
     def load(cls, model: ModelConfig) -> Detokenizer | None:
         """None when the checkpoint ships no tokenizer (or there is no checkpoint): prompts must be token ids."""
         if model.tokenizer is not None:
-            return cls(AutoTokenizer.from_pretrained(model.tokenizer))
+            return cls(load_tokenizer(model.tokenizer))
         if model.path is None or not any((Path(model.path) / name).exists() for name in TOKENIZER_FILES):
             return None
-        return cls(AutoTokenizer.from_pretrained(model.path))
+        return cls(load_tokenizer(model.path))
+
+    def transformers_tokenizer(self) -> Any:
+        """The tokenizer as a transformers one, for APIs that need it (structured output)."""
+        if isinstance(self.tokenizer, FastTokenizer):
+            return self.tokenizer.transformers_tokenizer()
+        return self.tokenizer
 
     @property
     def eos_token_id(self) -> int | None:
         return self.tokenizer.eos_token_id
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text).input_ids
+        return self.tokenizer.encode(text)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -16,6 +16,7 @@ from batchgen.engine.bad_words import bad_words_token_ids
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cuda_graph import default_capture_sizes
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit
 from batchgen.engine.model_runner import LaunchedStep, ModelRunner
 from batchgen.engine.request import Request
 from batchgen.engine.request_logprobs import attach_logprobs, token_texts
@@ -106,7 +107,9 @@ def sample_seed(row_seed: int, sample_index: int) -> int:
 
 
 class LLMEngine:
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, detokenizer: Detokenizer | None = None):
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, detokenizer: Detokenizer | None = None,
+                 kv_demand: KVDemand | None = None):
+        """kv_demand: the job's rows (prompt lengths and max_tokens), when known: the KV cache is sized to them."""
         self.config = engine_config
         self.device = resolve_device(engine_config.device)
         if self.device.type == "cpu" and engine_config.cpu_threads is not None:
@@ -130,18 +133,20 @@ class LLMEngine:
                                   engine_config.max_num_seqs, attention_ops(backend))
         self.runner.logprobs_mode = engine_config.logprobs_mode
         self._token_text = token_texts(self.detokenizer)
-        num_blocks = self._num_kv_blocks()
+        kv_choice = self._num_kv_blocks(kv_demand)
+        num_blocks = kv_choice.num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         self.info.update(
             device=str(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else "cpu",
             dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
             kv_blocks=num_blocks,
+            kv_blocks_reason=kv_choice.reason,
             kv_capacity_tokens=num_blocks * engine_config.block_size,
             kv_cache_bytes=num_blocks * self.runner.kv_block_bytes,
         )
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, engine_config.block_size,
-                 num_blocks * engine_config.block_size, self.info["kv_cache_bytes"] / 2**30)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB): %s", num_blocks, engine_config.block_size,
+                 num_blocks * engine_config.block_size, self.info["kv_cache_bytes"] / 2**30, kv_choice.reason)
         if self.device.type == "cuda" and not engine_config.enforce_eager:
             self._capture_graphs()
         self.scheduler = Scheduler(
@@ -174,13 +179,15 @@ class LLMEngine:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, demand: KVDemand | None) -> KVBlockChoice:
         cfg = self.config
         if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override
+            return KVBlockChoice(cfg.num_gpu_blocks_override, "engine.num_gpu_blocks_override")
+        limit = job_block_limit(cfg.max_num_seqs, self.max_model_len, cfg.block_size, demand)
         block_bytes = self.runner.kv_block_bytes
         if self.device.type == "cpu":
-            return max(1, int(cfg.cpu_kv_cache_space_gib * 2**30) // block_bytes)
+            budget = max(1, int(cfg.cpu_kv_cache_space_gib * 2**30) // block_bytes)
+            return choose_num_blocks(budget, f"engine.cpu_kv_cache_space_gib={cfg.cpu_kv_cache_space_gib}", limit)
         peak = self.runner.profile_peak_bytes(cfg.max_num_batched_tokens, min(cfg.max_num_seqs,
                                                                                 cfg.max_num_batched_tokens))
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -188,14 +195,16 @@ class LLMEngine:
         if available < block_bytes:
             raise ValueError(f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}: no memory left for the "
                              f"KV cache (model and activations peak at {peak / 2**30:.2f} GiB of {total / 2**30:.1f})")
-        return available // block_bytes
+        return choose_num_blocks(available // block_bytes,
+                                 f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}", limit)
 
     def _capture_graphs(self) -> None:
         graph_cfg = self.config.cuda_graph
         sizes = graph_cfg.capture_sizes or default_capture_sizes(self.config.max_num_seqs, graph_cfg.max_capture_size)
         stats = self.runner.capture_graphs(sorted(set(sizes)))
         self.info.update(cuda_graph_sizes=stats.sizes, cuda_graph_capture_seconds=stats.seconds,
-                         cuda_graph_pool_bytes=stats.pool_bytes)
+                         cuda_graph_pool_bytes=stats.pool_bytes,
+                         cuda_graph_capture_seconds_per_size={str(k): v for k, v in stats.seconds_per_size.items()})
         log.info("Captured %d CUDA graphs (batch sizes %s) in %.2f s, pool %.1f MiB", len(stats.sizes),
                  stats.sizes, stats.seconds, stats.pool_bytes / 2**20)
 
@@ -266,7 +275,8 @@ class LLMEngine:
         if self.structured_output is None:
             if self.detokenizer is None:
                 raise ValueError("structured output (guided_*) needs the model's tokenizer")
-            self.structured_output = StructuredOutputManager(self.detokenizer.tokenizer, self.hf_config.vocab_size)
+            self.structured_output = StructuredOutputManager(self.detokenizer.transformers_tokenizer(),
+                                                             self.hf_config.vocab_size)
             self.runner.bitmask_provider = self.structured_output.bitmask
         return self.structured_output
 

@@ -111,7 +111,8 @@ class ModelRunner:
         layer = self.attention_layers[0]
         dtype = next(self.model.parameters()).dtype
         shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)  # (2, L, NB, BS, KVH, D)
+        # Not zero-filled: no attention path reads a slot before it is written (tests/test_kv_cache_uninitialized.py).
+        self.kv_cache = torch.empty(shape, dtype=dtype, device=self.device)  # (2, L, NB, BS, KVH, D)
         for i, attention in enumerate(self.attention_layers):
             attention.k_cache, attention.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             attention.ops = self.attention_ops

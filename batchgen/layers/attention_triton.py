@@ -77,8 +77,9 @@ def store_kv(
 
 
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
-# a second) whenever that width first changes divisibility.
-@triton.jit(do_not_specialize=["stride_bt", "window"])
+# a second) whenever that width first changes divisibility. The split count is chosen per batch-size bucket: as a
+# plain (unspecialized) argument, one compile serves every bucket's CUDA graph.
+@triton.jit(do_not_specialize=["stride_bt", "window", "num_splits"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale, window,
@@ -87,9 +88,9 @@ def _decode_kernel(
     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
     stride_bt,
     stride_ob, stride_oh, stride_od,
+    num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, kv head, split): all GROUP query heads share each K/V tile load."""
     b = tl.program_id(0)
@@ -110,13 +111,10 @@ def _decode_kernel(
     )  # (BLOCK_G, BLOCK_D)
 
     first = tl.maximum(seq_len - window, 0)  # the window's first position
-    if NUM_SPLITS == 1:
-        lo = first
-        hi = seq_len
-    else:
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
-        lo = first + split * tiles_per_split * BLOCK_N
-        hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+    # With one split this is [first, seq_len).
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits)
+    lo = first + split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -152,35 +150,38 @@ def _decode_kernel(
     # Empty ranges (padding rows, splits past the context) leave l_i == 0 and acc == 0: they output zeros.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # mid_o: (B, H, NUM_SPLITS, HEAD_DIM) fp32, mid_lse: (B, H, NUM_SPLITS) fp32 (log2 units), both contiguous.
-        row = (b * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # (BLOCK_G,)
+        # mid_o: (B, H, num_splits, HEAD_DIM) fp32, mid_lse: (B, H, num_splits) fp32 (log2 units), both contiguous.
+        row = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # (BLOCK_G,)
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr,
     stride_ob, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, query head): merges the per-split partial softmaxes."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * tl.num_programs(1) + h
-    s = tl.arange(0, NUM_SPLITS)
+    s = tl.arange(0, MAX_SPLITS)
+    s_mask = s < num_splits
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + s)  # (NUM_SPLITS,)
-    o = tl.load(mid_o_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :], mask=d_mask[None, :], other=0.0)
+    lse = tl.load(mid_lse_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"))  # (MAX_SPLITS,)
+    o = tl.load(mid_o_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # (NUM_SPLITS,), 0 for empty splits
+    w = tl.exp2(lse - lse_max)  # (MAX_SPLITS,), 0 for empty splits
     den = tl.sum(w, 0)
     den = tl.where(den > 0, den, 1.0)
     out = tl.sum(o * w[:, None], 0) / den  # (BLOCK_D,)
@@ -225,28 +226,31 @@ def decode_attention(
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = _default_num_splits(batch, num_kv_heads, q.device)
-    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    assert 1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0, \
+        f"num_splits must be a power of two up to {_MAX_SPLITS}"
     block_d = max(16, triton.next_power_of_2(head_dim))
     # fp32 tiles hold twice the bytes (and tf32x3 splits each into three): smaller tiles avoid register spills.
     block_n = 32 if block_d > 128 or q.dtype == torch.float32 else 64
     if num_splits > 1:
         mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        mid_o = mid_lse = out  # unused by the single-pass kernel
+    else:  # unused by the single-pass kernel, but fp32 like the split one's: one compile serves both
+        mid_o = mid_lse = torch.empty(1, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
         scale * _LOG2E, sliding_window or _NO_WINDOW,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        num_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=_MAX_SPLITS,
             num_warps=4,
         )  # fmt: skip
     return out

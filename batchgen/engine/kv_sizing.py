@@ -1,0 +1,54 @@
+"""How many KV blocks a job can use at once (no torch): the memory budget is only an upper bound.
+
+At most max_num_seqs requests run at once, and a running request never holds more than
+ceil(min(prompt + max_tokens, max_model_len) / block_size) blocks: its last sampled token is never written to the
+cache, and with async scheduling a request whose pending token reaches its length is not scheduled again, so no
+lookahead block is needed. Finished requests free their blocks at commit, before they leave the running set.
+So the max_num_seqs largest rows together bound what the job holds at any moment, and a cache that size never
+preempts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVDemand:
+    """What a job knows of its rows before the engine starts: per row, prompt tokens and max_tokens."""
+
+    rows: Sequence[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class KVBlockChoice:
+    num_blocks: int
+    reason: str
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def job_block_limit(max_num_seqs: int, max_model_len: int, block_size: int,
+                    demand: KVDemand | None = None) -> KVBlockChoice:
+    """The most blocks the job can hold at once: max_num_seqs full-length sequences, or less when its rows are known."""
+    per_seq = _blocks(max_model_len, block_size)
+    choice = KVBlockChoice(max_num_seqs * per_seq,
+                           f"max_num_seqs={max_num_seqs} x {per_seq} blocks for max_model_len={max_model_len}")
+    if not demand or not demand.rows:
+        return choice
+    needs = sorted((_blocks(min(prompt + max_tokens, max_model_len), block_size)
+                    for prompt, max_tokens in demand.rows), reverse=True)[:max_num_seqs]
+    if sum(needs) < choice.num_blocks:
+        return KVBlockChoice(sum(needs), f"the {len(needs)} largest of the job's {len(demand.rows)} rows "
+                                         "(prompt + max_tokens) run at once without preemption")
+    return choice
+
+
+def choose_num_blocks(budget_blocks: int, budget_reason: str, limit: KVBlockChoice) -> KVBlockChoice:
+    """The smaller of the memory budget and what the job can use."""
+    if budget_blocks <= limit.num_blocks:
+        return KVBlockChoice(budget_blocks, budget_reason)
+    return KVBlockChoice(limit.num_blocks, f"{limit.reason} (the memory budget allows {budget_blocks})")

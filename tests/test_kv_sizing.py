@@ -1,0 +1,38 @@
+"""The KV cache holds what the job can use at once, never more than the memory budget allows."""
+
+from __future__ import annotations
+
+from batchgen import LLM
+from batchgen.engine.kv_sizing import KVDemand, choose_num_blocks, job_block_limit
+
+
+def test_limit_without_rows_is_max_num_seqs_full_sequences() -> None:
+    assert job_block_limit(4, 100, 16).num_blocks == 4 * 7
+
+
+def test_limit_with_rows_is_the_largest_rows_running_together() -> None:
+    # Blocks per row (16-token blocks): 1, 2, 3 (capped at max_model_len=40), 1; two run at once: 3 + 2.
+    demand = KVDemand([(4, 8), (20, 10), (30, 500), (1, 1)])
+    choice = job_block_limit(2, 40, 16, demand)
+    assert choice.num_blocks == 5 and "2 largest of the job's 4 rows" in choice.reason
+
+
+def test_rows_never_raise_the_limit_above_max_num_seqs_full_sequences() -> None:
+    demand = KVDemand([(100, 100)] * 3)
+    assert job_block_limit(2, 64, 16, demand).num_blocks == 2 * 4
+
+
+def test_memory_budget_stays_an_upper_bound() -> None:
+    limit = job_block_limit(8, 64, 16)
+    assert choose_num_blocks(10, "budget", limit).num_blocks == 10
+    assert choose_num_blocks(1000, "budget", limit).num_blocks == 32
+
+
+def test_engine_cache_is_sized_to_max_num_seqs_and_override_wins(tiny_model_dir) -> None:
+    model_dir = str(tiny_model_dir("LlamaForCausalLM"))  # max_position_embeddings=256
+    llm = LLM(model_dir, device="cpu", max_num_seqs=3, block_size=16)
+    assert llm.engine.info["kv_blocks"] == 3 * 16 and "max_num_seqs=3" in llm.engine.info["kv_blocks_reason"]
+    llm.close()
+    llm = LLM(model_dir, device="cpu", max_num_seqs=3, block_size=16, num_gpu_blocks_override=100)
+    assert llm.engine.info["kv_blocks"] == 100
+    llm.close()

@@ -45,6 +45,7 @@ cb_limit=$((cb_limit > 300 ? 300 : cb_limit < 30 ? 30 : cb_limit))
 step peers 450 "$PY" -m benchmarks.peers --num-seqs 256 --time-limit "$cb_limit"
 step bench_attention 60 "$PY" -m benchmarks.bench_attention
 step bench_linear 90 "$PY" -m benchmarks.bench_linear
+step bench_fused 60 "$PY" -m benchmarks.bench_fused
 
 echo
 echo "# Results ($OUT)"

@@ -64,6 +64,8 @@ def _small_m_linear_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)[None, None, :]
             mask = (offs_m[:, None, None] < M) & (offs_k < K)
             h = _load_summed(x_rows, res_rows, stride_xk, offs_k, mask, HAS_RESIDUAL)
+            if k0 == 0:
+                h_first = h  # kept for the dot: the store below may alias x as far as the compiler knows
             if HAS_RESIDUAL:
                 if tl.program_id(0) == 0:  # hands the new residual on; nobody reads res_out in this launch
                     tl.store(res_out_ptr + offs_m[:, None, None] * stride_rom + offs_k, h, mask=mask)
@@ -86,7 +88,10 @@ def _small_m_linear_kernel(
             silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
             x = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
         elif X_OP == ADD_RMS_NORM:
-            h = _load_summed(x_rows, res_rows, stride_xk, offs_k, mask, HAS_RESIDUAL).to(tl.float32)
+            if k0 == 0:
+                h = h_first.to(tl.float32)
+            else:
+                h = _load_summed(x_rows, res_rows, stride_xk, offs_k, mask, HAS_RESIDUAL).to(tl.float32)
             norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             x = (norm_w * (h * inv_rms).to(dtype).to(tl.float32)).to(dtype)
         else:

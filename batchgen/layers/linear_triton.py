@@ -31,10 +31,10 @@ class LinearConfig(NamedTuple):
     num_warps: int
 
 
-# What the kernel computes from its input rows before the dot (X_OP):
-PLAIN = 0  # x as given
-SILU_AND_MUL = 1  # x's row holds gate then up (2K wide): silu(gate) * up, SiluAndMul fused in
-ADD_RMS_NORM = 2  # rms_norm(x + residual) * norm weight, the residual add and RMSNorm before the linear fused in
+# What the kernel computes from its input rows before the dot (X_OP; constexpr, as Triton requires of globals):
+PLAIN = tl.constexpr(0)  # x as given
+SILU_AND_MUL = tl.constexpr(1)  # x's row holds gate then up (2K wide): silu(gate) * up, SiluAndMul fused in
+ADD_RMS_NORM = tl.constexpr(2)  # rms_norm(x + residual) * norm weight: the residual add and RMSNorm fused in
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -107,8 +107,10 @@ def _small_m_linear_kernel(
 def _load_weight(w_rows, stride_wk, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_k = k0 + tl.arange(0, BLOCK_K)[None, None, :]
     if k0 + BLOCK_K <= K:
-        return tl.load(w_rows + offs_k * stride_wk, eviction_policy="evict_first")
-    return tl.load(w_rows + offs_k * stride_wk, mask=offs_k < K, other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_rows + offs_k * stride_wk, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_rows + offs_k * stride_wk, mask=offs_k < K, other=0.0, eviction_policy="evict_first")
+    return w
 
 
 @triton.jit
@@ -185,7 +187,7 @@ def add_rms_norm_linear(
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: LinearConfig | None,
-            x_op: int, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+            x_op: tl.constexpr, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             eps: float = 0.0, residual_out: torch.Tensor | None = None) -> torch.Tensor:
     num_rows = x.shape[0]
     n, k = weight.shape
@@ -206,7 +208,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         num_rows, n,
         *x.stride(), *weight.stride(), out.stride(0),
         0 if residual is None else residual.stride(0), 0 if residual_out is None else residual_out.stride(0),
-        K=k, HAS_BIAS=bias is not None, X_OP=x_op, HAS_RESIDUAL=residual is not None,
+        K=k, HAS_BIAS=bias is not None, X_OP=x_op.value, HAS_RESIDUAL=residual is not None,
         BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps,
     )  # fmt: skip

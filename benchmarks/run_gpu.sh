@@ -51,6 +51,7 @@ step main_job_cold 150 "$PY" -m benchmarks.main_job --fresh-triton-cache
 step main_job 120 "$PY" -m benchmarks.main_job
 step profile_prefill_host 90 "$PY" -m benchmarks.profile_prefill_host
 step startup 90 "$PY" -m benchmarks.startup
+step bench_fused 60 "$PY" -m benchmarks.bench_fused
 
 echo
 echo "# Results ($OUT)"

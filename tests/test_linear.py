@@ -63,7 +63,7 @@ def test_models_build_their_projections_from_linear(
     (expected,) = PagedTestCache(model).run(model, [(0, tokens)])
     if HAS_TRITON:
         use_triton_layers(model, gemv=True)
-        assert all(layer._small_m_linear is not None for layer in linears)
+        assert all(layer._kernels is not None for layer in linears)
         (logits,) = PagedTestCache(model).run(model, [(0, tokens)])
         assert torch.equal(logits, expected)
 

@@ -8,7 +8,7 @@ runs F.linear until `use_triton()` switches it (the engine does so when CUDA gra
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -22,16 +22,31 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
-        self._small_m_linear: Callable[..., torch.Tensor] | None = None
-        self._beats_cublas: Callable[[int, int], bool] | None = None
+        self._kernels: ModuleType | None = None  # batchgen.layers.linear_triton, once use_triton() is called
+        self._kernel_device_type = "cuda"
 
-    def use_triton(self) -> None:
-        from batchgen.layers.linear_triton import beats_cublas, small_m_linear  # Triton only once asked for
+    def use_triton(self, device_type: str = "cuda") -> None:
+        """device_type: where inputs take the kernel ("cpu" only for tests under TRITON_INTERPRET=1)."""
+        from batchgen.layers import linear_triton  # Triton only once asked for
 
-        self._small_m_linear, self._beats_cublas = small_m_linear, beats_cublas
+        self._kernels, self._kernel_device_type = linear_triton, device_type
+
+    def runs_triton(self, x: torch.Tensor) -> bool:
+        """Whether a (rows, features) input x goes through the Triton GEMV."""
+        return (self._kernels is not None and x.device.type == self._kernel_device_type and x.dim() == 2
+                and x.shape[0] > 0 and self._kernels.beats_cublas(x.shape[0], self.out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        if (self._small_m_linear is not None and x.is_cuda and x.dim() == 2 and x.shape[0] > 0
-                and self._beats_cublas(x.shape[0], self.out_features)):
-            return self._small_m_linear(x, self.weight, self.bias)
+        if self.runs_triton(x):
+            return self._kernels.small_m_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def silu_and_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2 * in) -> (T, out)
+        """forward(silu(gate) * up) in one Triton launch; only where runs_triton(gate_up)."""
+        return self._kernels.silu_and_mul_linear(gate_up, self.weight, self.bias)
+
+    def add_rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(rms_norm(x + residual) * norm_weight), x + residual) in one Triton launch (residual None: no add,
+        x is the residual); only where runs_triton(x)."""
+        return self._kernels.add_rms_norm_linear(x, residual, norm_weight, eps, self.weight, self.bias)

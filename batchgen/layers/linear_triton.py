@@ -31,12 +31,19 @@ class LinearConfig(NamedTuple):
     num_warps: int
 
 
-@triton.jit
+# What the kernel computes from its input rows before the dot (X_OP; constexpr, as Triton requires of globals):
+PLAIN = tl.constexpr(0)  # x as given
+SILU_AND_MUL = tl.constexpr(1)  # x's row holds gate then up (2K wide): silu(gate) * up, SiluAndMul fused in
+ADD_RMS_NORM = tl.constexpr(2)  # rms_norm(x + residual) * norm weight: the residual add and RMSNorm fused in
+
+
+@triton.jit(do_not_specialize=["M"])
 def _small_m_linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
+    res_ptr, norm_w_ptr, res_out_ptr, eps,
     M, N,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_rm, stride_rom,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, X_OP: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -48,19 +55,72 @@ def _small_m_linear_kernel(
     # shared memory, and a single reduction (one cross-warp exchange) covers every (m, n).
     w_rows = w_ptr + rows[None, :, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None, None] * stride_xm
+    # The first weight chunk is requested before anything else: the norm's pass over x runs while it is in flight.
+    w_first = _load_weight(w_rows, stride_wk, 0, K, BLOCK_K)
+    if X_OP == ADD_RMS_NORM:
+        res_rows = res_ptr + offs_m[:, None, None] * stride_rm
+        sum_sq = tl.zeros((BLOCK_M, 1, 1), dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)[None, None, :]
+            mask = (offs_m[:, None, None] < M) & (offs_k < K)
+            h = _load_summed(x_rows, res_rows, stride_xk, offs_k, mask, HAS_RESIDUAL)
+            if k0 == 0:
+                h_first = h  # kept for the dot: the store below may alias x as far as the compiler knows
+            if HAS_RESIDUAL:
+                if tl.program_id(0) == 0:  # hands the new residual on; nobody reads res_out in this launch
+                    tl.store(res_out_ptr + offs_m[:, None, None] * stride_rom + offs_k, h, mask=mask)
+            h = h.to(tl.float32)
+            sum_sq += tl.sum(h * h, axis=2, keep_dims=True)
+        inv_rms = tl.rsqrt(sum_sq / K + eps)  # (BLOCK_M, 1, 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)[None, None, :]
-        if k0 + BLOCK_K <= K:
-            w = tl.load(w_rows + offs_k * stride_wk, eviction_policy="evict_first")  # (1, BLOCK_N, BLOCK_K)
+        if k0 == 0:
+            w = w_first
         else:
-            w = tl.load(w_rows + offs_k * stride_wk, mask=offs_k < K, other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_rows + offs_k * stride_xk, mask=(offs_m[:, None, None] < M) & (offs_k < K), other=0.0)
+            w = _load_weight(w_rows, stride_wk, k0, K, BLOCK_K)  # (1, BLOCK_N, BLOCK_K)
+        mask = (offs_m[:, None, None] < M) & (offs_k < K)
+        dtype = x_ptr.dtype.element_ty
+        # Each step rounds to x's dtype where the unfused torch ops do, so both paths feed the dot the same values.
+        if X_OP == SILU_AND_MUL:
+            gate = tl.load(x_rows + offs_k * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + (offs_k + K) * stride_xk, mask=mask, other=0.0)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+            x = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
+        elif X_OP == ADD_RMS_NORM:
+            if k0 == 0:
+                h = h_first.to(tl.float32)
+            else:
+                h = _load_summed(x_rows, res_rows, stride_xk, offs_k, mask, HAS_RESIDUAL).to(tl.float32)
+            norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            x = (norm_w * (h * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+        else:
+            x = tl.load(x_rows + offs_k * stride_xk, mask=mask, other=0.0)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)  # (BLOCK_M, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _load_weight(w_rows, stride_wk, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_k = k0 + tl.arange(0, BLOCK_K)[None, None, :]
+    if k0 + BLOCK_K <= K:
+        w = tl.load(w_rows + offs_k * stride_wk, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_rows + offs_k * stride_wk, mask=offs_k < K, other=0.0, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _load_summed(x_rows, res_rows, stride_xk, offs_k, mask, HAS_RESIDUAL: tl.constexpr):
+    """x + residual in x's dtype (as torch adds them), or x alone."""
+    x = tl.load(x_rows + offs_k * stride_xk, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_rows + offs_k, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
 
 
 def default_config(n: int, k: int, element_size: int) -> LinearConfig:
@@ -89,21 +149,66 @@ def small_m_linear(
     config: LinearConfig | None = None,  # None: default_config(N, K, ...)
 ) -> torch.Tensor:  # (M, N), x's dtype
     """F.linear(x, weight, bias) for at most MAX_M rows of x, fp32-accumulated."""
-    num_rows, k = x.shape
-    n = weight.shape[0]
-    assert weight.shape[1] == k, f"x has {k} features, weight {tuple(weight.shape)}"
-    assert num_rows <= MAX_M, f"small_m_linear takes at most {MAX_M} rows, got {num_rows}"
+    assert weight.shape[1] == x.shape[1], f"x has {x.shape[1]} features, weight {tuple(weight.shape)}"
+    return _launch(x, weight, bias, config, PLAIN)
+
+
+def silu_and_mul_linear(
+    gate_up: torch.Tensor,  # (M, 2K), M <= MAX_M: gate then up, as a fused gate/up projection returns them
+    weight: torch.Tensor,  # (N, K)
+    bias: torch.Tensor | None = None,  # (N,)
+    config: LinearConfig | None = None,
+) -> torch.Tensor:  # (M, N)
+    """F.linear(silu(gate) * up, weight, bias): SiluAndMul computed while x loads, without a kernel of its own."""
+    assert gate_up.shape[1] == 2 * weight.shape[1], f"gate_up is {tuple(gate_up.shape)}, weight {tuple(weight.shape)}"
+    return _launch(gate_up, weight, bias, config, SILU_AND_MUL)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,  # (M, K), M <= MAX_M
+    residual: torch.Tensor | None,  # (M, K) contiguous, or None (the first layer: no add)
+    norm_weight: torch.Tensor,  # (K,)
+    eps: float,
+    weight: torch.Tensor,  # (N, K)
+    bias: torch.Tensor | None = None,  # (N,)
+    config: LinearConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (M, N), and the new residual (M, K)
+    """(F.linear(rms_norm(x + residual) * norm_weight, weight, bias), x + residual) in one launch: every program
+    normalizes the few rows itself (K is a hidden size: a few KB), program 0 writes x + residual to a new tensor.
+    Without a residual: (F.linear(rms_norm(x) * norm_weight, ...), x)."""
+    assert weight.shape[1] == x.shape[1], f"x has {x.shape[1]} features, weight {tuple(weight.shape)}"
+    assert norm_weight.shape == (x.shape[1],), f"norm weight {tuple(norm_weight.shape)} for {x.shape[1]} features"
+    if residual is None:
+        return _launch(x, weight, bias, config, ADD_RMS_NORM, norm_weight=norm_weight, eps=eps), x
+    assert residual.shape == x.shape and residual.stride(1) == 1, f"residual {tuple(residual.shape)}, x {x.shape}"
+    summed = torch.empty_like(residual)
+    out = _launch(x, weight, bias, config, ADD_RMS_NORM, residual, norm_weight, eps, summed)
+    return out, summed
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: LinearConfig | None,
+            x_op: tl.constexpr, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+            eps: float = 0.0, residual_out: torch.Tensor | None = None) -> torch.Tensor:
+    num_rows = x.shape[0]
+    n, k = weight.shape
+    assert num_rows <= MAX_M, f"the small-M linear takes at most {MAX_M} rows, got {num_rows}"
     assert x.dtype == weight.dtype, f"x is {x.dtype}, weight {weight.dtype}"
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
+        if residual_out is not None:
+            residual_out.copy_(x + residual)
         return out
     if config is None:
         config = default_config(n, k, weight.element_size())
+    unused = weight  # a pointer the kernel never reads, for arguments that this X_OP does not take
     _small_m_linear_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, weight if bias is None else bias, out,
+        x, weight, unused if bias is None else bias, out,
+        unused if residual is None else residual, unused if norm_weight is None else norm_weight,
+        unused if residual_out is None else residual_out, eps,
         num_rows, n,
         *x.stride(), *weight.stride(), out.stride(0),
-        K=k, HAS_BIAS=bias is not None,
+        0 if residual is None else residual.stride(0), 0 if residual_out is None else residual_out.stride(0),
+        K=k, HAS_BIAS=bias is not None, X_OP=x_op.value, HAS_RESIDUAL=residual is not None,
         BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps,
     )  # fmt: skip

@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.compiled import compiled
+from batchgen.layers.fused import norm_then_linear, silu_and_mul_then_linear
 from batchgen.layers.linear import Linear
 from batchgen.layers.norms import RMSNorm, rms_norm
 from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -55,9 +56,9 @@ class LlamaAttention(nn.Module):
 
         self._rotate_and_store = rotate_and_store
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # (T, (H + 2 * KVH) * D)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """qkv (T, (H + 2 * KVH) * D) -> (T, hidden): the decoder layer runs qkv_proj, fused with the norm before it."""
+        num_tokens = qkv.shape[0]
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         if self._rotate_and_store is not None and qkv.is_cuda:
             q = self._rotate_and_store(qkv, positions, self.rotary.cos, self.rotary.sin, norms, self.attn.k_cache,
@@ -89,8 +90,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2 * intermediate) -> (T, hidden)
+        """The decoder layer runs gate_up_proj, fused with the norm before it."""
+        return silu_and_mul_then_linear(self.act, self.down_proj, gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,14 +106,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream is carried separately so each add fuses into the norm that follows it."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        """The residual stream is carried separately so each add fuses into the norm that follows it (and, on the
+        Triton path, the norm into the projection after it)."""
+        qkv, residual = norm_then_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(positions, qkv, meta)
+        gate_up, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):

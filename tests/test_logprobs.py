@@ -3,7 +3,6 @@ every way a step can be cut; a scoring job (max_tokens=0) only prefills."""
 
 from __future__ import annotations
 
-import duckdb
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -86,6 +85,7 @@ def test_scoring_job_prefills_only(tmp_path):
                       "sampling.prompt_logprobs=1")
     assert result.returncode == 0, result.stdout + result.stderr
     completions = tmp_path / "completions.parquet"
+    duckdb = pytest.importorskip("duckdb")
     rows = duckdb.sql(f"""
         SELECT num_output_tokens, len(prompt_logprobs) AS n, num_prompt_tokens, prompt_logprobs[1] IS NULL AS first,
                list_sum(list_transform(prompt_logprobs[2:], lambda x: x.logprob)) AS total

@@ -13,8 +13,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.config import Config, ConfigError, validate
+from batchgen.config_keys import check_known_keys
+from batchgen.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarted_run_dir
 from batchgen.io.errors import InputError
 from batchgen.job import run
+from batchgen.stop_signals import JobStopped, resume_command
+from batchgen.usage import early_exit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -30,21 +34,42 @@ if not OmegaConf.has_resolver("repo"):
 def to_config(cfg: DictConfig) -> Config:
     """The composed DictConfig as plain dataclasses, validated; errors name the key."""
     try:
+        check_known_keys(OmegaConf.to_container(cfg, resolve=False))
         config = OmegaConf.to_object(cfg)
     except (OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
     return validate(config)
 
 
+_reached_job = False  # Hydra exits 1 on its own errors; before the job is reached they are configuration errors
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _main(cfg: DictConfig) -> None:
+    global _reached_job
+    _reached_job = True
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        config = to_config(cfg)
-        run(config, Path(HydraConfig.get().runtime.output_dir))
+        run(to_config(cfg), run_dir)
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)
-        sys.exit(2)
+        remove_unstarted_run_dir(run_dir)
+        sys.exit(EXIT_BAD_CONFIG_OR_INPUT)
+    except JobStopped as stop:
+        remove_unstarted_run_dir(run_dir)
+        print(f"{stop}; resume with: {resume_command(list(HydraConfig.get().overrides.task), run_dir)}",
+              file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
 
 
 def main() -> None:
-    _main()
+    text = early_exit(sys.argv[1:])
+    if text is not None:
+        print(text)
+        return
+    try:
+        _main()
+    except SystemExit as exc:
+        if exc.code == EXIT_CRASH and not _reached_job:
+            sys.exit(EXIT_BAD_CONFIG_OR_INPUT)
+        raise

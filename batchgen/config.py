@@ -18,6 +18,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+EMPTY_POLICIES = ("warn", "fail")
 
 
 class ConfigError(ValueError):
@@ -70,12 +71,15 @@ class DataConfig:
     split: str = "train"  # for hf and hf_disk DatasetDicts
     on_error: str = "fail"  # fail: stop before generating | skip: record the row as an error and go on
     limit: int | None = None  # read only the first N rows
+    on_empty: str = "warn"  # an input without rows: warn (and write empty outputs) | fail
 
 
 @dataclass
 class JobConfig:
     name: str = "default"
-    resume: bool = False  # continue the run directory given by hydra.run.dir, skipping finished rows
+    # Continue the run directory given by hydra.run.dir, skipping finished rows: false | true | force (also when
+    # the configuration changed in a way that alters outputs). Any: OmegaConf has no bool-or-str type.
+    resume: Any = False
     flush_rows: int = 256
     flush_seconds: float = 10.0
     log_every_seconds: float = 10.0
@@ -144,6 +148,7 @@ def validate_engine(engine: EngineConfig) -> None:
 def validate_data(data: DataConfig) -> None:
     _one_of("data.format", data.format, DATA_FORMATS)
     _one_of("data.on_error", data.on_error, ERROR_POLICIES)
+    _one_of("data.on_empty", data.on_empty, EMPTY_POLICIES)
     _require(bool(data.path), "data.path", data.path, "set it to a prompts file or dataset directory")
     _require(os.path.exists(data.path), "data.path", data.path, "no such file or directory")
     _require(bool(data.prompt_field), "data.prompt_field", data.prompt_field, "must be a field name")
@@ -151,6 +156,10 @@ def validate_data(data: DataConfig) -> None:
 
 
 def validate_job(job: JobConfig) -> None:
+    if isinstance(job.resume, str) and job.resume.lower() in ("true", "false"):
+        job.resume = job.resume.lower() == "true"
+    _require(isinstance(job.resume, bool) or job.resume == "force", "job.resume", job.resume,
+             "allowed values are false, true, force")
     _positive("job.flush_rows", job.flush_rows)
     _require(job.flush_seconds > 0, "job.flush_seconds", job.flush_seconds, "must be positive")
     _require(job.log_every_seconds > 0, "job.log_every_seconds", job.log_every_seconds, "must be positive")

@@ -182,7 +182,6 @@ def run(config: Config, run_dir: Path) -> dict[str, Any]:
     """Runs the job; SIGTERM and SIGINT end it with JobStopped after every finished row is flushed."""
     with StopSignals() as signals:
         try:
-            job = Job(config, run_dir)
-        except StopRequested as stop:
+            return Job(config, run_dir).run(signals)
+        except StopRequested as stop:  # before Job.run's loop took over the signals: nothing was generated
             raise JobStopped(stop.signum, 0, None) from None
-        return job.run(signals)

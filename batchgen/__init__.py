@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from importlib import import_module
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -11,12 +11,11 @@ if TYPE_CHECKING:
     from batchgen.sampling_params import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
-
-# Imported on first use, so that `python -m batchgen --help` does not wait for torch.
-_HOMES = {"LLM": "batchgen.llm", "RequestOutput": "batchgen.outputs", "SamplingParams": "batchgen.sampling_params"}
+_MODULES = {"LLM": "batchgen.llm", "RequestOutput": "batchgen.outputs", "SamplingParams": "batchgen.sampling_params"}
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'batchgen' has no attribute {name!r}")
-    return getattr(import_module(_HOMES[name]), name)
+    """Imported on first use, so that `python -m batchgen.report` (Parquet files only) never loads torch."""
+    if name in _MODULES:
+        return getattr(importlib.import_module(_MODULES[name]), name)
+    raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

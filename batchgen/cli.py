@@ -9,6 +9,7 @@ from pathlib import Path
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -17,6 +18,8 @@ from batchgen.config_keys import check_known_keys
 from batchgen.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarted_run_dir
 from batchgen.io.errors import InputError
 from batchgen.job import run
+from batchgen.report.run_brief import brief_table
+from batchgen.report.summary_fields import read_figures
 from batchgen.stop_signals import JobStopped, resume_command
 from batchgen.usage import early_exit
 
@@ -41,16 +44,31 @@ def to_config(cfg: DictConfig) -> Config:
     return validate(config)
 
 
+class MultirunReport(Callback):
+    """At the end of a multirun, writes the sweep's report into the multirun directory (conf/config.yaml)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        try:
+            from batchgen.report.build import build_report, write_report
+        except ImportError:
+            log.warning('No sweep report: it needs pandas (pip install -e ".[report]")')
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        report_md = write_report(build_report([sweep_dir]), sweep_dir / "report")
+        print(f"Sweep report: {report_md} and {report_md.with_suffix('.html')}")
+
+
 _reached_job = False  # Hydra exits 1 on its own errors; before the job is reached they are configuration errors
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def _main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> float | None:
+    """Returns the run's output tok/s, the figure Hydra's optimising sweepers maximise."""
     global _reached_job
     _reached_job = True
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        run(to_config(cfg), run_dir)
+        summary = run(to_config(cfg), run_dir)
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)
         remove_unstarted_run_dir(run_dir)
@@ -60,6 +78,8 @@ def _main(cfg: DictConfig) -> None:
         print(f"{stop}; resume with: {resume_command(list(HydraConfig.get().overrides.task), run_dir)}",
               file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)
+    print(brief_table(summary))
+    return read_figures(summary).output_tok_s
 
 
 def main() -> None:

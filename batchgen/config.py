@@ -12,7 +12,8 @@ from typing import Any
 
 from batchgen.sampling_params import SamplingParams
 
-DATA_FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf_disk", "hf")
+DATA_FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf_disk", "hf", "openai_batch")
+OUTPUT_FORMATS = ("auto", "parquet", "openai_batch")
 ERROR_POLICIES = ("fail", "skip")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -32,6 +33,7 @@ class ModelConfig:
     load_format: str = "auto"  # auto | safetensors | dummy (random weights from hf_config)
     hf_config: dict[str, Any] | None = None  # config.json values, for dummy weights without a checkpoint
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    served_model_name: str | None = None  # the name OpenAI Batch responses carry; None: the checkpoint dir's name
 
 
 @dataclass
@@ -72,6 +74,7 @@ class DataConfig:
     on_error: str = "fail"  # fail: stop before generating | skip: record the row as an error and go on
     limit: int | None = None  # read only the first N rows
     on_empty: str = "warn"  # an input without rows: warn (and write empty outputs) | fail
+    check_model: bool = False  # openai_batch: a line whose body.model is not the loaded model is an error line
 
 
 @dataclass
@@ -84,6 +87,9 @@ class JobConfig:
     flush_seconds: float = 10.0
     log_every_seconds: float = 10.0
     progress: bool = True
+    # auto: openai_batch for OpenAI Batch input, else parquet. openai_batch adds results.jsonl to the Parquet files.
+    output_format: str = "auto"
+    profile_steps: int = 0  # >0: kernel timelines of this many decode steps (and a prefill) in kernels.parquet
 
 
 @dataclass
@@ -161,8 +167,11 @@ def validate_job(job: JobConfig) -> None:
     _require(isinstance(job.resume, bool) or job.resume == "force", "job.resume", job.resume,
              "allowed values are false, true, force")
     _positive("job.flush_rows", job.flush_rows)
+    _one_of("job.output_format", job.output_format, OUTPUT_FORMATS)
     _require(job.flush_seconds > 0, "job.flush_seconds", job.flush_seconds, "must be positive")
     _require(job.log_every_seconds > 0, "job.log_every_seconds", job.log_every_seconds, "must be positive")
+    _require(isinstance(job.profile_steps, int) and job.profile_steps >= 0, "job.profile_steps", job.profile_steps,
+             "must be a non-negative integer")
 
 
 def validate(config: Config) -> Config:

@@ -13,9 +13,12 @@ from typing import Any
 from batchgen.config import Config, ConfigError
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.step_profiler import StepProfiler
 from batchgen.io.errors import InputError
+from batchgen.io.openai_batch import model_name
+from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, read_prompts
-from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
+from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic, write_kernels
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
 from batchgen.resume_check import check_resume
@@ -25,6 +28,7 @@ from batchgen.summary import AttemptStats, summarize, versions
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"
+KERNELS_FILE = "kernels.parquet"
 STEP_FLUSH_ROWS = 4096
 
 
@@ -47,8 +51,10 @@ class Job:
         self.run_dir = Path(run_dir)
         read_start = time.perf_counter()
         # Input problems surface here, before the model loads.
+        self.openai_results = openai_results_wanted(config)
         self.detokenizer = Detokenizer.load(config.model)
-        self.rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None)
+        self.rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
+                                 model_name(config.model))
         read_seconds = time.perf_counter() - read_start
         if not self.rows:
             if config.data.on_empty == "fail":
@@ -69,6 +75,7 @@ class Job:
         metadata = {"config": asdict(config), "versions": versions()}
         if self.forced is not None:
             metadata["resume_forced"] = self.forced
+        self.metadata = metadata
         self.completions = CompletionWriter(self.run_dir, metadata, config.job.flush_rows, config.job.flush_seconds)
         # Steps come many per row and matter less than completions: they flush on time, or every STEP_FLUSH_ROWS.
         self.steps = StepWriter(self.run_dir, metadata, STEP_FLUSH_ROWS, config.job.flush_seconds)
@@ -99,6 +106,8 @@ class Job:
         clock = time.perf_counter()
         try:
             engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer)
+            if self.config.job.profile_steps:
+                engine.profiler = StepProfiler(self.config.job.profile_steps, engine.device)
             clock = self._lap("engine_start_seconds", clock)
             signals.deferred = True  # from here on rows are written: a signal stops the loop at its next step
             for row in self.pending:
@@ -131,6 +140,8 @@ class Job:
         finally:
             self.progress.close()
             if engine is not None:
+                if engine.profiler is not None:
+                    write_kernels(self.run_dir / KERNELS_FILE, engine.profiler.rows, self.metadata)
                 engine.close()
         if signals.received is not None:
             self.completions.flush()
@@ -142,6 +153,8 @@ class Job:
         if self.forced is not None:
             summary["resume_forced"] = self.forced
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
+        if self.openai_results:
+            write_openai_results(self.config, self.run_dir)
         log.info("Done: %d rows (%d errors) in %.1f s -> %s", summary["rows"], summary["job"]["error_rows"],
                  self.stats.wall_seconds, self.run_dir)
         return summary

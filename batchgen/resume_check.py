@@ -27,6 +27,7 @@ OUTPUT_NEUTRAL_KEYS = (
     "job.flush_seconds",
     "job.log_every_seconds",
     "job.progress",
+    "job.profile_steps",
     "engine.device",
     "engine.max_num_seqs",
     "engine.max_num_batched_tokens",

@@ -17,6 +17,8 @@ from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.model_runner import LaunchedStep, ModelRunner
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batchgen.engine.step_profiler import StepProfiler
+from batchgen.engine.structured_output import StructuredOutputManager, guided_spec
 from batchgen.layers.compiled import compile_small_layers, use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.outputs import RequestOutput
@@ -105,7 +107,7 @@ class LLMEngine:
 
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, self.device)
-        self.max_model_len = self._max_model_len(hf_config, model.sliding_window)
+        self.max_model_len = self._max_model_len(hf_config)
         if self.device.type == "cuda" and engine_config.torch_compile:
             compile_small_layers(model)  # compiles lazily, at the memory-profiling run below
         backend = resolve_attention_backend(engine_config.attention_backend, self.device)
@@ -137,19 +139,17 @@ class LLMEngine:
         self._prompts: dict[int, str | None] = {}
         self._in_flight: _InFlight | None = None
         self._last_result_time: float | None = None  # when the previous step's sampled ids reached the host
+        self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
         self.num_steps = 0
+        self.profiler: StepProfiler | None = None  # set by the job for job.profile_steps
 
     # -- setup ----------------------------------------------------------------------------------------------
 
-    def _max_model_len(self, hf_config, sliding_window: int | None) -> int:
+    def _max_model_len(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
         wanted = self.config.max_model_len or limit
         if limit is not None and wanted > limit:
             raise ValueError(f"engine.max_model_len={wanted} is invalid: the model supports at most {limit} positions")
-        if sliding_window is not None and wanted > sliding_window:
-            # Attention here is always full, which equals sliding-window attention only within the window.
-            log.warning("max_model_len capped at the model's sliding window, %d tokens", sliding_window)
-            wanted = sliding_window
         return wanted
 
     def _eos_token_ids(self, hf_config) -> list[int]:
@@ -200,6 +200,8 @@ class LLMEngine:
         try:
             request.prompt_token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
             error = self.scheduler.admission_error(request)
+            if error is None and guided_spec(params) is not None:
+                self._structured_output().add(request)
         except ValueError as exc:
             error = str(exc)
         if error is not None:
@@ -220,6 +222,14 @@ class LLMEngine:
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         return list(token_ids)
+
+    def _structured_output(self) -> StructuredOutputManager:
+        if self.structured_output is None:
+            if self.detokenizer is None:
+                raise ValueError("structured output (guided_*) needs the model's tokenizer")
+            self.structured_output = StructuredOutputManager(self.detokenizer.tokenizer, self.hf_config.vocab_size)
+            self.runner.bitmask_provider = self.structured_output.bitmask
+        return self.structured_output
 
     def _finish_with_error(self, request: Request, error: str) -> None:
         request.finish_reason, request.error = "error", error
@@ -246,6 +256,12 @@ class LLMEngine:
         """
         finished = self._finished_on_arrival
         self._finished_on_arrival = []
+        in_flight = self._in_flight
+        if in_flight is not None and self.structured_output and self.structured_output.samples_guided(in_flight.step):
+            # The next step's token mask needs this step's tokens: apply it before launching another.
+            self._in_flight = None
+            finished_now, record = self._apply(in_flight)
+            return [self._output(r) for r in finished + finished_now], record
         launched = self._launch_next()
         if self.config.async_scheduling:
             to_apply, self._in_flight = self._in_flight, launched
@@ -266,7 +282,11 @@ class LLMEngine:
         if step.is_empty:  # every running request ends with its pending token
             return None
         schedule_ms = (time.perf_counter() - start) * 1000
-        launched = self.runner.launch(step)
+        index = self.num_steps + (self._in_flight is not None)  # the number this step's record will carry
+        if self.profiler is not None and self.profiler.wants(index, step.kind, self.scheduler.num_waiting):
+            launched = self.profiler.launch(self.runner.launch, step, index)
+        else:
+            launched = self.runner.launch(step)
         self.scheduler.advance(step)
         return _InFlight(step, launched, start, schedule_ms)
 
@@ -276,6 +296,8 @@ class LLMEngine:
         finished = self.scheduler.commit(step, result.sampled_token_ids)
         if self.detokenizer is not None:
             finished += self.detokenizer.apply_stop_strings(step, self.scheduler)
+        if self.structured_output is not None:
+            finished += self.structured_output.commit(step, self.scheduler)
         self.runner.release(finished)
         now = time.perf_counter()
         step_ms = (now - (self._last_result_time or in_flight.start)) * 1000
@@ -317,6 +339,10 @@ class LLMEngine:
         """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean."""
         self.runner.close()
         self.runner.model = None
+        self._in_flight = None  # a stopped job may leave a launched step holding device tensors
         gc.collect()
         if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            # cuBLAS keeps a workspace per handle and stream in the caching allocator, which empty_cache() skips.
+            torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()

@@ -56,6 +56,18 @@ STEPS_SCHEMA = pa.schema(
     ]
 )
 
+KERNELS_SCHEMA = pa.schema(
+    [
+        pa.field("step", pa.int64(), nullable=False),  # the step's index, as in steps.parquet
+        pa.field("kind", pa.string(), nullable=False),  # prefill | decode | mixed
+        pa.field("cuda_graph", pa.bool_(), nullable=False),
+        pa.field("name", pa.string(), nullable=False),  # the kernel (on CPU: the top-level op)
+        pa.field("start_us", pa.float64(), nullable=False),  # from the step's first kernel
+        pa.field("duration_us", pa.float64(), nullable=False),
+        pa.field("gap_before_us", pa.float64(), nullable=False),  # idle time since the previous kernel ended
+    ]
+)
+
 
 def with_metadata(schema: pa.Schema, metadata: dict[str, Any]) -> pa.Schema:
     """`schema` with each value stored JSON-encoded under b"batchgen.<key>", keeping its other metadata."""

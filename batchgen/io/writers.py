@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.io.atomic import TMP_SUFFIX, fsync_directory, tmp_path_for, write_atomically
-from batchgen.io.schema import COMPLETIONS_SCHEMA, STEPS_SCHEMA, with_metadata
+from batchgen.io.schema import COMPLETIONS_SCHEMA, KERNELS_SCHEMA, STEPS_SCHEMA, with_metadata
 
 PART_PREFIX = "part-"
 
@@ -187,6 +187,13 @@ class StepWriter(PartedParquetWriter):
         """0 for a fresh run, else 1 + the latest attempt with steps on disk; call it before writing."""
         attempts = self.existing_rows(["attempt"]).column("attempt")
         return 0 if len(attempts) == 0 else pc.max(attempts).as_py() + 1
+
+
+def write_kernels(path: Path, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> Path:
+    """kernels.parquet (job.profile_steps): one row per kernel of the profiled steps."""
+    table = pa.Table.from_pylist(rows, schema=with_metadata(KERNELS_SCHEMA, metadata))
+    write_atomically(path, lambda file: pq.write_table(table, file))
+    return path
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -98,6 +98,8 @@ class Job:
         if self.finished_summary is not None:
             log.info("Nothing to do: %s already holds all %d rows; its summary.json is kept", self.run_dir,
                      self.finished_summary["rows"])
+            if self.openai_results:  # derived from the final completions, so it can always be written again
+                write_openai_results(self.config, self.run_dir)
             return self.finished_summary
         signals = signals or StopSignals()
         rows_by_index = {row.index: row for row in self.pending}

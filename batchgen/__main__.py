@@ -1,3 +1,11 @@
-from batchgen.cli import main
+import sys
 
-main()
+from batchgen.usage import early_exit
+
+text = early_exit(sys.argv[1:])
+if text is not None:
+    print(text)
+else:
+    from batchgen.cli import main
+
+    main()

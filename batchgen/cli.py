@@ -14,9 +14,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.config import Config, ConfigError, validate
+from batchgen.config_keys import check_known_keys
+from batchgen.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarted_run_dir
 from batchgen.io.errors import InputError
 from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
+from batchgen.stop_signals import JobStopped, resume_command
+from batchgen.usage import early_exit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -32,6 +36,7 @@ if not OmegaConf.has_resolver("repo"):
 def to_config(cfg: DictConfig) -> Config:
     """The composed DictConfig as plain dataclasses, validated; errors name the key."""
     try:
+        check_known_keys(OmegaConf.to_container(cfg, resolve=False))
         config = OmegaConf.to_object(cfg)
     except (OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
@@ -52,20 +57,41 @@ class MultirunReport(Callback):
         print(f"Sweep report: {report_md} and {report_md.with_suffix('.html')}")
 
 
+_reached_job = False  # Hydra exits 1 on its own errors; before the job is reached they are configuration errors
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _main(cfg: DictConfig) -> float | None:
     """Returns the run's output tok/s, the figure Hydra's optimising sweepers maximise."""
+    global _reached_job
+    _reached_job = True
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         config = to_config(cfg)
         from batchgen.job import run  # torch, pyarrow and the engine load only once the config is valid
 
-        summary = run(config, Path(HydraConfig.get().runtime.output_dir))
+        summary = run(config, run_dir)
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)
-        sys.exit(2)
+        remove_unstarted_run_dir(run_dir)
+        sys.exit(EXIT_BAD_CONFIG_OR_INPUT)
+    except JobStopped as stop:
+        remove_unstarted_run_dir(run_dir)
+        print(f"{stop}; resume with: {resume_command(list(HydraConfig.get().overrides.task), run_dir)}",
+              file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
     print(brief_table(summary))
     return read_figures(summary).output_tok_s
 
 
 def main() -> None:
-    _main()
+    text = early_exit(sys.argv[1:])
+    if text is not None:
+        print(text)
+        return
+    try:
+        _main()
+    except SystemExit as exc:
+        if exc.code == EXIT_CRASH and not _reached_job:
+            sys.exit(EXIT_BAD_CONFIG_OR_INPUT)
+        raise

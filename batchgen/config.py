@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+EMPTY_POLICIES = ("warn", "fail")
 
 
 class ConfigError(ValueError):
@@ -75,13 +76,16 @@ class DataConfig:
     split: str = "train"  # for hf and hf_disk DatasetDicts
     on_error: str = "fail"  # fail: stop before generating | skip: record the row as an error and go on
     limit: int | None = None  # read only the first N rows
+    on_empty: str = "warn"  # an input without rows: warn (and write empty outputs) | fail
     check_model: bool = False  # openai_batch: a line whose body.model is not the loaded model is an error line
 
 
 @dataclass
 class JobConfig:
     name: str = "default"
-    resume: bool = False  # continue the run directory given by hydra.run.dir, skipping finished rows
+    # Continue the run directory given by hydra.run.dir, skipping finished rows: false | true | force (also when
+    # the configuration changed in a way that alters outputs). Any: OmegaConf has no bool-or-str type.
+    resume: Any = False
     flush_rows: int = 256
     flush_seconds: float = 10.0
     log_every_seconds: float = 10.0
@@ -154,6 +158,7 @@ def validate_engine(engine: EngineConfig) -> None:
 def validate_data(data: DataConfig) -> None:
     _one_of("data.format", data.format, DATA_FORMATS)
     _one_of("data.on_error", data.on_error, ERROR_POLICIES)
+    _one_of("data.on_empty", data.on_empty, EMPTY_POLICIES)
     _require(bool(data.path), "data.path", data.path, "set it to a prompts file or dataset directory")
     _require(os.path.exists(data.path), "data.path", data.path, "no such file or directory")
     _require(bool(data.prompt_field), "data.prompt_field", data.prompt_field, "must be a field name")
@@ -161,6 +166,10 @@ def validate_data(data: DataConfig) -> None:
 
 
 def validate_job(job: JobConfig) -> None:
+    if isinstance(job.resume, str) and job.resume.lower() in ("true", "false"):
+        job.resume = job.resume.lower() == "true"
+    _require(isinstance(job.resume, bool) or job.resume == "force", "job.resume", job.resume,
+             "allowed values are false, true, force")
     _positive("job.flush_rows", job.flush_rows)
     _one_of("job.output_format", job.output_format, OUTPUT_FORMATS)
     _require(job.flush_seconds > 0, "job.flush_seconds", job.flush_seconds, "must be positive")

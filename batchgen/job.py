@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -12,13 +13,16 @@ from typing import TYPE_CHECKING, Any
 from batchgen.config import Config, ConfigError
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.kv_sizing import KVDemand
+from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, read_prompts
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic, write_kernels
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
-from batchgen.summary import summarize, versions
+from batchgen.resume_check import check_resume
+from batchgen.stop_signals import JobStopped, StopRequested, StopSignals
+from batchgen.summary import AttemptStats, summarize, versions
 
 if TYPE_CHECKING:
     from batchgen.engine.llm_engine import LLMEngine
@@ -50,32 +54,47 @@ class Job:
     def __init__(self, config: Config, run_dir: Path):
         self.config = config
         self.run_dir = Path(run_dir)
+        read_start = time.perf_counter()
         # Input problems surface here, before the model loads.
         self.openai_results = openai_results_wanted(config)
         self.detokenizer = Detokenizer.load(config.model)
         self.rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
                                  model_name(config.model))
+        read_seconds = time.perf_counter() - read_start
+        if not self.rows:
+            if config.data.on_empty == "fail":
+                raise InputError(f"{config.data.path}: no rows to generate (data.on_empty=fail)")
+            log.warning("%s has no rows: writing empty outputs (data.on_empty=fail makes this an error)",
+                        config.data.path)
         existing = [p.name for p in (self.run_dir / CompletionWriter.FILE_NAME,
                                      self.run_dir / "completions.parts") if p.exists()]
         if existing and not config.job.resume:
             raise ConfigError(f"job.resume=false but {self.run_dir} already holds results ({', '.join(existing)}); "
                               "pass job.resume=true with hydra.run.dir set to it to continue, or use a new run dir")
+        self.forced = check_resume(self.run_dir, asdict(config), config.job.resume)
+        if self.forced is not None:
+            log.warning("job.resume=force: resuming despite changes that alter outputs: %s", self.forced["differences"])
+        self.finished_summary = self._finished_summary()
+        if self.finished_summary is not None:
+            return
         metadata = {"config": asdict(config), "versions": versions()}
+        if self.forced is not None:
+            metadata["resume_forced"] = self.forced
         self.metadata = metadata
         self.completions = CompletionWriter(self.run_dir, metadata, config.job.flush_rows, config.job.flush_seconds)
         # Steps come many per row and matter less than completions: they flush on time, or every STEP_FLUSH_ROWS.
         self.steps = StepWriter(self.run_dir, metadata, STEP_FLUSH_ROWS, config.job.flush_seconds)
         written = self.completions.finished_samples()
         # A row is done when all its samples are; a resumed row generates only the samples it lacks.
-        num_samples = {row.index: self._num_samples(row) for row in self.rows}
-        self.missing_samples = {row.index: [i for i in range(num_samples[row.index])
+        self.num_samples = {row.index: self._num_samples(row) for row in self.rows}
+        self.missing_samples = {row.index: [i for i in range(self.num_samples[row.index])
                                             if i not in written.get(row.index, ())] for row in self.rows}
-        self.total_samples = sum(num_samples.values())
         self.pending = [row for row in self.rows if self.missing_samples[row.index]]
         # A killed attempt may have flushed no steps, so a resume counts as at least attempt 1.
-        self.attempt = max(self.steps.next_attempt(), 1 if written else 0)
+        self.stats = AttemptStats(max(self.steps.next_attempt(), 1 if written else 0),
+                                  read_input_seconds=read_seconds)
         if written:
-            log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.attempt,
+            log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.stats.number,
                      len(self.rows) - len(self.pending), len(self.rows))
 
     def _num_samples(self, row: PromptRow) -> int:
@@ -87,38 +106,66 @@ class Job:
         except ValueError:
             return 1
 
-    def run(self) -> dict[str, Any]:
+    def _rows_done(self) -> int:
+        return len(self.completions.finished_indices(self.num_samples.__getitem__))
+
+    def _finished_summary(self) -> dict[str, Any] | None:
+        """The summary of a run that already finished (final files, no parts, a summary), which a resume keeps."""
+        summary_path = self.run_dir / SUMMARY_FILE
+        finished = ((self.run_dir / CompletionWriter.FILE_NAME).exists() and summary_path.exists()
+                    and not (self.run_dir / "completions.parts").exists())
+        return json.loads(summary_path.read_text()) if finished else None
+
+    def run(self, signals: StopSignals | None = None) -> dict[str, Any]:
+        if self.finished_summary is not None:
+            log.info("Nothing to do: %s already holds all %d rows; its summary.json is kept", self.run_dir,
+                     self.finished_summary["rows"])
+            if self.openai_results:  # derived from the final completions, so it can always be written again
+                write_openai_results(self.config, self.run_dir)
+            return self.finished_summary
         from batchgen.engine.llm_engine import LLMEngine  # torch: imported once the inputs have been read
 
-        start = time.perf_counter()
+        signals = signals or StopSignals()
         rows_by_index = {row.index: row for row in self.pending}
+        total_samples = sum(self.num_samples.values())
         missing = sum(len(samples) for samples in self.missing_samples.values())
-        self.progress = Progress(self.total_samples, self.total_samples - missing, self.config.job)
+        self.progress = Progress(total_samples, total_samples - missing, self.config.job)
         engine = None
+        clock = time.perf_counter()
         try:
-            for row in self.pending:
-                if row.error is not None:
-                    self._write_error_row(row)
             rows_to_run = [row for row in self.pending if row.error is None]
             engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run))
             if self.config.job.profile_steps:
                 from batchgen.engine.step_profiler import StepProfiler  # torch.profiler: only when asked for
 
                 engine.profiler = StepProfiler(self.config.job.profile_steps, engine.device)
+            clock = self._lap("engine_start_seconds", clock)
+            signals.deferred = True  # from here on rows are written: a signal stops the loop at its next step
+            for row in self.pending:
+                if row.error is not None:
+                    self._write_error_row(row)
             rows = iter(rows_to_run)
             rows_left = True
-            while rows_left or engine.has_unfinished_requests:
+            returned = None  # when engine.step() last returned: the job's own work since then is job_ms
+            while (rows_left or engine.has_unfinished_requests) and signals.received is None:
                 if rows_left:
                     rows_left = self._add_requests(engine, rows)
+                called = time.perf_counter()
                 finished, step = engine.step()
                 if step is not None:
-                    self.steps.write({**asdict(step), "attempt": self.attempt})
+                    job_ms = (called - returned) * 1000 if returned is not None else 0.0
+                    self.steps.write({**asdict(step), "attempt": self.stats.number, "job_ms": job_ms})
+                returned = time.perf_counter()
                 for output in finished:
                     self.completions.write(completion_record(rows_by_index[output.request_id], output))
+                    self._count(output)
                 self.progress.update(finished)
-        except BaseException:
+            clock = self._lap("engine_loop_seconds", clock)
+        except BaseException as exc:
             self.completions.flush()
             self.steps.flush()
+            if isinstance(exc, StopRequested):
+                raise JobStopped(exc.signum, self._rows_done(), len(self.rows)) from None
             log.error("Job stopped; finished rows are in %s (resume with job.resume=true)", self.run_dir)
             raise
         finally:
@@ -127,14 +174,20 @@ class Job:
                 if engine.profiler is not None:
                     write_kernels(self.run_dir / KERNELS_FILE, engine.profiler.rows, self.metadata)
                 engine.close()
-        wall = time.perf_counter() - start
-        summary = summarize(self.completions.close(), self.steps.close(), self.attempt, wall,
-                            (self.progress.prompt_tokens, self.progress.output_tokens),
-                            engine.info, asdict(self.config))
+        if signals.received is not None:
+            self.completions.flush()
+            self.steps.flush()
+            raise JobStopped(signals.received, self._rows_done(), len(self.rows))
+        completions_path, steps_path = self.completions.close(), self.steps.close()
+        self._lap("finish_seconds", clock)
+        summary = summarize(completions_path, steps_path, self.stats, engine.info, asdict(self.config))
+        if self.forced is not None:
+            summary["resume_forced"] = self.forced
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
         if self.openai_results:
             write_openai_results(self.config, self.run_dir)
-        log.info("Done: %d rows in %.1f s -> %s", len(self.rows), wall, self.run_dir)
+        log.info("Done: %d rows (%d errors) in %.1f s -> %s", summary["rows"], summary["job"]["error_rows"],
+                 self.stats.wall_seconds, self.run_dir)
         return summary
 
     def _kv_demand(self, rows: list[PromptRow]) -> KVDemand:
@@ -154,8 +207,19 @@ class Job:
             demand.extend([(num_prompt_tokens, params.max_tokens)] * params.n)  # each sample holds its own blocks
         return KVDemand(demand)
 
+    def _lap(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        setattr(self.stats, phase, now - since)
+        return now
+
+    def _count(self, output: RequestOutput) -> None:
+        self.stats.rows += 1
+        self.stats.prompt_tokens += len(output.prompt_token_ids)
+        self.stats.output_tokens += len(output.token_ids)
+
     def _write_error_row(self, row: PromptRow) -> None:
         self.completions.write(completion_record(row))
+        self.stats.rows += 1
         self.progress.update([], errors=1)
 
     def _add_requests(self, engine: LLMEngine, rows: Iterator[PromptRow]) -> bool:
@@ -177,4 +241,9 @@ class Job:
 
 
 def run(config: Config, run_dir: Path) -> dict[str, Any]:
-    return Job(config, run_dir).run()
+    """Runs the job; SIGTERM and SIGINT end it with JobStopped after every finished row is flushed."""
+    with StopSignals() as signals:
+        try:
+            return Job(config, run_dir).run(signals)
+        except StopRequested as stop:  # before Job.run's loop took over the signals: nothing was generated
+            raise JobStopped(stop.signum, 0, None) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -42,30 +43,81 @@ def step_medians(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     }
 
 
-def summarize(completions_path: Path, steps_path: Path, attempt: int, wall_seconds: float,
-              attempt_tokens: tuple[int, int], engine_info: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """attempt_tokens: (prompt, output) tokens of the rows finished by this attempt, for its throughput."""
+@dataclass
+class AttemptStats:
+    """What this attempt did. Its phases follow each other, so they add up to its wall time."""
+
+    number: int  # 0 for the first run, +1 per resume
+    rows: int = 0  # rows this attempt finished, error rows included
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    read_input_seconds: float = 0.0  # reading, validating and tokenizing the input
+    engine_start_seconds: float = 0.0  # loading the model, allocating the KV cache, capturing CUDA graphs
+    engine_loop_seconds: float = 0.0  # from the first request added to the last row written
+    finish_seconds: float = 0.0  # merging the part files into the final files
+
+    @property
+    def wall_seconds(self) -> float:
+        return self.read_input_seconds + self.engine_start_seconds + self.engine_loop_seconds + self.finish_seconds
+
+
+def attempt_summary(stats: AttemptStats, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """This attempt's figures; time_seconds splits its wall time, with the engine loop split into the steps'
+    step_ms and the loop time outside every step (adding the first requests, writing the last rows)."""
+    wall = stats.wall_seconds
+    step_seconds = sum(step["step_ms"] for step in steps) / 1000
+    return {
+        "attempt": stats.number,
+        "rows": stats.rows,
+        "prompt_tokens": stats.prompt_tokens,
+        "output_tokens": stats.output_tokens,
+        "steps": len(steps),
+        "wall_seconds": wall,
+        "prompt_tokens_per_s": stats.prompt_tokens / wall if wall > 0 else 0.0,
+        "output_tokens_per_s": stats.output_tokens / wall if wall > 0 else 0.0,
+        "time_seconds": {
+            "read_input": stats.read_input_seconds,
+            "engine_start": stats.engine_start_seconds,
+            "steps": step_seconds,
+            "outside_steps": stats.engine_loop_seconds - step_seconds,
+            "finish": stats.finish_seconds,
+        },
+    }
+
+
+def summarize(completions_path: Path, steps_path: Path, stats: AttemptStats, engine_info: dict[str, Any],
+              config: dict[str, Any]) -> dict[str, Any]:
+    """The top-level keys keep their first meaning: rows, finish_reasons and token totals are the whole job's;
+    attempt, wall_seconds, steps, tok/s and step_medians are this attempt's. `job` and `this_attempt` repeat
+    them under names that say so, with the figures of the other scope."""
     completions = pq.read_table(completions_path, columns=["finish_reason", "num_prompt_tokens", "num_output_tokens",
                                                            "num_cached_tokens"])
     steps = pq.read_table(steps_path)
-    this_attempt = steps.filter(pc.equal(steps["attempt"], attempt)).to_pylist()
-    prompt_tokens, output_tokens = attempt_tokens
-    reasons = completions.column("finish_reason").value_counts().to_pylist()
-    all_prompt_tokens = pc.sum(completions["num_prompt_tokens"]).as_py() or 0
+    this_attempt = steps.filter(pc.equal(steps["attempt"], stats.number)).to_pylist()
+    reasons = {r["values"]: r["counts"] for r in completions.column("finish_reason").value_counts().to_pylist()}
+    prompt_tokens = pc.sum(completions["num_prompt_tokens"]).as_py() or 0
     cached_tokens = pc.sum(completions["num_cached_tokens"]).as_py() or 0
-    return {
+    job = {
         "rows": completions.num_rows,
-        "finish_reasons": {r["values"]: r["counts"] for r in reasons},
-        "prompt_tokens": all_prompt_tokens,
+        "error_rows": reasons.get("error", 0),
+        "finish_reasons": reasons,
+        "prompt_tokens": prompt_tokens,
         "cached_prompt_tokens": cached_tokens,
-        "prefix_cache_hit_rate": cached_tokens / all_prompt_tokens if all_prompt_tokens else 0.0,
+        "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         "output_tokens": pc.sum(completions["num_output_tokens"]).as_py() or 0,
-        "attempt": attempt,
-        "wall_seconds": wall_seconds,
-        "steps": len(this_attempt),
-        "prompt_tokens_per_s": prompt_tokens / wall_seconds,
-        "output_tokens_per_s": output_tokens / wall_seconds,
+        "attempts": stats.number + 1,
+        "steps": steps.num_rows,
+        "step_seconds": (pc.sum(steps["step_ms"]).as_py() or 0) / 1000,
+    }
+    attempt = attempt_summary(stats, this_attempt)
+    return {
+        **{key: job[key] for key in ("rows", "finish_reasons", "prompt_tokens", "cached_prompt_tokens",
+                                     "prefix_cache_hit_rate", "output_tokens")},
+        **{key: attempt[key] for key in ("attempt", "wall_seconds", "steps", "prompt_tokens_per_s",
+                                         "output_tokens_per_s")},
         "step_medians": step_medians(this_attempt),
+        "job": job,
+        "this_attempt": attempt,
         "engine": engine_info,
         "versions": versions(),
         "config": config,

@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
+from conftest import ARCHITECTURES
 from transformers import AutoModelForCausalLM
 
 from batchgen import LLM, SamplingParams
-from tests.conftest import ARCHITECTURES
 
 MAX_TOKENS = 12
 # (engine options, what they force)

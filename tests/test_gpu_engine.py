@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ARCHITECTURES
+from test_engine_greedy import MAX_TOKENS, hf_greedy_on, random_prompts
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine.cuda_graph import CudaGraphRunner
 from batchgen.engine.step_inputs import build_step_inputs
-from tests.conftest import ARCHITECTURES
-from tests.test_engine_greedy import MAX_TOKENS, hf_greedy_on, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -49,6 +49,43 @@ def test_shakespeare_job_writes_three_files(tmp_path):
     assert "40 largest of the job's 40 rows" in summary["engine"]["kv_blocks_reason"]
     assert read_metadata(tmp_path / "completions.parquet")["config"]["job"]["name"] == "shakespeare"
     assert not (tmp_path / "completions.parts").exists()
+    assert "Done: 40 rows (0 errors)" in result.stdout + result.stderr
+
+
+def test_summary_scopes_and_where_the_time_went(tmp_path):
+    result = batchgen(tmp_path, "job=shakespeare", "preset=smoke_test", "data.limit=12", "engine.max_num_seqs=4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary_text = (tmp_path / "summary.json").read_text()
+    summary = json.loads(summary_text)
+    job, attempt = summary["job"], summary["this_attempt"]
+    assert job["rows"] == attempt["rows"] == 12 and job["error_rows"] == 0 and job["attempts"] == 1
+    assert job["output_tokens"] == attempt["output_tokens"] == 96 and job["steps"] == attempt["steps"]
+    steps = pq.read_table(tmp_path / "steps.parquet").to_pandas()
+    times = attempt["time_seconds"]
+    # The steps' step_ms are the engine loop minus what ran outside every step; the phases make up the wall time.
+    assert times["steps"] == pytest.approx(steps["step_ms"].sum() / 1000)
+    assert times["outside_steps"] >= 0
+    assert sum(times.values()) == pytest.approx(attempt["wall_seconds"]) == pytest.approx(summary["wall_seconds"])
+    assert (steps["job_ms"] <= steps["step_ms"]).all() and (steps["job_ms"] >= 0).all()
+
+    # Resuming a finished run has nothing to do and keeps its summary.
+    again = batchgen(tmp_path, "job=shakespeare", "preset=smoke_test", "data.limit=12", "job.resume=true")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "Nothing to do" in again.stdout + again.stderr
+    assert (tmp_path / "summary.json").read_text() == summary_text
+
+
+def test_empty_input_warns_or_fails_naming_the_file(tmp_path):
+    prompts = tmp_path / "empty.jsonl"
+    prompts.write_text("")
+    warned = batchgen(tmp_path / "warn", "job=shakespeare", f"data.path={prompts}")
+    assert warned.returncode == 0, warned.stdout + warned.stderr
+    assert [line for line in (warned.stdout + warned.stderr).splitlines() if "WARNING" in line] == [
+        line for line in (warned.stdout + warned.stderr).splitlines() if "empty.jsonl has no rows" in line]
+    assert pq.read_table(tmp_path / "warn" / "completions.parquet").num_rows == 0
+    failed = batchgen(tmp_path / "fail", "job=shakespeare", f"data.path={prompts}", "data.on_empty=fail")
+    assert failed.returncode == 2 and "empty.jsonl: no rows" in failed.stdout + failed.stderr
+    assert not (tmp_path / "fail").exists()
 
 
 def write_lines(path: Path, lines: list[str]) -> Path:
@@ -117,6 +154,11 @@ def test_killed_job_resumes_to_the_uninterrupted_result(tmp_path, sampling):
     assert comparable(run_dir / "completions.parquet") == comparable(tmp_path / "reference" / "completions.parquet")
     steps = pq.read_table(run_dir / "steps.parquet").to_pandas()
     assert steps["attempt"].max() == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["job"]["rows"] == 48 and summary["this_attempt"]["rows"] == 48 - finished
+    assert summary["this_attempt"]["attempt"] == summary["attempt"] == 1 and summary["job"]["attempts"] == 2
+    # kill -9 may take the killed attempt's unflushed steps with it, so the job's steps are at least this attempt's.
+    assert summary["job"]["steps"] == len(steps) >= summary["this_attempt"]["steps"] == summary["steps"]
 
 
 def test_existing_results_need_resume(tmp_path):

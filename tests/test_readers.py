@@ -140,11 +140,12 @@ def test_every_format_reads_the_same_rows(
     assert read_with(path, **options) == expected_rows()
 
 
-def test_csv_is_read_through_datasets(tmp_path: Path) -> None:
+@pytest.mark.parametrize("data_format", ["auto", "hf"])
+def test_csv_is_read_through_datasets(tmp_path: Path, data_format: str) -> None:
     path = write_csv(
         tmp_path / "prompts.csv", [{"prompt": "hello there", "uid": "a"}, {"prompt": "bye", "uid": "b"}]
     )
-    rows = read_with(path, id_field="uid")
+    rows = read_with(path, id_field="uid", format=data_format)
     assert [(row.id, row.prompt) for row in rows] == [("a", "hello there"), ("b", "bye")]
 
 

@@ -63,6 +63,8 @@ STEPS_SCHEMA = pa.schema(
         pa.field("sample_ms", pa.float64(), nullable=False),
         pa.field("wait_ms", pa.float64(), nullable=False),
         pa.field("step_ms", pa.float64(), nullable=False),
+        # The part of step_ms the job spent outside the engine before the step (writing rows, adding requests).
+        pa.field("job_ms", pa.float64()),
         pa.field("kv_blocks_used", pa.int32(), nullable=False),
         pa.field("kv_blocks_total", pa.int32(), nullable=False),
         pa.field("num_waiting", pa.int32(), nullable=False),

@@ -1,0 +1,101 @@
+"""The command line as a user meets it: the README's test command, --help and --version, exit codes, unknown keys."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from batchgen.cli import CONF_DIR, to_config
+from batchgen.config import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def batchgen(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchgen", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_readme_test_command_collects_every_test():
+    """`pytest` as written in the README, from the repository root, with a fresh user's environment."""
+    pytest_command = shutil.which("pytest")
+    if pytest_command is None:
+        pytest.skip("no pytest executable on PATH")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run([pytest_command, "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "tests/test_engine_greedy.py" in result.stdout
+
+
+def test_help_is_batchgens_own():
+    result = batchgen("--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"batchgen {version('batchgen')}: ")
+    assert "python -m batchgen job=shakespeare" in result.stdout and "Hydra" not in result.stdout.splitlines()[0]
+    for group in ("job", "model", "engine", "data", "preset"):
+        assert f"  {group} " in result.stdout
+    assert "smoke_test" in result.stdout and "qwen3_0_6b" in result.stdout
+
+
+def test_version_is_batchgens_and_imports_no_torch():
+    assert batchgen("--version").stdout.strip() == f"batchgen {version('batchgen')}"
+    probe = ("import sys; sys.argv = ['batchgen', '--version']\n"
+             "import batchgen.__main__\n"
+             "print('torch' in sys.modules, 'hydra' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.stdout.splitlines()[-1] == "False False", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["+engine.max_num_seqz=4"], "engine.max_num_seqz"),
+        (["+job.foo=1"], "job.foo"),
+        (["++data.bar=2"], "data.bar"),
+        (["+sampling.temprature=0.5"], "sampling.temprature"),
+        (["+engine.cuda_graph.sizes=[1]"], "engine.cuda_graph.sizes"),
+        (["+zzz=1"], "zzz"),
+    ],
+)
+def test_unknown_keys_fail_however_they_arrive(overrides, key):
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        cfg = compose("config", overrides=["job=shakespeare", *overrides])
+    with pytest.raises(ConfigError, match=f"{key} is not a configuration key") as raised:
+        to_config(cfg)
+    group = key.rpartition(".")[0]
+    if group == "engine":
+        assert "max_num_seqs" in str(raised.value)  # the keys the group does know
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["job=no_such_job"], "Could not find 'job/no_such_job'"),  # Hydra: an unknown group option
+        (["job=shakespeare", "engine.seed=="], "Error parsing override"),  # Hydra: an override it cannot parse
+        (["job=shakespeare", "+engine.max_num_seqz=4"], "engine.max_num_seqz"),  # batchgen: an unknown key
+        (["job=shakespeare", "data.path=/no/such/prompts.jsonl"], "data.path"),  # batchgen: a bad value
+    ],
+)
+def test_every_configuration_error_exits_2_and_leaves_no_run_dir(tmp_path, overrides, message):
+    run_dir = tmp_path / "run"
+    result = batchgen(f"hydra.run.dir={run_dir}", "engine.device=cpu", *overrides)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stdout + result.stderr
+    assert not run_dir.exists()
+
+
+def test_resume_takes_false_true_and_force():
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        for value, expected in (("true", True), ("false", False), ("force", "force"), ("'true'", True)):
+            assert to_config(compose("config", overrides=["job=shakespeare", f"job.resume={value}"])).job.resume \
+                == expected
+        with pytest.raises(ConfigError, match="job.resume"):
+            to_config(compose("config", overrides=["job=shakespeare", "job.resume=maybe"]))

@@ -5,16 +5,20 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.config import Config, ConfigError, validate
 from batchgen.io.errors import InputError
-from batchgen.job import run
+from batchgen.runners.data_parallel import RankFailedError
+from batchgen.runners.launch import launch
+from batchgen.runners.merge import MergeError, merge_shards
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -40,10 +44,25 @@ def to_config(cfg: DictConfig) -> Config:
 def _main(cfg: DictConfig) -> None:
     try:
         config = to_config(cfg)
-        run(config, Path(HydraConfig.get().runtime.output_dir))
+        hydra_config = HydraConfig.get()
+        launch(config, Path(hydra_config.runtime.output_dir), list(hydra_config.overrides.task))
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)
         sys.exit(2)
+    except (MergeError, RankFailedError) as exc:
+        log.error("%s", exc)
+        sys.exit(1)
+
+
+class MergeShardsCallback(Callback):
+    """After a multirun over data.shard_index (e.g. a SLURM array of shard jobs), merges the shards into the
+    sweep directory; a sweep without data.num_shards > 1 is left alone."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.data.num_shards > 1:
+            summary = merge_shards(Path(config.hydra.sweep.dir))
+            log.info("Merged %d shards, %d rows -> %s", summary["num_shards"], summary["rows"],
+                     config.hydra.sweep.dir)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from batchgen.io.readers import PromptRow, read_prompts
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
+from batchgen.runners.shards import shard_rows
 from batchgen.summary import summarize, versions
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,9 @@ class Job:
         self.run_dir = Path(run_dir)
         # Input problems surface here, before the model loads.
         self.detokenizer = Detokenizer.load(config.model)
-        self.rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None)
+        rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None)
+        self.num_input_rows = len(rows)
+        self.rows = shard_rows(rows, config.data.num_shards, config.data.shard_index)
         existing = [p.name for p in (self.run_dir / CompletionWriter.FILE_NAME,
                                      self.run_dir / "completions.parts") if p.exists()]
         if existing and not config.job.resume:

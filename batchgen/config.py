@@ -91,7 +91,6 @@ class RunnerConfig:
     name: str = "local"  # local (this process; torchrun ranks) | ray (Ray Data actors, one engine each)
     num_replicas: int = 1  # ray: the number of actors
     batch_size: int = 256  # ray: rows per map_batches call
-    max_restarts: int = 3  # ray: a dead actor is restarted this often, and its unfinished rows retried
 
 
 @dataclass
@@ -178,8 +177,6 @@ def validate_runner(config: Config) -> None:
     _one_of("runner.name", runner.name, RUNNERS)
     _positive("runner.num_replicas", runner.num_replicas)
     _positive("runner.batch_size", runner.batch_size)
-    _require(isinstance(runner.max_restarts, int) and runner.max_restarts >= 0, "runner.max_restarts",
-             runner.max_restarts, "must be a non-negative integer")
     parallel = [key for key, on in (("engine.data_parallel_size", config.engine.data_parallel_size > 1),
                                     ("data.num_shards", config.data.num_shards > 1),
                                     ("runner.name=ray", runner.name == "ray")) if on]

@@ -1,8 +1,9 @@
 """runner=ray: the job's rows stream through Ray Data to runner.num_replicas engine actors; this driver writes the
 same run directory as a local job (completions in input order, steps with a `shard` column per actor, summary).
 
-Ray retries the batch of an actor that dies (max_restarts / max_task_retries), and a failed task's output is never
-emitted, so no row is lost or duplicated; a killed driver resumes like a local job (job.resume=true).
+Ray Data restarts an actor that dies and retries its batch (its defaults for actor pools: max_restarts and
+max_task_retries unbounded), and a failed task's output is never emitted, so no row is lost or duplicated;
+a killed driver resumes like a local job (job.resume=true).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def run_ray(config: Config, run_dir: Path) -> dict[str, Any]:
             dataset = ray.data.from_items(requests).map_batches(
                 EngineActor, fn_constructor_kwargs={"config": config}, batch_size=runner.batch_size,
                 compute=ray.data.ActorPoolStrategy(size=runner.num_replicas), num_gpus=1 if gpu else 0,
-                num_cpus=0 if gpu else 1, max_restarts=runner.max_restarts, max_task_retries=runner.max_restarts)
+                num_cpus=0 if gpu else 1)
             for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
                 for kind, actor, line in zip(batch["kind"], batch["actor"], batch["record"], strict=True):
                     record = json.loads(line)

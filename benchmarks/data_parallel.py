@@ -9,7 +9,7 @@ included), `generation` leaves out each rank's engine start (load_seconds + cuda
 summary) and takes the slowest rank. A short warm-up job first fills the Triton and inductor caches on disk, so
 neither run pays for compilation the other does not.
 
-Usage: python -m benchmarks.data_parallel [--num-seqs 512] [--gpus 2] [--tiny] [--out DIR]
+Usage: python -m benchmarks.data_parallel [--num-seqs 512] [--gpus 2] [--tiny] [--max-tokens N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ NUM_SEQS = 512
 ENGINE = ["engine.max_model_len=4096", "engine.max_num_seqs=256", "engine.max_num_batched_tokens=16384"]
 
 
-def write_prompts(path: Path, requests: list[Request]) -> Path:
+def write_prompts(path: Path, requests: list[Request], max_tokens: int | None) -> Path:
     with path.open("w") as file:
         for index, (token_ids, params) in enumerate(requests):
-            record = {"id": f"r{index:05d}", "prompt_token_ids": token_ids, "max_tokens": params.max_tokens,
+            cap = params.max_tokens if max_tokens is None else min(params.max_tokens, max_tokens)
+            record = {"id": f"r{index:05d}", "prompt_token_ids": token_ids, "max_tokens": cap,
                       "temperature": params.temperature, "ignore_eos": params.ignore_eos}
             file.write(json.dumps(record) + "\n")
     return path
@@ -84,12 +85,14 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=NUM_SEQS)
     parser.add_argument("--gpus", type=int, default=2, help="ranks of the data-parallel run")
     parser.add_argument("--tiny", action="store_true", help="a two-layer Qwen3 instead of the 0.6B shape (CPU test)")
+    parser.add_argument("--max-tokens", type=int, help="caps each request's max_tokens (a quick CPU smoke test)")
     add_out_argument(parser)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="batchgen_dp_") as tmp:
         directory = Path(tmp)
-        prompts = write_prompts(directory / "prompts.jsonl", nanovllm_requests(args.num_seqs, total=args.num_seqs))
+        prompts = write_prompts(directory / "prompts.jsonl", nanovllm_requests(args.num_seqs, total=args.num_seqs),
+                                args.max_tokens)
         run_job(prompts, directory / "warmup", 1, args.tiny, limit=16)
         single = run_job(prompts, directory / "gpus1", 1, args.tiny)
         parallel = run_job(prompts, directory / f"gpus{args.gpus}", args.gpus, args.tiny)

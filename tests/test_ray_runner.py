@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -57,3 +61,36 @@ def test_ray_runner_resumes_skipping_finished_rows(tmp_path, local_ray):
     pq.write_table(table.slice(0, 10), tmp_path / "completions.parquet")
     summary = ray_data.run_ray(config, tmp_path)
     assert comparable(tmp_path) == first and summary["attempt"] == 1
+
+
+def engine_actor_pids() -> list[int]:
+    """The pids of live Ray worker processes running an EngineActor (Ray titles them after the operator)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"EngineActor" in command:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the actors' pids in /proc (Linux)")
+def test_a_killed_actor_is_restarted_and_its_rows_retried(tmp_path, local_ray):
+    overrides = [*JOB, "sampling.temperature=0", "data.limit=32", "job.flush_rows=1", "job.flush_seconds=0.01"]
+    run_local(job_config(*overrides), tmp_path / "local")
+    config = job_config(*overrides, "runner=ray", "runner.num_replicas=2", "runner.batch_size=4")
+    outcome: dict[str, object] = {}
+    driver = threading.Thread(target=lambda: outcome.update(summary=ray_data.run_ray(config, tmp_path / "ray")))
+    driver.start()
+    parts = tmp_path / "ray" / "completions.parts"
+    deadline = time.monotonic() + 300
+    while not list(parts.glob("part-*.parquet")) or not engine_actor_pids():
+        assert driver.is_alive() and time.monotonic() < deadline, "no batch finished in time"
+        time.sleep(0.05)
+    os.kill(engine_actor_pids()[0], signal.SIGKILL)
+    driver.join(timeout=600)
+    assert "summary" in outcome, "the Ray job did not finish after an actor was killed"
+    assert comparable(tmp_path / "ray") == comparable(tmp_path / "local")

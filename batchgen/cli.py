@@ -16,6 +16,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.config import Config, ConfigError, validate
 from batchgen.io.errors import InputError
+from batchgen.report.run_brief import brief_table
+from batchgen.report.summary_fields import read_figures
 from batchgen.runners.data_parallel import RankFailedError
 from batchgen.runners.launch import launch
 from batchgen.runners.merge import MergeError, merge_shards
@@ -40,18 +42,35 @@ def to_config(cfg: DictConfig) -> Config:
     return validate(config)
 
 
+class MultirunReport(Callback):
+    """At the end of a multirun, writes the sweep's report into the multirun directory (conf/config.yaml)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        try:
+            from batchgen.report.build import build_report, write_report
+        except ImportError:
+            log.warning('No sweep report: it needs pandas (pip install -e ".[report]")')
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        report_md = write_report(build_report([sweep_dir]), sweep_dir / "report")
+        print(f"Sweep report: {report_md} and {report_md.with_suffix('.html')}")
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def _main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> float | None:
+    """Returns the run's output tok/s, the figure Hydra's optimising sweepers maximise."""
     try:
         config = to_config(cfg)
         hydra_config = HydraConfig.get()
-        launch(config, Path(hydra_config.runtime.output_dir), list(hydra_config.overrides.task))
+        summary = launch(config, Path(hydra_config.runtime.output_dir), list(hydra_config.overrides.task))
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)
         sys.exit(2)
     except (MergeError, RankFailedError) as exc:
         log.error("%s", exc)
         sys.exit(1)
+    print(brief_table(summary))
+    return read_figures(summary).output_tok_s
 
 
 class MergeShardsCallback(Callback):

@@ -12,7 +12,8 @@ from typing import Any
 
 from batchgen.sampling_params import SamplingParams
 
-DATA_FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf_disk", "hf")
+DATA_FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf_disk", "hf", "openai_batch")
+OUTPUT_FORMATS = ("auto", "parquet", "openai_batch")
 ERROR_POLICIES = ("fail", "skip")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -32,6 +33,7 @@ class ModelConfig:
     load_format: str = "auto"  # auto | safetensors | dummy (random weights from hf_config)
     hf_config: dict[str, Any] | None = None  # config.json values, for dummy weights without a checkpoint
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    served_model_name: str | None = None  # the name OpenAI Batch responses carry; None: the checkpoint dir's name
 
 
 @dataclass
@@ -56,6 +58,7 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule and stage step N+1 while the device runs step N
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     torch_compile: bool = True  # on CUDA, fuse the small elementwise layers (norms, rotary, activation)
+    enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM v1's default)
     seed: int = 0
     data_parallel_size: int = 1  # N > 1: start N processes, one shard each on its own GPU (cuda:rank) or CPU
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
@@ -72,6 +75,7 @@ class DataConfig:
     split: str = "train"  # for hf and hf_disk DatasetDicts
     on_error: str = "fail"  # fail: stop before generating | skip: record the row as an error and go on
     limit: int | None = None  # read only the first N rows
+    check_model: bool = False  # openai_batch: a line whose body.model is not the loaded model is an error line
     num_shards: int = 1  # K > 1: this run takes only the rows with index % K == shard_index
     shard_index: int = 0
 
@@ -84,6 +88,9 @@ class JobConfig:
     flush_seconds: float = 10.0
     log_every_seconds: float = 10.0
     progress: bool = True
+    # auto: openai_batch for OpenAI Batch input, else parquet. openai_batch adds results.jsonl to the Parquet files.
+    output_format: str = "auto"
+    profile_steps: int = 0  # >0: kernel timelines of this many decode steps (and a prefill) in kernels.parquet
 
 
 @dataclass
@@ -168,8 +175,11 @@ def validate_data(data: DataConfig) -> None:
 
 def validate_job(job: JobConfig) -> None:
     _positive("job.flush_rows", job.flush_rows)
+    _one_of("job.output_format", job.output_format, OUTPUT_FORMATS)
     _require(job.flush_seconds > 0, "job.flush_seconds", job.flush_seconds, "must be positive")
     _require(job.log_every_seconds > 0, "job.log_every_seconds", job.log_every_seconds, "must be positive")
+    _require(isinstance(job.profile_steps, int) and job.profile_steps >= 0, "job.profile_steps", job.profile_steps,
+             "must be a non-negative integer")
 
 
 def validate_runner(config: Config) -> None:

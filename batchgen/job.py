@@ -12,8 +12,11 @@ from typing import Any
 from batchgen.config import Config, ConfigError
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.step_profiler import StepProfiler
+from batchgen.io.openai_batch import model_name
+from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, read_prompts
-from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
+from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic, write_kernels
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
 from batchgen.runners.shards import shard_rows
@@ -22,15 +25,18 @@ from batchgen.summary import summarize, versions
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"
+KERNELS_FILE = "kernels.parquet"
 STEP_FLUSH_ROWS = 4096
 
 
 def completion_record(row: PromptRow, output: RequestOutput | None = None) -> dict[str, Any]:
     """One completions.parquet row; without an output, the row's own input error."""
     if output is None:
-        return {"index": row.index, "id": row.id, "prompt": row.prompt, "finish_reason": "error", "error": row.error}
+        return {"index": row.index, "id": row.id, "prompt": row.prompt, "finish_reason": "error", "error": row.error,
+                "sample_index": 0}
     return {
-        "index": row.index, "id": row.id, "prompt": row.prompt, "completion": output.text,
+        "index": row.index, "sample_index": output.sample_index, "id": row.id, "prompt": row.prompt,
+        "completion": output.text, "num_cached_tokens": output.num_cached_tokens,
         "prompt_token_ids": output.prompt_token_ids, "output_token_ids": output.token_ids,
         "num_prompt_tokens": len(output.prompt_token_ids), "num_output_tokens": len(output.token_ids),
         "finish_reason": output.finish_reason, "error": output.error,
@@ -43,8 +49,10 @@ class Job:
         self.config = config
         self.run_dir = Path(run_dir)
         # Input problems surface here, before the model loads.
+        self.openai_results = openai_results_wanted(config)
         self.detokenizer = Detokenizer.load(config.model)
-        rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None)
+        rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
+                            model_name(config.model))
         self.num_input_rows = len(rows)
         self.rows = shard_rows(rows, config.data.num_shards, config.data.shard_index)
         existing = [p.name for p in (self.run_dir / CompletionWriter.FILE_NAME,
@@ -53,27 +61,45 @@ class Job:
             raise ConfigError(f"job.resume=false but {self.run_dir} already holds results ({', '.join(existing)}); "
                               "pass job.resume=true with hydra.run.dir set to it to continue, or use a new run dir")
         metadata = {"config": asdict(config), "versions": versions()}
+        self.metadata = metadata
         self.completions = CompletionWriter(self.run_dir, metadata, config.job.flush_rows, config.job.flush_seconds)
         # Steps come many per row and matter less than completions: they flush on time, or every STEP_FLUSH_ROWS.
         self.steps = StepWriter(self.run_dir, metadata, STEP_FLUSH_ROWS, config.job.flush_seconds)
-        done = self.completions.finished_indices()
-        self.pending = [row for row in self.rows if row.index not in done]
+        written = self.completions.finished_samples()
+        # A row is done when all its samples are; a resumed row generates only the samples it lacks.
+        num_samples = {row.index: self._num_samples(row) for row in self.rows}
+        self.missing_samples = {row.index: [i for i in range(num_samples[row.index])
+                                            if i not in written.get(row.index, ())] for row in self.rows}
+        self.total_samples = sum(num_samples.values())
+        self.pending = [row for row in self.rows if self.missing_samples[row.index]]
         # A killed attempt may have flushed no steps, so a resume counts as at least attempt 1.
-        self.attempt = max(self.steps.next_attempt(), 1 if done else 0)
-        if done:
-            log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.attempt, len(done),
-                     len(self.rows))
+        self.attempt = max(self.steps.next_attempt(), 1 if written else 0)
+        if written:
+            log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.attempt,
+                     len(self.rows) - len(self.pending), len(self.rows))
+
+    def _num_samples(self, row: PromptRow) -> int:
+        """Completion rows the input row yields: sampling.n, or 1 for a row that is an error."""
+        if row.error is not None:
+            return 1
+        try:
+            return self.config.sampling.with_overrides(row.overrides).n
+        except ValueError:
+            return 1
 
     def run(self) -> dict[str, Any]:
         start = time.perf_counter()
         rows_by_index = {row.index: row for row in self.pending}
-        self.progress = Progress(len(self.rows), len(self.rows) - len(self.pending), self.config.job)
+        missing = sum(len(samples) for samples in self.missing_samples.values())
+        self.progress = Progress(self.total_samples, self.total_samples - missing, self.config.job)
         engine = None
         try:
             for row in self.pending:
                 if row.error is not None:
                     self._write_error_row(row)
             engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer)
+            if self.config.job.profile_steps:
+                engine.profiler = StepProfiler(self.config.job.profile_steps, engine.device)
             rows = iter([row for row in self.pending if row.error is None])
             rows_left = True
             while rows_left or engine.has_unfinished_requests:
@@ -93,12 +119,16 @@ class Job:
         finally:
             self.progress.close()
             if engine is not None:
+                if engine.profiler is not None:
+                    write_kernels(self.run_dir / KERNELS_FILE, engine.profiler.rows, self.metadata)
                 engine.close()
         wall = time.perf_counter() - start
         summary = summarize(self.completions.close(), self.steps.close(), self.attempt, wall,
                             (self.progress.prompt_tokens, self.progress.output_tokens),
                             engine.info, asdict(self.config))
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
+        if self.openai_results:
+            write_openai_results(self.config, self.run_dir)
         log.info("Done: %d rows in %.1f s -> %s", len(self.rows), wall, self.run_dir)
         return summary
 
@@ -119,7 +149,8 @@ class Job:
                 row.error = f"row {row.index}: {exc}"
                 self._write_error_row(row)
             else:
-                engine.add_request(row.index, row.prompt, row.prompt_token_ids, params)
+                engine.add_request(row.index, row.prompt, row.prompt_token_ids, params,
+                                   self.missing_samples[row.index])
         return True
 
 

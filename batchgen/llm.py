@@ -38,7 +38,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in input order. A prompt is text or a list of token ids."""
+        """One output per prompt, in input order. A prompt is text or a list of token ids. With n > 1 samples the
+        output is the prompt's first sample and `outputs` lists all n (vLLM's RequestOutput.outputs)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -50,13 +51,25 @@ class LLM:
                 self.engine.add_request(i, prompt, None, p)
             else:
                 self.engine.add_request(i, None, list(prompt), p)
-        outputs: list[RequestOutput] = []
-        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:
+        samples: list[RequestOutput] = []
+        with tqdm(total=sum(p.n for p in params), desc="generate", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests:
                 finished, _ = self.engine.step()
-                outputs += finished
+                samples += finished
                 bar.update(len(finished))
-        return sorted(outputs, key=lambda o: o.request_id)
+        return group_samples(samples)
 
     def close(self) -> None:
         self.engine.close()
+
+
+def group_samples(samples: list[RequestOutput]) -> list[RequestOutput]:
+    """Each prompt's first sample, in prompt order, holding all of the prompt's samples in `outputs`."""
+    firsts: list[RequestOutput] = []
+    for sample in sorted(samples, key=lambda o: (o.request_id, o.sample_index)):
+        if firsts and firsts[-1].request_id == sample.request_id:
+            firsts[-1].outputs.append(sample)
+        else:
+            sample.outputs = [sample]
+            firsts.append(sample)
+    return firsts

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -18,6 +18,10 @@ class RequestOutput:
     tpot_ms: float | None = None
     latency_ms: float | None = None
     num_preemptions: int = 0
+    sample_index: int = 0  # which of the prompt's n samples this is
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # LLM.generate: the prompt's n samples in sample order (vLLM's RequestOutput.outputs), this one first.
+    outputs: list[RequestOutput] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def num_output_tokens(self) -> int:

@@ -44,15 +44,20 @@ def step_medians(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def summarize(completions_path: Path, steps_path: Path, attempt: int, wall_seconds: float,
               attempt_tokens: tuple[int, int], engine_info: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """attempt_tokens: (prompt, output) tokens of the rows finished by this attempt, for its throughput."""
-    completions = pq.read_table(completions_path, columns=["finish_reason", "num_prompt_tokens", "num_output_tokens"])
+    completions = pq.read_table(completions_path, columns=["finish_reason", "num_prompt_tokens", "num_output_tokens",
+                                                           "num_cached_tokens"])
     steps = pq.read_table(steps_path)
     this_attempt = steps.filter(pc.equal(steps["attempt"], attempt)).to_pylist()
     prompt_tokens, output_tokens = attempt_tokens
     reasons = completions.column("finish_reason").value_counts().to_pylist()
+    all_prompt_tokens = pc.sum(completions["num_prompt_tokens"]).as_py() or 0
+    cached_tokens = pc.sum(completions["num_cached_tokens"]).as_py() or 0
     return {
         "rows": completions.num_rows,
         "finish_reasons": {r["values"]: r["counts"] for r in reasons},
-        "prompt_tokens": pc.sum(completions["num_prompt_tokens"]).as_py() or 0,
+        "prompt_tokens": all_prompt_tokens,
+        "cached_prompt_tokens": cached_tokens,
+        "prefix_cache_hit_rate": cached_tokens / all_prompt_tokens if all_prompt_tokens else 0.0,
         "output_tokens": pc.sum(completions["num_output_tokens"]).as_py() or 0,
         "attempt": attempt,
         "wall_seconds": wall_seconds,

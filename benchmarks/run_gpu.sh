@@ -43,6 +43,7 @@ step nanovllm_bench_mixed 120 "$PY" -m benchmarks.nanovllm_bench --mixed
 cb_limit=$((deadline - SECONDS - 120))
 cb_limit=$((cb_limit > 300 ? 300 : cb_limit < 30 ? 30 : cb_limit))
 step peers 450 "$PY" -m benchmarks.peers --num-seqs 256 --time-limit "$cb_limit"
+step prefix_cache 240 "$PY" -m benchmarks.prefix_cache
 step bench_attention 60 "$PY" -m benchmarks.bench_attention
 step bench_linear 90 "$PY" -m benchmarks.bench_linear
 

@@ -61,10 +61,27 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
     return config
 
 
-def build_tiny_model_dir(architecture: str, directory: Path, max_shard_size: str | None = None) -> Path:
-    """Saves a randomly initialized tiny model (seeded) as a safetensors checkpoint into `directory`."""
+def with_sliding_window(config: PretrainedConfig, window: int) -> PretrainedConfig:
+    """The same tiny config with a small sliding window: on every layer (Mistral), or on the layers from
+    max_window_layers=1 on (Qwen2: layer 0 full, layer 1 sliding), as transformers reads these keys."""
+    config.sliding_window = window
+    if isinstance(config, Qwen2Config):
+        config.use_sliding_window = True
+        config.max_window_layers = 1
+        config.layer_types = ["full_attention" if i < 1 else "sliding_attention"
+                              for i in range(config.num_hidden_layers)]
+    return config
+
+
+def build_tiny_model_dir(architecture: str, directory: Path, max_shard_size: str | None = None,
+                         sliding_window: int | None = None) -> Path:
+    """Saves a randomly initialized tiny model (seeded) as a safetensors checkpoint into `directory`; with
+    `sliding_window`, the weights are the same as without it."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_hf_config(architecture)).float()
+    config = tiny_hf_config(architecture)
+    if sliding_window is not None:
+        config = with_sliding_window(config, sliding_window)
+    model = AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
         # transformers initializes biases to zero and norms to one; noise makes every parameter matter.
         for param in model.parameters():
@@ -76,14 +93,16 @@ def build_tiny_model_dir(architecture: str, directory: Path, max_shard_size: str
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """tiny_model_dir(architecture, sharded=False) -> checkpoint directory, built once per session."""
-    built: dict[tuple[str, bool], Path] = {}
+    """tiny_model_dir(architecture, sharded=False, sliding_window=None) -> checkpoint directory, built once per
+    session."""
+    built: dict[tuple[str, bool, int | None], Path] = {}
 
-    def get(architecture: str, sharded: bool = False) -> Path:
-        key = (architecture, sharded)
+    def get(architecture: str, sharded: bool = False, sliding_window: int | None = None) -> Path:
+        key = (architecture, sharded, sliding_window)
         if key not in built:
-            directory = tmp_path_factory.mktemp(f"{architecture}{'-sharded' if sharded else ''}")
-            built[key] = build_tiny_model_dir(architecture, directory, "20KB" if sharded else None)
+            suffix = ("-sharded" if sharded else "") + (f"-window{sliding_window}" if sliding_window else "")
+            directory = tmp_path_factory.mktemp(f"{architecture}{suffix}")
+            built[key] = build_tiny_model_dir(architecture, directory, "20KB" if sharded else None, sliding_window)
         return built[key]
 
     return get

@@ -163,6 +163,44 @@ def test_chunked_prefill_equals_one_shot() -> None:
     _assert_close(chunked, prefill(0, prompt_len))
 
 
+# (window, num_splits): windows shorter than one KV tile, spanning several, and longer than every context
+@pytest.mark.parametrize(("window", "num_splits"), [(1, 1), (8, 1), (8, 4), (50, 2), (4096, 1)], ids=str)
+def test_decode_with_sliding_window_matches_reference(window: int, num_splits: int) -> None:
+    batch, num_heads, num_kv_heads, head_dim, block_size = 4, 8, 2, 32, 16
+    gen = torch.Generator().manual_seed(window)
+    seq_lens = torch.tensor([150, 7, 64, 0], dtype=torch.int32)  # 0: a padding row of the graph bucket
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens.tolist(), block_size, num_kv_heads, head_dim, f32, gen)
+    q = (2 * torch.randn(batch, num_heads, head_dim, generator=gen)).to(DEVICE)
+    args = (q, k_cache, v_cache, block_tables, seq_lens.to(DEVICE), head_dim**-0.5)
+
+    out = attention_triton.decode_attention(*args, window, num_splits=num_splits)
+    expected = attention_torch.decode_attention(*args, window)
+    _assert_close(out, expected)
+    assert (out[-1] == 0).all()
+    if window < 64:
+        assert not torch.allclose(expected[0], attention_torch.decode_attention(*args)[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [1, 8, 40, 4096])
+def test_prefill_with_sliding_window_matches_reference(window: int) -> None:
+    """Chunks over a cached prefix (so queries start mid-context), several query and KV tiles, an empty chunk."""
+    query_lens, prefix_lens = (70, 1, 0, 33), (0, 90, 10, 45)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 8
+    seq_lens = [p + n for p, n in zip(prefix_lens, query_lens, strict=True)]
+    gen = torch.Generator().manual_seed(window)
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, f32, gen)
+    q = (2 * torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)).to(DEVICE)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens_t, head_dim**-0.5, max(query_lens),
+            max(seq_lens))
+
+    expected = attention_torch.prefill_attention(*args, sliding_window=window)
+    _assert_close(attention_triton.prefill_attention(*args, sliding_window=window), expected)
+    if window < 64:
+        assert not torch.allclose(expected, attention_torch.prefill_attention(*args), atol=1e-3)
+
+
 @pytest.mark.parametrize("dtype", [f32, bf16])
 @pytest.mark.parametrize(("num_kv_heads", "head_dim", "block_size"), [(8, 128, 16), (2, 80, 32), (1, 64, 1)])
 def test_store_kv_matches_reference(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> None:

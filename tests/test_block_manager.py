@@ -3,12 +3,28 @@
 import pytest
 
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.request import Request
+from batchgen.engine.request import PENDING_TOKEN, Request
 from batchgen.sampling_params import SamplingParams
 
 
-def make_request(request_id: int = 0, prompt_len: int = 10) -> Request:
-    return Request(request_id, list(range(prompt_len)), SamplingParams())
+def make_request(request_id: int = 0, prompt_len: int = 10, prompt: list[int] | None = None) -> Request:
+    return Request(request_id, list(range(prompt_len)) if prompt is None else prompt, SamplingParams())
+
+
+def compute(manager: BlockManager, request: Request, num_tokens: int | None = None) -> None:
+    """Allocate for the request's remaining tokens and mark them computed, as a step that ran would."""
+    num_new = (request.num_tokens if num_tokens is None else num_tokens) - request.num_computed_tokens
+    manager.allocate(request, num_new)
+    request.num_computed_tokens += num_new
+    manager.cache_full_blocks(request, request.num_computed_tokens)
+
+
+def admit(manager: BlockManager, request: Request) -> list[int]:
+    """Admit a new request with its cache hits, as the scheduler does; returns the hits."""
+    hits = manager.computed_blocks(request)
+    manager.allocate(request, request.num_tokens - len(hits) * manager.block_size, hits)
+    request.num_computed_tokens = len(hits) * manager.block_size
+    return hits
 
 
 def test_blocks_needed_rounds_up():
@@ -42,15 +58,15 @@ def test_allocate_counts_tokens_already_computed():
     assert request.block_ids == [0, 1]
 
 
-def test_free_list_is_fifo():
-    manager = BlockManager(num_blocks=4, block_size=2)
+def test_freed_blocks_are_reused_in_order_uncached_first():
+    manager = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     first, second = make_request(0), make_request(1)
     manager.allocate(first, 4)
     manager.allocate(second, 2)
     manager.free(first)
     third = make_request(2)
     manager.allocate(third, 6)
-    assert third.block_ids == [3, 0, 1]
+    assert third.block_ids == [0, 1, 3]
 
 
 def test_cannot_allocate_more_than_free():
@@ -67,3 +83,103 @@ def test_cannot_allocate_more_than_free():
 def test_rejects_empty_cache(num_blocks, block_size):
     with pytest.raises(ValueError):
         BlockManager(num_blocks, block_size)
+
+
+# -- prefix caching -------------------------------------------------------------------------------------------
+
+
+def test_full_computed_blocks_are_cached_and_shared_by_reference():
+    manager = BlockManager(num_blocks=10, block_size=4)
+    first = make_request(0, 10)  # blocks [0..3], [4..7] full; [8, 9] partial
+    compute(manager, first)
+    assert manager.num_cached_blocks == 2 and first.block_ids == [0, 1, 2]
+    second = make_request(1, prompt=list(range(9)) + [99, 98, 97])  # shares two full blocks and one more token
+    assert admit(manager, second) == [0, 1]
+    assert second.num_computed_tokens == 8 and second.block_ids == [0, 1, 3]
+    assert [manager.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
+    assert manager.num_used_blocks == 4
+    manager.free(first)
+    assert [manager.blocks[i].ref_count for i in range(4)] == [1, 1, 0, 1]
+    assert manager.num_used_blocks == 3
+
+
+def test_hash_chains_the_parent_block():
+    manager = BlockManager(num_blocks=10, block_size=2)
+    compute(manager, make_request(0, prompt=[1, 2, 3, 4, 5]))
+    # Same second block, different first block: no hit at all.
+    assert manager.computed_blocks(make_request(1, prompt=[9, 9, 3, 4, 5])) == []
+    assert len(manager.computed_blocks(make_request(2, prompt=[1, 2, 3, 4, 6]))) == 2
+
+
+def test_an_entirely_cached_prompt_still_computes_its_last_token():
+    manager = BlockManager(num_blocks=10, block_size=4)
+    compute(manager, make_request(0, 8))
+    again = make_request(1, 8)
+    assert admit(manager, again) == [0]  # the second block is recomputed, so that the last token has logits
+    assert again.num_computed_tokens == 4 and again.block_ids == [0, 2]
+    compute(manager, again)
+    assert manager.blocks[2].block_hash is None and manager.num_cached_blocks == 2  # the duplicate stays unhashed
+    longer = make_request(2, 9)
+    assert admit(manager, longer) == [0, 1] and longer.num_computed_tokens == 8
+
+
+def test_freed_cached_blocks_survive_until_needed_least_recently_freed_first():
+    manager = BlockManager(num_blocks=6, block_size=2)
+    old, new = make_request(0, prompt=[1, 2, 3, 4]), make_request(1, prompt=[5, 6, 7, 8])
+    compute(manager, old)
+    compute(manager, new)
+    manager.free(old)
+    manager.free(new)
+    assert (manager.num_free_blocks, manager.num_cached_blocks) == (6, 4)
+    # Never-cached blocks go first, then the old request's blocks tail first, then the new one's.
+    filler = make_request(2, prompt=[0] * 5)
+    manager.allocate(filler, 5)
+    assert filler.block_ids == [4, 5, 1]
+    assert manager.num_cached_blocks == 3
+    assert manager.computed_blocks(make_request(3, prompt=[1, 2, 3, 4, 0])) == [0]
+    assert manager.computed_blocks(make_request(4, prompt=[5, 6, 7, 8, 0])) == [2, 3]
+
+
+def test_a_hit_on_a_free_block_takes_it_from_the_free_queue():
+    manager = BlockManager(num_blocks=3, block_size=2)
+    first = make_request(0, prompt=[1, 2, 3])
+    compute(manager, first)
+    manager.free(first)
+    second = make_request(1, prompt=[1, 2, 3, 4, 5, 6])
+    hits = manager.computed_blocks(second)
+    assert hits == [0]
+    assert manager.num_missing_blocks(second, 4, hits) == 3  # the hit and two new blocks
+    assert manager.can_allocate(second, 4, hits)
+    manager.allocate(second, 4, hits)
+    assert second.block_ids[0] == 0 and manager.num_free_blocks == 0
+
+
+def test_pending_tokens_are_never_hashed():
+    manager = BlockManager(num_blocks=10, block_size=2)
+    request = make_request(0, prompt=[1, 2, 3])
+    request.output_token_ids = [PENDING_TOKEN]
+    compute(manager, request)
+    assert manager.num_cached_blocks == 1
+
+
+def test_requests_that_opt_out_take_no_hits_and_caching_off_caches_nothing():
+    manager = BlockManager(num_blocks=10, block_size=2)
+    compute(manager, make_request(0, 6))
+    opted_out = make_request(1, 6)
+    opted_out.use_prefix_cache = False
+    assert manager.computed_blocks(opted_out) == []
+    off = BlockManager(num_blocks=10, block_size=2, enable_prefix_caching=False)
+    compute(off, make_request(0, 6))
+    assert off.num_cached_blocks == 0 and off.computed_blocks(make_request(1, 6)) == []
+
+
+def test_blocks_filled_chunk_by_chunk_are_cached_as_they_fill():
+    manager = BlockManager(num_blocks=10, block_size=4)
+    request = make_request(0, 14)
+    compute(manager, request, 6)
+    assert manager.num_cached_blocks == 1
+    compute(manager, request, 13)
+    assert manager.num_cached_blocks == 3 and request.num_hashed_blocks == 3
+    request.output_token_ids = [7, 8]  # decode-filled blocks are cached too
+    compute(manager, request)
+    assert manager.num_cached_blocks == 4

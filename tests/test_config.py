@@ -38,11 +38,22 @@ def test_every_preset_composes(preset):
 
 def test_presets_reproduce_the_post_configurations():
     expected = {"smoke_test": (4, 8), "medium_generation": (8, 32), "long_generation": (8, 48),
-                "heavy_prompt": (32, 16), "near_context_limit": (4, 56)}
+                "heavy_prompt": (32, 16), "near_context_limit": (4, 56),
+                **{f"gen_length_{n}": (8, n) for n in range(8, 57, 8)}}  # the post's generation-length sweep
     assert set(PRESETS) == set(expected)
     for preset, (prompt_tokens, new_tokens) in expected.items():
         sampling = composed("job=shakespeare", f"preset={preset}").sampling
         assert (sampling.truncate_prompt_tokens, sampling.max_tokens) == (prompt_tokens, new_tokens)
+
+
+def test_sweeps_name_existing_presets_and_keys():
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        seed = compose("config", overrides=["job=shakespeare", "+sweep=seed_table"], return_hydra_config=True)
+        batch = compose("config", overrides=["job=shakespeare", "+sweep=batch_size"], return_hydra_config=True)
+    params = seed.hydra.sweeper.params
+    assert set(params["preset"].split(",")) == set(PRESETS)
+    assert params["engine.enforce_eager"] == "true,false"
+    assert batch.hydra.sweeper.params["engine.max_num_seqs"] == "1,4,16,64,256"
 
 
 @pytest.mark.parametrize("model", [m for m in MODELS if m != "custom"])

@@ -39,18 +39,22 @@ def hf_greedy_on(model_dir, prompts: list[list[int]], max_tokens: int, device: s
     return outputs
 
 
-@pytest.fixture(scope="module")
-def references(tiny_model_dir):
+def hf_references(tiny_model_dir, prompts: list[list[int]], max_tokens: int):
+    """references(architecture) -> (model dir, prompts, transformers' greedy tokens), each built once."""
     cache = {}
 
     def get(architecture: str):
         if architecture not in cache:
             model_dir = tiny_model_dir(architecture)
-            prompts = random_prompts(256)
-            cache[architecture] = (model_dir, prompts, hf_greedy_on(model_dir, prompts, MAX_TOKENS))
+            cache[architecture] = (model_dir, prompts, hf_greedy_on(model_dir, prompts, max_tokens))
         return cache[architecture]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir):
+    return hf_references(tiny_model_dir, random_prompts(256), MAX_TOKENS)
 
 
 @pytest.mark.parametrize("setup", list(ENGINE_SETUPS))

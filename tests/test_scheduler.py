@@ -1,6 +1,7 @@
 """Scheduler: continuous batching, chunked prefill, separate vs mixed steps, preemption by recompute, stops."""
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -289,23 +290,30 @@ def check_invariants(scheduler: Scheduler, output: SchedulerOutput, mixed: bool)
         assert request.status == RequestStatus.RUNNING and num_tokens > 0
         assert request.num_computed_tokens + num_tokens <= request.num_tokens
         assert len(request.block_ids) >= manager.blocks_needed(request.num_computed_tokens + num_tokens)
-    owned = [block for r in scheduler.running for block in r.block_ids]
-    assert len(owned) == len(set(owned)), "a block owned twice"
+    owned = Counter(block for r in scheduler.running for block in r.block_ids)
+    assert all(manager.blocks[block].ref_count == count for block, count in owned.items()), "a wrong ref count"
     assert len(owned) == manager.num_used_blocks
     assert manager.num_free_blocks + manager.num_used_blocks == manager.num_total_blocks
     assert all(r.block_ids == [] and r.num_computed_tokens == 0 for r in scheduler.waiting)
     assert all(r in scheduler.waiting for r in output.preempted)
 
 
+@pytest.mark.parametrize("shared_prefixes", [False, True])
 @pytest.mark.parametrize("mixed", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_randomized_simulation(mixed, seed):
+def test_randomized_simulation(mixed, seed, shared_prefixes):
     rng = random.Random(seed)
     block_size, max_model_len = rng.choice([1, 2, 4, 8]), 48
     scheduler = make_scheduler(max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(1, 40),
                                max_model_len=max_model_len, block_size=block_size,
                                num_blocks=-(-max_model_len // block_size) + rng.randint(0, 6), mixed=mixed)
     pending = [make_request(i, rng.randint(1, 40), max_tokens=rng.randint(1, 20)) for i in range(40)]
+    if shared_prefixes:  # prompts drawn from three token streams, so that they share prefixes of every length
+        for request in pending:
+            stream = rng.randrange(3)
+            request.prompt_token_ids = [stream * 100 + k for k in range(request.num_prompt_tokens)]
+        for first, later in zip(pending[::4], pending[1::4], strict=True):  # and some are later samples of a prompt
+            later.prompt_token_ids, later.first_sample, later.sample_index = list(first.prompt_token_ids), first, 1
     every_request = list(pending)
     steps = 0
     while pending or scheduler.has_unfinished_requests():
@@ -388,3 +396,112 @@ def test_async_preempted_request_that_ends_on_its_pending_token_leaves_the_waiti
     assert scheduler.num_waiting == 0 and scheduler.running == [first]
     scheduler.commit(decode, [1501])
     assert first.output_token_ids == [1500, 1501]
+
+
+# -- prefix caching and n > 1 ---------------------------------------------------------------------------------
+
+
+def make_shared_request(request_id: int, prefix_len: int, suffix_len: int, max_tokens: int = 4) -> Request:
+    prompt = list(range(1, prefix_len + 1)) + [500 + request_id] * suffix_len
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), eos_token_id=EOS)
+
+
+def test_a_later_request_computes_only_what_the_cache_lacks():
+    scheduler = make_scheduler(block_size=4)
+    first = make_shared_request(0, prefix_len=10, suffix_len=3)
+    scheduler.add_request(first)
+    output, _ = run_step(scheduler)
+    assert scheduled(output) == {0: 13} and output.num_cached_tokens == 0
+    second = make_shared_request(1, prefix_len=10, suffix_len=5)  # the shared prefix ends mid-block
+    scheduler.add_request(second)
+    output, _ = run_step(scheduler)
+    assert scheduled(output) == {1: 7} and output.num_cached_tokens == 8  # two full blocks hit
+    assert second.num_cached_tokens == 8 and second.block_ids[:2] == first.block_ids[:2]
+    assert [scheduler.block_manager.blocks[b].ref_count for b in first.block_ids] == [2, 2, 1, 1]
+    run_to_completion(scheduler)
+    assert scheduler.block_manager.num_used_blocks == 0 and scheduler.block_manager.num_cached_blocks > 0
+
+
+def test_requests_admitted_together_do_not_hit_each_other():
+    scheduler = make_scheduler(block_size=4)
+    for i in range(2):
+        scheduler.add_request(make_shared_request(i, prefix_len=8, suffix_len=2))
+    output, _ = run_step(scheduler)
+    assert scheduled(output) == {0: 10, 1: 10} and output.num_cached_tokens == 0
+
+
+def test_async_a_block_is_cached_only_when_its_step_is_committed():
+    scheduler = make_scheduler(block_size=4)
+    first = make_shared_request(0, prefix_len=8, suffix_len=1)
+    scheduler.add_request(first)
+    prefill = scheduler.schedule()
+    scheduler.advance(prefill)  # launched, not yet run
+    scheduler.add_request(make_shared_request(1, prefix_len=8, suffix_len=1))
+    next_step = scheduler.schedule()
+    assert next_step.num_cached_tokens == 0 and scheduler.block_manager.num_cached_blocks == 0
+    scheduler.advance(next_step)
+    scheduler.commit(prefill, [1500])
+    assert scheduler.block_manager.num_cached_blocks == 2
+    scheduler.add_request(make_shared_request(2, prefix_len=8, suffix_len=1))
+    assert scheduler.schedule().num_cached_tokens == 8
+
+
+def test_preempted_request_resumes_from_its_cached_blocks():
+    scheduler = make_scheduler(num_blocks=5, block_size=4)
+    first, second = add_requests(scheduler, [8, 7], max_tokens=8)
+    output, _ = run_step(scheduler)  # 2 + 2 blocks
+    while not output.preempted:
+        output, _ = run_step(scheduler)
+    assert output.preempted == [second] and second.num_output_tokens > 0
+    while second.status == RequestStatus.WAITING:
+        output, _ = run_step(scheduler)
+    # Its prompt and first outputs whose blocks were not reused are not recomputed.
+    assert output.num_cached_tokens > 0 and second.num_cached_tokens == 0
+    run_to_completion(scheduler)
+    reference = make_scheduler(block_size=4)
+    reference_requests = add_requests(reference, [8, 7], max_tokens=8)
+    run_to_completion(reference)
+    assert [r.output_token_ids for r in (first, second)] == [r.output_token_ids for r in reference_requests]
+
+
+def add_samples(scheduler: Scheduler, request_id: int, prompt_len: int, n: int, max_tokens: int = 4) -> list[Request]:
+    first = make_request(request_id, prompt_len, max_tokens)
+    samples = [first] + [make_request(request_id, prompt_len, max_tokens) for _ in range(n - 1)]
+    for index, sample in enumerate(samples):
+        sample.sample_index, sample.first_sample = index, (first if index else None)
+        scheduler.add_request(sample)
+    return samples
+
+
+def test_later_samples_wait_for_the_first_sample_prompt_then_share_its_blocks():
+    scheduler = make_scheduler(block_size=4)
+    samples = add_samples(scheduler, 0, prompt_len=10, n=3)
+    assert scheduler.num_waiting == 3 and list(scheduler.waiting) == samples[:1]
+    output, _ = run_step(scheduler)
+    assert scheduled(output) == {0: 10}
+    assert list(scheduler.waiting) == samples[1:]
+    output, _ = run_step(scheduler)  # a prefill step: the siblings compute only the tail of the prompt
+    assert [n for r, n in zip(output.requests, output.num_scheduled_tokens, strict=True) if r is not samples[0]] \
+        == [2, 2]
+    assert output.num_cached_tokens == 16
+    shared = samples[0].block_ids[:2]
+    assert all(s.block_ids[:2] == shared for s in samples)
+    assert [scheduler.block_manager.blocks[b].ref_count for b in shared] == [3, 3]
+    assert scheduler.block_manager.num_used_blocks == 2 + 3  # the shared prompt blocks and one tail block each
+    run_to_completion(scheduler)
+    assert all(s.num_output_tokens == 4 for s in samples)
+
+
+def test_later_samples_of_a_prompt_without_a_full_block_join_at_once():
+    scheduler = make_scheduler(block_size=4)
+    samples = add_samples(scheduler, 0, prompt_len=4, n=3)
+    assert list(scheduler.waiting) == samples
+
+
+def test_later_samples_join_at_once_without_prefix_caching():
+    config = SchedulerConfig(16, 64, 1024)
+    scheduler = Scheduler(config, BlockManager(100, 4, enable_prefix_caching=False))
+    samples = add_samples(scheduler, 0, prompt_len=10, n=3)
+    assert list(scheduler.waiting) == samples
+    output, _ = run_step(scheduler)
+    assert output.num_seqs == 3 and output.num_cached_tokens == 0

@@ -33,6 +33,8 @@ def completion(index: int) -> dict[str, Any]:
         "ttft_ms": 1.5,
         "tpot_ms": 0.25,
         "latency_ms": 2.0,
+        "sample_index": 0,
+        "num_cached_tokens": 0,
     }
 
 
@@ -62,6 +64,7 @@ def step(attempt: int, number: int) -> dict[str, Any]:
         "num_waiting": 0,
         "num_running": 4,
         "num_preempted": 0,
+        "num_cached_tokens": 0,
     }
 
 
@@ -283,3 +286,19 @@ def test_a_sigkilled_job_resumes_to_the_uninterrupted_result(tmp_path: Path) -> 
         if index not in done:
             resumed.write(completion(index))
     assert pq.read_table(resumed.close()).to_pylist() == uninterrupted_run(tmp_path / "reference", 1000)
+
+
+def test_samples_of_a_row_sort_by_index_then_sample_and_a_row_is_finished_when_all_are(tmp_path: Path) -> None:
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=1)
+    for index, sample_index in [(1, 1), (0, 2), (1, 0), (0, 0)]:
+        writer.write({**completion(index), "sample_index": sample_index})
+    with pytest.raises(DuplicateRowError, match="index 1 was already written"):
+        writer.write({**completion(1), "sample_index": 1})
+    resumed = CompletionWriter(tmp_path, METADATA)
+    assert resumed.finished_samples() == {0: {0, 2}, 1: {0, 1}}
+    assert resumed.finished_indices(lambda index: 2) == {1}
+    assert resumed.finished_indices() == {0, 1}
+    resumed.write({**completion(0), "sample_index": 1})
+    table = pq.read_table(resumed.close())
+    assert list(zip(table["index"].to_pylist(), table["sample_index"].to_pylist(), strict=True)) == [
+        (0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]

@@ -2,54 +2,161 @@
 
 A request owns `ceil(num_tokens_in_cache / block_size)` blocks, listed in order in `request.block_ids`;
 token position `p` of the request lives in block `block_ids[p // block_size]` at offset `p % block_size`.
+
+Automatic prefix caching (vLLM v1's design): a full, computed block is identified by a hash of its tokens and of
+the hash of the block before it, so equal hashes mean equal token prefixes and equal KV. A new request takes every
+cached block of its leading tokens instead of computing them. Blocks are reference-counted (several running
+requests may share one); a freed block keeps its hash and KV in the free queue until its space is needed, and the
+least recently freed is evicted first. A request's blocks are freed tail first, so its later blocks, the least
+likely to be shared, go before its prefix; freed blocks without a hash are reused before any cached one.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from batchgen.engine.request import Request
+from batchgen.engine.request import PENDING_TOKEN, Request
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None  # set while the block holds a full block of computed tokens
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """SHA-256 of the parent block's hash and this block's tokens: collisions are not a practical concern."""
+    return hashlib.sha256((parent_hash or b"") + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.block_size = block_size
-        self._num_blocks = num_blocks
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Blocks with no reference, in eviction order (front first); an OrderedDict used as an ordered set.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block id, for referenced and free blocks alike
 
     @property
     def num_total_blocks(self) -> int:
-        return self._num_blocks
+        return len(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        """Blocks no request references, cached ones included (their space can be taken)."""
+        return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self._num_blocks - len(self._free_block_ids)
+        return len(self.blocks) - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def num_missing_blocks(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks the request lacks to hold its computed tokens plus `num_new_tokens` more."""
-        needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(request.block_ids))
+    # -- prefix caching -------------------------------------------------------------------------------------
 
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.num_missing_blocks(request, num_new_tokens) <= len(self._free_block_ids)
+    def computed_blocks(self, request: Request) -> list[int]:
+        """The cached blocks that hold the request's leading tokens, for a request that holds no blocks yet.
 
-    def allocate(self, request: Request, num_new_tokens: int) -> None:
-        missing = self.num_missing_blocks(request, num_new_tokens)
-        if missing > len(self._free_block_ids):
+        At least the last token is left out, so the step that computes the rest yields logits to sample from."""
+        if not self.enable_prefix_caching or not request.use_prefix_cache:
+            return []
+        hits = []
+        for block_hash in self._block_hashes(request, request.num_tokens - 1):
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Registers the request's blocks filled by its first `num_computed_tokens` tokens, whose KV is written."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(request.block_ids))
+        if num_full <= request.num_hashed_blocks:
+            return
+        hashes = self._block_hashes(request, num_full * self.block_size)
+        for index in range(request.num_hashed_blocks, len(hashes)):
+            block = self.blocks[request.block_ids[index]]
+            # A block recomputed next to a cached copy (a prompt whose last block was a hit) stays unhashed.
+            if block.block_hash is None and hashes[index] not in self._cached:
+                block.block_hash = hashes[index]
+                self._cached[hashes[index]] = block.block_id
+        request.num_hashed_blocks = max(request.num_hashed_blocks, len(hashes))
+
+    def _block_hashes(self, request: Request, num_tokens: int) -> list[bytes]:
+        """The hashes of the request's full blocks within its first num_tokens tokens (stops at a pending token)."""
+        hashes, size = request.block_hashes, self.block_size
+        while len(hashes) < num_tokens // size:
+            token_ids = request.token_ids(len(hashes) * size, (len(hashes) + 1) * size)
+            if PENDING_TOKEN in token_ids:
+                break
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids))
+        return hashes[:num_tokens // size]
+
+    # -- allocation -----------------------------------------------------------------------------------------
+
+    def num_missing_blocks(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> int:
+        """Free blocks the request needs to hold its computed tokens (or `computed_blocks`, taken from the cache)
+        plus `num_new_tokens` more."""
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed = max(0, self.blocks_needed(num_computed + num_new_tokens) - len(request.block_ids)
+                     - len(computed_blocks))
+        return needed + sum(1 for block_id in computed_blocks if self.blocks[block_id].ref_count == 0)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        return self.num_missing_blocks(request, num_new_tokens, computed_blocks) <= len(self._free)
+
+    def allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> None:
+        """Takes `computed_blocks` (cache hits) into the request's block list, then free blocks for its next
+        `num_new_tokens` tokens; the caller moves `num_computed_tokens` past the hits."""
+        missing = self.num_missing_blocks(request, num_new_tokens, computed_blocks)
+        if missing > len(self._free):
             raise RuntimeError(
-                f"request {request.request_id} needs {missing} more KV blocks, only {len(self._free_block_ids)} free"
+                f"request {request.request_id} needs {missing} more KV blocks, only {len(self._free)} free"
             )
-        request.block_ids.extend(self._free_block_ids.popleft() for _ in range(missing))
+        for block_id in computed_blocks:
+            self._reference(self.blocks[block_id])
+        request.block_ids.extend(computed_blocks)
+        request.num_hashed_blocks += len(computed_blocks)
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_new_blocks = max(0, self.blocks_needed(num_computed + num_new_tokens) - len(request.block_ids))
+        request.block_ids.extend(self._take_free_block() for _ in range(num_new_blocks))
 
     def free(self, request: Request) -> None:
-        self._free_block_ids.extend(request.block_ids)
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
         request.block_ids.clear()
+        request.num_hashed_blocks = 0
+
+    def _reference(self, block: KVBlock) -> None:
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict: the space is needed, the cached KV goes
+            del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id

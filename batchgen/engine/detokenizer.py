@@ -17,7 +17,7 @@ STOP_WINDOW_MARGIN = 8  # extra tokens decoded beyond the longest stop string's 
 class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
-        self._stop_texts: dict[int, str] = {}  # completion text cut before the stop string, by request id
+        self._stop_texts: dict[tuple[int, int], str] = {}  # text cut before the stop string, by (request id, sample)
 
     @classmethod
     def load(cls, model: ModelConfig) -> Detokenizer | None:
@@ -49,7 +49,8 @@ class Detokenizer:
             if not self._tail_has_stop(request.output_token_ids, slot + 1, stops):
                 continue
             text = self.decode(request.output_token_ids[:slot + 1])
-            self._stop_texts[request.request_id] = text[:min(i for i in (text.find(s) for s in stops) if i >= 0)]
+            cut = min(i for i in (text.find(s) for s in stops) if i >= 0)
+            self._stop_texts[request.key] = text[:cut]
             if request.is_finished:
                 request.finish_reason = "stop"
             else:
@@ -69,5 +70,5 @@ class Detokenizer:
         return any(s in tail for s in stops)
 
     def final_text(self, request: Request) -> str:
-        stopped = self._stop_texts.pop(request.request_id, None)
+        stopped = self._stop_texts.pop(request.key, None)
         return stopped if stopped is not None else self.decode(request.output_token_ids)

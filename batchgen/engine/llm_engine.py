@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,6 +18,8 @@ from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.model_runner import LaunchedStep, ModelRunner
 from batchgen.engine.request import Request
 from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batchgen.engine.step_profiler import StepProfiler
+from batchgen.engine.structured_output import StructuredOutputManager, guided_spec
 from batchgen.layers.compiled import compile_small_layers, use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.outputs import RequestOutput
@@ -48,6 +51,7 @@ class StepRecord:
     num_waiting: int
     num_running: int
     num_preempted: int
+    num_cached_tokens: int
 
 
 @dataclass
@@ -91,6 +95,14 @@ def request_seed(engine_seed: int, request_id: int) -> int:
     return (engine_seed * 1_000_003 + request_id * 7_919 + 1) % (2**31 - 1)
 
 
+def sample_seed(row_seed: int, sample_index: int) -> int:
+    """The seed of a prompt's sample: sample 0 keeps the row's seed (n = 1 samples as before), the others mix in
+    their index, so each sample is reproducible on its own (a resumed row reruns only its missing samples)."""
+    if sample_index == 0:
+        return row_seed
+    return (row_seed * 6_364_136_223_846_793_005 + sample_index * 1_442_695_040_888_963_407) % 2**63
+
+
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, detokenizer: Detokenizer | None = None):
         self.config = engine_config
@@ -105,7 +117,7 @@ class LLMEngine:
 
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, self.device)
-        self.max_model_len = self._max_model_len(hf_config, model.sliding_window)
+        self.max_model_len = self._max_model_len(hf_config)
         if self.device.type == "cuda" and engine_config.torch_compile:
             compile_small_layers(model)  # compiles lazily, at the memory-profiling run below
         backend = resolve_attention_backend(engine_config.attention_backend, self.device)
@@ -131,25 +143,23 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(engine_config.max_num_seqs, engine_config.max_num_batched_tokens, self.max_model_len,
                             engine_config.mixed_prefill_decode),
-            BlockManager(num_blocks, engine_config.block_size),
+            BlockManager(num_blocks, engine_config.block_size, engine_config.enable_prefix_caching),
         )
         self._finished_on_arrival: list[Request] = []
-        self._prompts: dict[int, str | None] = {}
+        self._prompts: dict[tuple[int, int], str | None] = {}  # (request id, sample index) -> prompt text
         self._in_flight: _InFlight | None = None
         self._last_result_time: float | None = None  # when the previous step's sampled ids reached the host
+        self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
         self.num_steps = 0
+        self.profiler: StepProfiler | None = None  # set by the job for job.profile_steps
 
     # -- setup ----------------------------------------------------------------------------------------------
 
-    def _max_model_len(self, hf_config, sliding_window: int | None) -> int:
+    def _max_model_len(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
         wanted = self.config.max_model_len or limit
         if limit is not None and wanted > limit:
             raise ValueError(f"engine.max_model_len={wanted} is invalid: the model supports at most {limit} positions")
-        if sliding_window is not None and wanted > sliding_window:
-            # Attention here is always full, which equals sliding-window attention only within the window.
-            log.warning("max_model_len capped at the model's sliding window, %d tokens", sliding_window)
-            wanted = sliding_window
         return wanted
 
     def _eos_token_ids(self, hf_config) -> list[int]:
@@ -188,24 +198,35 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: int, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams) -> None:
-        """Queue a request; one that can never run finishes at once as an error (returned by the next step)."""
+                    params: SamplingParams, sample_indices: Sequence[int] | None = None) -> None:
+        """Queue a prompt's `params.n` samples (or only `sample_indices`, for a resumed row), each a request with
+        the same id; one that can never run finishes at once as an error (returned by the next step)."""
         if params.seed is None:
             params = replace(params, seed=request_seed(self.config.seed, request_id))
         eos = self.eos_token_ids
         if len(eos) > 1:
             params = replace(params, stop_token_ids=[*params.stop_token_ids, *eos[1:]])
-        request = Request(request_id, [], params, eos_token_id=eos[0] if eos else None)
-        self._prompts[request_id] = prompt
+        indices = range(params.n) if sample_indices is None else sample_indices
+        samples = [Request(request_id, [], replace(params, seed=sample_seed(params.seed, i)),
+                           eos_token_id=eos[0] if eos else None, sample_index=i) for i in indices]
+        for sample in samples:
+            self._prompts[sample.key] = prompt
+            sample.first_sample = samples[0] if sample is not samples[0] else None
         try:
-            request.prompt_token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
-            error = self.scheduler.admission_error(request)
+            token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
+            for sample in samples:
+                sample.prompt_token_ids = list(token_ids)
+            error = self.scheduler.admission_error(samples[0])
+            if error is None and guided_spec(params) is not None:
+                for sample in samples:
+                    self._structured_output().add(sample)
         except ValueError as exc:
             error = str(exc)
-        if error is not None:
-            self._finish_with_error(request, error)
-            return
-        self.scheduler.add_request(request)
+        for sample in samples:
+            if error is None:
+                self.scheduler.add_request(sample)
+            else:
+                self._finish_with_error(sample, error)
 
     def _prompt_token_ids(self, prompt: str | None, token_ids: list[int] | None, params: SamplingParams) -> list[int]:
         if token_ids is None:
@@ -220,6 +241,14 @@ class LLMEngine:
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         return list(token_ids)
+
+    def _structured_output(self) -> StructuredOutputManager:
+        if self.structured_output is None:
+            if self.detokenizer is None:
+                raise ValueError("structured output (guided_*) needs the model's tokenizer")
+            self.structured_output = StructuredOutputManager(self.detokenizer.tokenizer, self.hf_config.vocab_size)
+            self.runner.bitmask_provider = self.structured_output.bitmask
+        return self.structured_output
 
     def _finish_with_error(self, request: Request, error: str) -> None:
         request.finish_reason, request.error = "error", error
@@ -246,6 +275,12 @@ class LLMEngine:
         """
         finished = self._finished_on_arrival
         self._finished_on_arrival = []
+        in_flight = self._in_flight
+        if in_flight is not None and self.structured_output and self.structured_output.samples_guided(in_flight.step):
+            # The next step's token mask needs this step's tokens: apply it before launching another.
+            self._in_flight = None
+            finished_now, record = self._apply(in_flight)
+            return [self._output(r) for r in finished + finished_now], record
         launched = self._launch_next()
         if self.config.async_scheduling:
             to_apply, self._in_flight = self._in_flight, launched
@@ -266,7 +301,11 @@ class LLMEngine:
         if step.is_empty:  # every running request ends with its pending token
             return None
         schedule_ms = (time.perf_counter() - start) * 1000
-        launched = self.runner.launch(step)
+        index = self.num_steps + (self._in_flight is not None)  # the number this step's record will carry
+        if self.profiler is not None and self.profiler.wants(index, step.kind, self.scheduler.num_waiting):
+            launched = self.profiler.launch(self.runner.launch, step, index)
+        else:
+            launched = self.runner.launch(step)
         self.scheduler.advance(step)
         return _InFlight(step, launched, start, schedule_ms)
 
@@ -276,6 +315,8 @@ class LLMEngine:
         finished = self.scheduler.commit(step, result.sampled_token_ids)
         if self.detokenizer is not None:
             finished += self.detokenizer.apply_stop_strings(step, self.scheduler)
+        if self.structured_output is not None:
+            finished += self.structured_output.commit(step, self.scheduler)
         self.runner.release(finished)
         now = time.perf_counter()
         step_ms = (now - (self._last_result_time or in_flight.start)) * 1000
@@ -290,13 +331,13 @@ class LLMEngine:
             sample_ms=result.sample_ms, wait_ms=result.wait_ms, step_ms=step_ms,
             kv_blocks_used=block_manager.num_used_blocks, kv_blocks_total=block_manager.num_total_blocks,
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
-            num_preempted=len(step.preempted),
+            num_preempted=len(step.preempted), num_cached_tokens=step.num_cached_tokens,
         )
         self.num_steps += 1
         return finished, record
 
     def _output(self, request: Request) -> RequestOutput:
-        prompt = self._prompts.pop(request.request_id)
+        prompt = self._prompts.pop(request.key)
         text = None
         if self.detokenizer is not None and request.finish_reason != "error":
             text = self.detokenizer.final_text(request)
@@ -310,13 +351,18 @@ class LLMEngine:
             request_id=request.request_id, prompt=prompt, prompt_token_ids=request.prompt_token_ids,
             text=text, token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
             error=request.error, ttft_ms=ttft, tpot_ms=tpot, latency_ms=latency,
-            num_preemptions=request.num_preemptions,
+            num_preemptions=request.num_preemptions, sample_index=request.sample_index,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def close(self) -> None:
         """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean."""
         self.runner.close()
         self.runner.model = None
+        self._in_flight = None  # a stopped job may leave a launched step holding device tensors
         gc.collect()
         if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            # cuBLAS keeps a workspace per handle and stream in the caching allocator, which empty_cache() skips.
+            torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()

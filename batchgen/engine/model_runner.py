@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -83,6 +85,9 @@ class ModelRunner:
         self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self._last_sample_rows: dict[int, int] = {}  # id(request) -> its row in last_sampled
         self._pinned = device.type == "cuda"
+        # Structured output: a packed int32 (S, ceil(V / 32)) mask of allowed tokens for the step's sampling rows,
+        # or None when no row is guided (then the step pays nothing).
+        self.bitmask_provider: Callable[[list[Request]], np.ndarray | None] | None = None
 
     # -- KV cache -------------------------------------------------------------------------------------------
 
@@ -161,7 +166,13 @@ class ModelRunner:
         num_samples = len(inputs.sample_rows)
         sampled = torch.empty(num_samples, dtype=torch.int64, pin_memory=self._pinned)
         if num_samples:
-            on_device = sample(logits, sampling)
+            # Filled on the host after the forward is queued, so on a GPU it overlaps the forward.
+            bitmask = self.bitmask_provider(sample_requests) if self.bitmask_provider else None
+            token_bitmask = None
+            if bitmask is not None:
+                host = torch.from_numpy(bitmask)
+                token_bitmask = (host.pin_memory() if self._pinned else host).to(self.device, non_blocking=True)
+            on_device = sample(logits, sampling, token_bitmask)
             self.last_sampled[:num_samples].copy_(on_device)
             sampled.copy_(on_device, non_blocking=True)
         timer.mark()
@@ -219,8 +230,13 @@ class ModelRunner:
             attention.k_cache = attention.v_cache = torch.empty(0)
 
     def close(self) -> None:
+        """Drops every device tensor the runner holds: graphs (their pool and static buffers), KV cache, and the
+        sampled-ids buffer, so the caching allocator can hand the memory back."""
         self.graphs = None
         self._unbind_kv_cache()
+        self.attention_layers = []
+        self.last_sampled = None
+        self._last_sample_rows = {}
 
 
 def _is_pure_decode(step: SchedulerOutput) -> bool:

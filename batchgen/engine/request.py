@@ -35,6 +35,19 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Prefix caching. False for requests that must compute every prompt token (prompt logprobs need their logits).
+    use_prefix_cache: bool = True
+    num_cached_tokens: int = 0  # prompt tokens found in the cache at the first admission
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of the full blocks of known tokens
+    num_hashed_blocks: int = 0  # leading blocks of block_ids registered in (or taken from) the cache
+    # n > 1: the sample's index among its prompt's samples, and the prompt's first sample (None for that one)
+    sample_index: int = 0
+    first_sample: Request | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Unique among live requests: the n samples of a prompt share its request id."""
+        return self.request_id, self.sample_index
 
     @property
     def num_prompt_tokens(self) -> int:

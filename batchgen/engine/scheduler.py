@@ -11,7 +11,8 @@ requests leave and waiting ones join at every step. Step composition, chosen by 
 - True (vLLM v1 style): running requests first, in admission order (a decode takes 1 token, a mid-prefill request
   a chunk of the remaining budget), then waiting requests with whatever budget remains; a step with both is "mixed".
 
-Tokens count as decode tokens iff the request `is_decoding` (a recompute after preemption is prefill).
+Tokens count as decode tokens iff the request `is_decoding` and is not admitted in this step (a recompute after
+preemption is prefill).
 `SchedulerOutput.requests` lists decodes first, then prefill chunks.
 
 A step is applied in two halves, so that the engine can schedule step N+1 while the device still runs step N
@@ -25,6 +26,11 @@ admitted running request is preempted (blocks freed, `num_computed_tokens = 0`, 
 queue) and the allocation retried; when the request itself is the most recent one, it preempts itself and is not
 scheduled this step. Admission never preempts: a waiting request is admitted only when blocks for its chunk are
 free, and not at all in a step that preempted, so freed memory goes to the running requests first.
+
+Prefix caching (see block_manager.py): an admitted request (new or preempted) starts past its leading tokens found
+in the cache. A block enters the cache at `commit`, not at `advance`: only then has its step run and are all its
+tokens known. The other samples of a prompt (n > 1) wait aside until the first sample has committed its first
+token, so its prompt blocks are cached and they share them; then they join the front of the waiting queue.
 """
 
 from __future__ import annotations
@@ -57,10 +63,12 @@ class SchedulerOutput:
     preempted: list[Request]  # preempted while building this step
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_cached_tokens: int = 0  # tokens of the requests admitted in this step found in the prefix cache
     # Parallel to requests: this step completes the request's sequence, so a token is sampled for it, into
     # output_token_ids[output_slots[i]]. Fixed when the step is built, because `Scheduler.advance` moves requests on.
     samples: list[bool] = field(init=False)
     output_slots: list[int] = field(init=False)
+    computed_ends: list[int] = field(init=False)  # each request's num_computed_tokens once the step has run
 
     def __post_init__(self) -> None:
         self.samples = [
@@ -68,6 +76,8 @@ class SchedulerOutput:
             for request, num_tokens in zip(self.requests, self.num_scheduled_tokens, strict=True)
         ]
         self.output_slots = [request.num_output_tokens for request in self.requests]
+        self.computed_ends = [request.num_computed_tokens + num_tokens
+                              for request, num_tokens in zip(self.requests, self.num_scheduled_tokens, strict=True)]
 
     @property
     def num_seqs(self) -> int:
@@ -97,9 +107,11 @@ class _StepBuilder:
     decodes: list[tuple[Request, int]] = field(default_factory=list)  # (request, scheduled tokens)
     prefills: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
-    def add(self, request: Request, num_tokens: int) -> None:
-        (self.decodes if request.is_decoding else self.prefills).append((request, num_tokens))
+    def add(self, request: Request, num_tokens: int, admitted: bool = False) -> None:
+        # An admission is prefill even when the cache holds all but its last token.
+        (self.decodes if request.is_decoding and not admitted else self.prefills).append((request, num_tokens))
         self.budget -= num_tokens
 
     def build(self) -> SchedulerOutput:
@@ -110,6 +122,7 @@ class _StepBuilder:
             preempted=self.preempted,
             num_prefill_tokens=sum(num_tokens for _, num_tokens in self.prefills),
             num_decode_tokens=sum(num_tokens for _, num_tokens in self.decodes),
+            num_cached_tokens=self.num_cached_tokens,
         )
 
 
@@ -119,17 +132,18 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self._siblings: dict[int, list[Request]] = {}  # id(first sample) -> later samples waiting for its prompt
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + sum(len(siblings) for siblings in self._siblings.values())
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._siblings)
 
     def admission_error(self, request: Request) -> str | None:
         """Why this request can never run, or None."""
@@ -151,7 +165,17 @@ class Scheduler:
         if error is not None:
             raise ValueError(f"request {request.request_id} can never run: {error}")
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        if self._waits_for_first_sample(request):
+            self._siblings.setdefault(id(request.first_sample), []).append(request)
+        else:
+            self.waiting.append(request)
+
+    def _waits_for_first_sample(self, request: Request) -> bool:
+        """A later sample of a prompt with a full block to share waits until the first sample has cached it."""
+        first = request.first_sample
+        return (first is not None and first.first_token_time is None and not first.is_finished
+                and self.block_manager.enable_prefix_caching and request.use_prefix_cache
+                and request.num_prompt_tokens > self.block_manager.block_size)
 
     def schedule(self) -> SchedulerOutput:
         step = _StepBuilder(budget=self.config.max_num_batched_tokens)
@@ -178,14 +202,20 @@ class Scheduler:
         """The step's sampled ids arrived: fills the pending slots; returns the requests that finished."""
         now = time.perf_counter()
         finished = []
-        for request, samples, slot, token_id in zip(
-            output.requests, output.samples, output.output_slots, sampled_token_ids, strict=True
+        for request, samples, slot, computed_end, token_id in zip(
+            output.requests, output.samples, output.output_slots, output.computed_ends, sampled_token_ids, strict=True
         ):
-            if not samples or request.is_finished:  # it ended at an earlier step: this token is discarded
+            if request.is_finished:  # it ended at an earlier step: this token is discarded
                 continue
-            request.output_token_ids[slot] = token_id
+            if samples:
+                request.output_token_ids[slot] = token_id
+            # A request preempted since this step was launched has no blocks and num_computed_tokens 0.
+            self.block_manager.cache_full_blocks(request, min(computed_end, request.num_computed_tokens))
+            if not samples:
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
+                self.waiting.extendleft(reversed(self._siblings.pop(id(request), [])))
             reason = self._stop_reason(request, token_id, slot + 1)
             if reason is not None:
                 self._mark_finished(request, reason, now)
@@ -229,7 +259,14 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         head = self.waiting[0]
-        return self.block_manager.can_allocate(head, min(head.num_tokens, self.config.max_num_batched_tokens))
+        cached_blocks, num_new = self._admission_chunk(head, self.config.max_num_batched_tokens)
+        return self.block_manager.can_allocate(head, num_new, cached_blocks)
+
+    def _admission_chunk(self, request: Request, budget: int) -> tuple[list[int], int]:
+        """The cached blocks a waiting request starts from, and how many of its other tokens fit the budget."""
+        cached_blocks = self.block_manager.computed_blocks(request)
+        num_cached_tokens = len(cached_blocks) * self.block_manager.block_size
+        return cached_blocks, min(request.num_tokens - num_cached_tokens, budget)
 
     def _schedule_running(self, step: _StepBuilder, decodes: bool, prefills: bool) -> None:
         index = 0
@@ -268,11 +305,15 @@ class Scheduler:
             return
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
-            if not self.block_manager.can_allocate(request, num_new):
+            cached_blocks, num_new = self._admission_chunk(request, step.budget)
+            if not self.block_manager.can_allocate(request, num_new, cached_blocks):
                 return
             self.waiting.popleft()
-            self.block_manager.allocate(request, num_new)
+            self.block_manager.allocate(request, num_new, cached_blocks)
+            request.num_computed_tokens = len(cached_blocks) * self.block_manager.block_size
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            step.num_cached_tokens += request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            step.add(request, num_new)
+            step.add(request, num_new, admitted=True)

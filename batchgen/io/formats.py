@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from batchgen.config import DATA_FORMATS, DataConfig
@@ -26,6 +27,8 @@ HF_BUILDER_BY_SUFFIX = {
     ".ipc": "arrow",
     ".csv": "csv",
 }
+# The keys that make a JSONL line an OpenAI Batch request (its url is checked line by line).
+OPENAI_BATCH_KEYS = ("custom_id", "body")
 # Files that `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write into their directory.
 HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
@@ -50,7 +53,20 @@ def resolve_format(cfg: DataConfig) -> str:
             f"{path}: cannot infer the format from the suffix {path.suffix!r} (known: "
             f"{', '.join(FORMAT_BY_SUFFIX)}); set data.format to one of {', '.join(DATA_FORMATS[1:])}"
         )
+    if fmt == "jsonl" and path.is_file() and is_openai_batch_file(path):
+        return "openai_batch"
     return fmt
+
+
+def is_openai_batch_file(path: Path) -> bool:
+    """Whether the first non-blank line is a JSON object with an OpenAI Batch request's keys."""
+    with path.open("rb") as file:
+        first = next((line for line in file if line.strip()), b"")
+    try:
+        record = json.loads(first)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(record, dict) and all(key in record for key in OPENAI_BATCH_KEYS)
 
 
 def hf_builder(path: Path) -> str:

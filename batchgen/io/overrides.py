@@ -45,7 +45,20 @@ def _flag(value: Any) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _json_schema(value: Any) -> dict | str | None:
+    return value if isinstance(value, dict) or _text(value) else None
+
+
+def _choices(value: Any) -> list[str] | None:
+    return value if isinstance(value, list) and value and all(isinstance(c, str) for c in value) else None
+
+
 OVERRIDE_RULES: dict[str, OverrideRule] = {
+    "n": OverrideRule(_integer_from(1), "a positive integer"),
     "max_tokens": OverrideRule(_integer_from(1), "a positive integer"),
     "temperature": OverrideRule(_number_in(0.0, None, low_inclusive=True), "a number >= 0"),
     "top_p": OverrideRule(_number_in(0.0, 1.0, low_inclusive=False), "a number in (0, 1]"),
@@ -55,6 +68,10 @@ OVERRIDE_RULES: dict[str, OverrideRule] = {
     "stop": OverrideRule(_stop_strings, "a non-empty string or a list of non-empty strings"),
     "stop_token_ids": OverrideRule(as_token_ids, "a list of non-negative integers"),
     "ignore_eos": OverrideRule(_flag, "a boolean"),
+    "guided_json": OverrideRule(_json_schema, "a JSON schema (an object, or its JSON text)"),
+    "guided_regex": OverrideRule(_text, "a non-empty string"),
+    "guided_choice": OverrideRule(_choices, "a non-empty list of strings"),
+    "guided_grammar": OverrideRule(_text, "a non-empty string"),
 }
 OVERRIDE_FIELDS = tuple(OVERRIDE_RULES)
 

@@ -10,6 +10,7 @@ from typing import Any
 from batchgen.config import ERROR_POLICIES, ConfigError, DataConfig
 from batchgen.io.errors import InputError, RowError
 from batchgen.io.formats import resolve_format
+from batchgen.io.openai_batch import read_batch_file
 from batchgen.io.overrides import OVERRIDE_FIELDS
 from batchgen.io.prompt_rows import PromptRow, error_row, parse_row
 from batchgen.io.sources import SourceRow, arrow_rows, hf_disk_rows, hf_rows, jsonl_rows, parquet_rows
@@ -58,13 +59,14 @@ def _prompt_row(source_row: SourceRow, index: int, cfg: DataConfig, tokenizer: A
     return error_row(source_row.record, index, cfg, message)
 
 
-def read_prompts(cfg: DataConfig, tokenizer: Any = None) -> list[PromptRow]:
+def read_prompts(cfg: DataConfig, tokenizer: Any = None, model_name: str | None = None) -> list[PromptRow]:
     """Every row of `cfg.path` (the first `cfg.limit`), in input order.
 
     A malformed row raises InputError under on_error="fail"; under "skip" it comes back in place as a
     PromptRow with `error` set. Blank JSONL lines are not rows: they are skipped and get no index. Duplicate
     ids raise InputError under both policies, since outputs are joined by id. `tokenizer` renders chat
-    messages.
+    messages. OpenAI Batch files follow OpenAI's rules instead (see openai_batch.py); `model_name` is what their
+    body.model must be when data.check_model is set.
     """
     if cfg.on_error not in ERROR_POLICIES:
         raise ConfigError(
@@ -75,7 +77,12 @@ def read_prompts(cfg: DataConfig, tokenizer: Any = None) -> list[PromptRow]:
     path = Path(cfg.path)
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
-    source = _row_source(resolve_format(cfg), path, cfg)
+    fmt = resolve_format(cfg)
+    if fmt == "openai_batch":
+        if not path.is_file():
+            raise InputError(f"{path}: format openai_batch reads a file, and this is not one")
+        return read_batch_file(cfg, tokenizer, model_name if cfg.check_model else None)
+    source = _row_source(fmt, path, cfg)
     rows: list[PromptRow] = []
     location_by_id: dict[str, str] = {}
     for index, source_row in enumerate(islice(source, cfg.limit)):

@@ -26,6 +26,8 @@ COMPLETIONS_SCHEMA = pa.schema(
         pa.field("ttft_ms", pa.float64()),  # timings are null for error rows
         pa.field("tpot_ms", pa.float64()),
         pa.field("latency_ms", pa.float64()),
+        pa.field("sample_index", pa.int32()),  # which of the row's n samples (sampling.n); 0 when n = 1
+        pa.field("num_cached_tokens", pa.int32()),  # prompt tokens found in the prefix cache
     ]
 )
 
@@ -51,6 +53,19 @@ STEPS_SCHEMA = pa.schema(
         pa.field("num_waiting", pa.int32(), nullable=False),
         pa.field("num_running", pa.int32(), nullable=False),
         pa.field("num_preempted", pa.int32(), nullable=False),
+        pa.field("num_cached_tokens", pa.int32(), nullable=False),  # of the requests admitted in the step
+    ]
+)
+
+KERNELS_SCHEMA = pa.schema(
+    [
+        pa.field("step", pa.int64(), nullable=False),  # the step's index, as in steps.parquet
+        pa.field("kind", pa.string(), nullable=False),  # prefill | decode | mixed
+        pa.field("cuda_graph", pa.bool_(), nullable=False),
+        pa.field("name", pa.string(), nullable=False),  # the kernel (on CPU: the top-level op)
+        pa.field("start_us", pa.float64(), nullable=False),  # from the step's first kernel
+        pa.field("duration_us", pa.float64(), nullable=False),
+        pa.field("gap_before_us", pa.float64(), nullable=False),  # idle time since the previous kernel ended
     ]
 )
 

@@ -10,6 +10,7 @@ import json
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.io.atomic import TMP_SUFFIX, fsync_directory, tmp_path_for, write_atomically
-from batchgen.io.schema import COMPLETIONS_SCHEMA, STEPS_SCHEMA, with_metadata
+from batchgen.io.schema import COMPLETIONS_SCHEMA, KERNELS_SCHEMA, STEPS_SCHEMA, with_metadata
 
 PART_PREFIX = "part-"
 
@@ -45,7 +46,7 @@ class PartedParquetWriter:
         self,
         final_path: Path,
         schema: pa.Schema,
-        sort_key: str | None,
+        sort_key: str | list[tuple[str, str]] | None,
         flush_rows: int = 256,
         flush_seconds: float = 10.0,
     ) -> None:
@@ -137,7 +138,8 @@ class PartedParquetWriter:
 
 
 class CompletionWriter(PartedParquetWriter):
-    """completions.parquet: one row per prompt, sorted by index; an index may be written only once."""
+    """completions.parquet: one row per (prompt, sample), sorted by index then sample_index; each pair may be written
+    only once. A record without sample_index is sample 0."""
 
     FILE_NAME = "completions.parquet"
 
@@ -147,26 +149,38 @@ class CompletionWriter(PartedParquetWriter):
         super().__init__(
             run_dir / self.FILE_NAME,
             with_metadata(COMPLETIONS_SCHEMA, metadata),
-            "index",
+            [("index", "ascending"), ("sample_index", "ascending")],
             flush_rows,
             flush_seconds,
         )
-        self._indices: set[int] = set(self.existing_rows(["index"]).column("index").to_pylist())
+        written = self.existing_rows(["index", "sample_index"])
+        self._written: set[tuple[int, int]] = set(zip(written.column("index").to_pylist(),
+                                                      written.column("sample_index").to_pylist(), strict=True))
 
-    def finished_indices(self) -> set[int]:
-        """Indices written so far: by earlier attempts (what a resumed job skips) and by this writer."""
-        return set(self._indices)
+    def finished_samples(self) -> dict[int, set[int]]:
+        """The sample indices written so far for each row index: by earlier attempts (what a resumed job skips) and
+        by this writer."""
+        samples: dict[int, set[int]] = {}
+        for index, sample_index in self._written:
+            samples.setdefault(index, set()).add(sample_index)
+        return samples
+
+    def finished_indices(self, num_samples: Callable[[int], int] = lambda index: 1) -> set[int]:
+        """Row indices whose samples 0 .. num_samples(index) - 1 are all written."""
+        return {index for index, samples in self.finished_samples().items()
+                if samples.issuperset(range(num_samples(index)))}
 
     def write(self, record: dict[str, Any]) -> None:
-        index = record.get("index")
-        if index in self._indices:
-            raise DuplicateRowError(f"{self.final_path}: index {index} was already written")
+        record = {"sample_index": 0, **record}
+        key = (record.get("index"), record["sample_index"])
+        if key in self._written:
+            raise DuplicateRowError(f"{self.final_path}: index {key[0]} was already written (sample_index {key[1]})")
         super().write(record)
-        self._indices.add(index)
+        self._written.add(key)
 
     def _check_merged(self, table: pa.Table) -> None:
-        counts = Counter(table.column("index").to_pylist())
-        duplicates = sorted(index for index, count in counts.items() if count > 1)
+        counts = Counter(zip(table.column("index").to_pylist(), table.column("sample_index").to_pylist(), strict=True))
+        duplicates = sorted({index for (index, _), count in counts.items() if count > 1})
         if duplicates:
             raise DuplicateRowError(f"{self.parts_dir}: indices written more than once: {duplicates[:20]}")
 
@@ -187,6 +201,13 @@ class StepWriter(PartedParquetWriter):
         """0 for a fresh run, else 1 + the latest attempt with steps on disk; call it before writing."""
         attempts = self.existing_rows(["attempt"]).column("attempt")
         return 0 if len(attempts) == 0 else pc.max(attempts).as_py() + 1
+
+
+def write_kernels(path: Path, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> Path:
+    """kernels.parquet (job.profile_steps): one row per kernel of the profiled steps."""
+    table = pa.Table.from_pylist(rows, schema=with_metadata(KERNELS_SCHEMA, metadata))
+    write_atomically(path, lambda file: pq.write_table(table, file))
+    return path
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -29,7 +29,8 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """Writes the new K/V into the paged cache, then attends over the cache (which now includes them)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -37,6 +38,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # Each query attends to the last `sliding_window` positions (itself included); None: the whole context.
+        self.sliding_window = sliding_window
         # Plain attributes, not buffers: the cache is owned by the model runner and stays out of state_dict.
         self.k_cache = torch.empty(0)  # (num_blocks, block_size, num_kv_heads, head_dim) once bound
         self.v_cache = torch.empty(0)
@@ -64,10 +67,11 @@ class Attention(nn.Module):
         """Attention over the cache, which already holds this step's K/V."""
         q = q.view(-1, self.num_heads, self.head_dim)
         if meta.is_decode:
-            out = self.ops.decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale)
+            out = self.ops.decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                            sliding_window=self.sliding_window)
         else:
             out = self.ops.prefill_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
-                meta.max_query_len, meta.max_seq_len,
+                meta.max_query_len, meta.max_seq_len, sliding_window=self.sliding_window,
             )
         return out.reshape(-1, self.num_heads * self.head_dim)

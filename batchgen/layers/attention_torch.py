@@ -2,6 +2,8 @@
 
 Cache layout: k_cache, v_cache are (num_blocks, block_size, num_kv_heads, head_dim); token slot s lives at
 block s // block_size, offset s % block_size. Grouped-query attention maps query head h to kv head h // group.
+With a sliding window W, the query at position p attends to key positions p - W < k <= p (transformers' and vLLM's
+convention); the cache still holds every position.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ def decode_attention(
     block_tables: torch.Tensor,  # (B, M) int32
     seq_lens: torch.Tensor,  # (B,) int32, 0 for padding rows
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # (B, H, D)
-    """One query token per sequence, attending to its first seq_len cache positions; vectorized for CUDA graphs."""
+    """One query token per sequence, attending to its first seq_len cache positions (the last sliding_window of
+    them with a window); vectorized for CUDA graphs."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_positions = block_tables.shape[1] * block_size
@@ -72,7 +76,10 @@ def decode_attention(
     k = k_cache.index_select(0, blocks).view(num_seqs, max_positions, num_kv_heads, head_dim)  # (B, M * BS, KVH, D)
     v = v_cache.index_select(0, blocks).view(num_seqs, max_positions, num_kv_heads, head_dim)
     positions = torch.arange(max_positions, device=q.device)
-    allowed = (positions[None, :] < seq_lens[:, None])[:, None, :]  # (B, 1, M * BS)
+    allowed = positions[None, :] < seq_lens[:, None]  # (B, M * BS)
+    if sliding_window is not None:
+        allowed &= positions[None, :] >= seq_lens[:, None] - sliding_window
+    allowed = allowed[:, None, :]  # (B, 1, M * BS)
     grouped_q = q.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, 1, KVH, G, D)
     out = _attend(grouped_q, k, v, allowed, scale)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
@@ -88,6 +95,7 @@ def prefill_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # (T, H, D)
     """Causal attention of each sequence's new tokens over its cached context (which includes the new tokens).
 
@@ -111,6 +119,8 @@ def prefill_attention(
         query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)  # (L,)
         key_positions = torch.arange(seq_len, device=q.device)  # (S,)
         allowed = key_positions[None, :] <= query_positions[:, None]  # (L, S)
+        if sliding_window is not None:
+            allowed &= key_positions[None, :] > query_positions[:, None] - sliding_window
         grouped_q = q[start:end].view(1, query_len, num_kv_heads, group, head_dim)
         attended = _attend(grouped_q, k[None], v[None], allowed[None], scale)  # (1, L, KVH, G, D)
         out[start:end] = attended.reshape(query_len, num_heads, head_dim).to(q.dtype)

@@ -6,6 +6,9 @@ table, so any block size works and a KV tile may span several cache blocks.
 
 decode_attention is replayed inside CUDA graphs: its grid depends only on the batch size, head counts and static
 config, context lengths are read from GPU memory inside the kernel, and it never syncs with the host.
+
+A sliding window W (per layer, static) limits the query at position p to keys p - W < k <= p: the kernels start
+their KV loop at the window's first tile and mask the rest; without a window they get W = _NO_WINDOW.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import triton.language as tl
 
 _MAX_SPLITS = 16
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2), with log2(e) folded into the softmax scale
+_NO_WINDOW = 1 << 30  # longer than any context, and p - _NO_WINDOW stays inside int32
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -74,10 +78,10 @@ def store_kv(
 
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
 # a second) whenever that width first changes divisibility.
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-    qk_scale,
+    qk_scale, window,
     stride_qb, stride_qh, stride_qd,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
@@ -105,12 +109,13 @@ def _decode_kernel(
         other=0.0,
     )  # (BLOCK_G, BLOCK_D)
 
+    first = tl.maximum(seq_len - window, 0)  # the window's first position
     if NUM_SPLITS == 1:
-        lo = 0
+        lo = first
         hi = seq_len
     else:
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-        lo = split * tiles_per_split * BLOCK_N
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
+        lo = first + split * tiles_per_split * BLOCK_N
         hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -208,6 +213,7 @@ def decode_attention(
     block_tables: torch.Tensor,  # (B, M) int32
     seq_lens: torch.Tensor,  # (B,) int32, 0 = padding row (outputs zeros)
     scale: float,
+    sliding_window: int | None = None,
     *,
     num_splits: int | None = None,  # power of two; None: chosen from B, KVH and the SM count
 ) -> torch.Tensor:  # (B, H, D)
@@ -230,7 +236,7 @@ def decode_attention(
         mid_o = mid_lse = out  # unused by the single-pass kernel
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-        scale * _LOG2E,
+        scale * _LOG2E, sliding_window or _NO_WINDOW,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
@@ -246,10 +252,10 @@ def decode_attention(
     return out
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    qk_scale,
+    qk_scale, window,
     stride_qt, stride_qh, stride_qd,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
@@ -290,7 +296,9 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Causal limit: the tile's last query sits at ctx_len + (tile + 1) * BLOCK_M - 1 (or the sequence's end).
     hi = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    # Window limit: the tile's first query sees nothing before ctx_len + tile * BLOCK_M - window + 1.
+    lo = tl.maximum(ctx_len + tile * BLOCK_M - window + 1, 0)
+    for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         valid = pos < hi
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -307,17 +315,21 @@ def _prefill_kernel(
             other=0.0,
         )  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        # Every row keeps position 0 in its first tile, so m_i is finite from the first iteration on.
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        in_window = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(valid[None, :] & in_window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # With a window a row may see no key in the first tiles: keep m finite there so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    # Rows past the chunk (never stored) may have seen no key under a window: keep their division finite.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
     o_ptrs = out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :] * stride_od
-    tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 def prefill_attention(
@@ -330,6 +342,7 @@ def prefill_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # (T, H, D)
     out = torch.empty_like(q)
     num_tokens, num_heads, head_dim = q.shape
@@ -344,7 +357,7 @@ def prefill_attention(
     block_n = 32 if wide else 64
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_heads, batch)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * _LOG2E,
+        scale * _LOG2E, sliding_window or _NO_WINDOW,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.layers.token_bitmask import apply_token_bitmask
 from batchgen.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -57,8 +58,13 @@ class SamplingTensors:
         )
 
 
-def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-    """logits (B, V), any float dtype -> (B,) int64 token ids on the same device."""
+def sample(logits: torch.Tensor, tensors: SamplingTensors, token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (B, V), any float dtype -> (B,) int64 token ids on the same device.
+
+    token_bitmask: (B, ceil(V / 32)) int32, packed allowed tokens (structured output), applied before anything else.
+    """
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask)
     greedy_ids = logits.argmax(dim=-1)
     if tensors.all_greedy:
         return greedy_ids

@@ -102,7 +102,6 @@ class GPT2LMHeadModel(nn.Module):
         self.transformer = GPT2Model(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # GPT-2 always ties them
-        self.sliding_window: int | None = None
 
     def forward(
         self,

@@ -1,8 +1,8 @@
 """Llama-family decoders: Llama (2, 3, 3.1 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
 
 Tokens of all sequences in a step are flattened into one (T,) batch; attention goes through the paged KV cache.
-Mistral's (and Qwen's opt-in) sliding window is not implemented: attention is always full, so results match the
-reference only up to `sliding_window` tokens, and the model runner caps max_model_len at `model.sliding_window`.
+Sliding-window attention (Mistral; Qwen2's opt-in `use_sliding_window`, on the layers its `layer_types` name) is
+passed to each layer's Attention; the KV cache keeps every position, so no block is freed outside the window.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -41,7 +42,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window)
         self._norm_and_rotate = norm_and_rotate
         self._rotate_and_store = None  # the fused Triton op, once use_triton() is called
 
@@ -93,9 +94,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, qk_norm, sliding_window)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -120,7 +122,7 @@ class LlamaModel(nn.Module):
         # One cos/sin table shared by all layers: at 128k positions it is tens of MB.
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm, window) for window in layer_sliding_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -129,6 +131,25 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
         return self.norm(hidden, residual)[0]
+
+
+def layer_sliding_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers decides it.
+
+    Configs with `layer_types` (Qwen2/Qwen3: "sliding_attention" on layers >= max_window_layers when
+    use_sliding_window is set, else none) name each layer's kind; others (Mistral) slide on every layer when
+    `sliding_window` is set.
+    """
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    num_layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * num_layers
+    if layer_types is None:
+        return [window] * num_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -143,13 +164,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.sliding_window: int | None = self._sliding_window(config)
-
-    @staticmethod
-    def _sliding_window(config: PretrainedConfig) -> int | None:
-        if getattr(config, "use_sliding_window", True) is False:
-            return None
-        return getattr(config, "sliding_window", None)
 
     def forward(
         self,

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from batchgen.config import Config
 from batchgen.runners.merge import merge_shards
@@ -43,7 +44,7 @@ def child_env(rank: int, world_size: int) -> dict[str, str]:
             "LOCAL_WORLD_SIZE": str(world_size), PARENT_MERGES_ENV: "1"}
 
 
-def run_data_parallel(config: Config, run_dir: Path, task_overrides: list[str]) -> None:
+def run_data_parallel(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str, Any]:
     world_size = config.engine.data_parallel_size
     command = child_command(task_overrides, run_dir)
     log.info("Starting %d data-parallel ranks in %s", world_size, run_dir)
@@ -63,3 +64,4 @@ def run_data_parallel(config: Config, run_dir: Path, task_overrides: list[str]) 
                               f"run the same command with job.resume=true hydra.run.dir={run_dir} to finish")
     summary = merge_shards(run_dir)
     log.info("Done: %d rows from %d ranks -> %s", summary["rows"], world_size, run_dir)
+    return summary

@@ -63,11 +63,13 @@ def find_shards(root: Path) -> dict[int, Path]:
     return {index: paths[0] for index, paths in sorted(by_index.items())}
 
 
-def check_indices(indices: list[int], num_input_rows: int, where: Path) -> None:
-    counts = Counter(indices)
-    duplicated = sorted(index for index, count in counts.items() if count > 1)
-    missing = sorted(set(range(num_input_rows)) - counts.keys())
-    unexpected = sorted(index for index in counts if not 0 <= index < num_input_rows)
+def check_indices(indices: list[int], sample_indices: list[int], num_input_rows: int, where: Path) -> None:
+    """Every input row index appears, and each (index, sample_index) once (a row has sampling.n samples)."""
+    counts = Counter(zip(indices, sample_indices, strict=True))
+    duplicated = sorted({index for (index, _), count in counts.items() if count > 1})
+    present = set(indices)
+    missing = sorted(set(range(num_input_rows)) - present)
+    unexpected = sorted(index for index in present if not 0 <= index < num_input_rows)
     problems = [f"{label} row indices {_listed(values)}" for label, values in
                 (("missing", missing), ("duplicated", duplicated), ("unexpected", unexpected)) if values]
     if problems:
@@ -87,8 +89,10 @@ def merge_shards(root: Path) -> dict[str, Any]:
     if len(input_rows) > 1:
         raise MergeError(f"{root}: the shards read inputs of different lengths {sorted(input_rows)}")
     completions = [pq.read_table(path / CompletionWriter.FILE_NAME) for path in shards.values()]
-    merged = pa.concat_tables([table.cast(completions[0].schema) for table in completions]).sort_by("index")
-    check_indices(merged.column("index").to_pylist(), input_rows.pop(), root)
+    merged = pa.concat_tables([table.cast(completions[0].schema) for table in completions])
+    merged = merged.sort_by([("index", "ascending"), ("sample_index", "ascending")])
+    check_indices(merged.column("index").to_pylist(), merged.column("sample_index").to_pylist(), input_rows.pop(),
+                  root)
     _write_parquet(root / CompletionWriter.FILE_NAME, merged)
 
     steps = []

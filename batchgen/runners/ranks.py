@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,19 +50,18 @@ def _agreed_run_dir(run_dir: Path) -> Path:
     return Path(chosen[0])
 
 
-def run_rank(config: Config, run_dir: Path, rank: Rank) -> None:
+def run_rank(config: Config, run_dir: Path, rank: Rank) -> dict[str, Any]:
+    """Returns rank 0's merged summary under torchrun, else this rank's shard summary."""
     config = rank_config(config, rank)
     if config.engine.device != "cpu" and torch.cuda.is_available():
         torch.cuda.set_device(rank.local_rank)
     if os.environ.get(PARENT_MERGES_ENV) == "1":
-        run_local(config, run_dir)
-        return
+        return run_local(config, run_dir)
     dist.init_process_group("gloo", rank=rank.rank, world_size=rank.world_size, timeout=RANK_WAIT)
     try:
         run_dir = _agreed_run_dir(run_dir)
-        run_local(config, run_dir)
+        summary = run_local(config, run_dir)
         dist.barrier()
-        if rank.rank == 0:
-            merge_shards(run_dir)
+        return merge_shards(run_dir) if rank.rank == 0 else summary
     finally:
         dist.destroy_process_group()

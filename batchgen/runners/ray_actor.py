@@ -35,7 +35,7 @@ class EngineActor:
         for line in batch["row"]:
             row = json.loads(line)
             params = self.config.sampling.with_overrides(row["overrides"])  # the driver checked them
-            self.engine.add_request(row["index"], row["prompt"], row["prompt_token_ids"], params)
+            self.engine.add_request(row["index"], row["prompt"], row["prompt_token_ids"], params, row["samples"])
         results: list[tuple[str, dict[str, Any]]] = []
         if not self.info_sent:
             results.append((INFO, self.engine.info))

@@ -21,6 +21,7 @@ import ray.data
 
 from batchgen.config import Config, ConfigError
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.io.openai_batch import model_name
 from batchgen.io.readers import PromptRow, read_prompts
 from batchgen.io.schema import with_metadata
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
@@ -57,21 +58,31 @@ def _wants_gpu(config: Config) -> bool:
     return config.engine.device == "cuda" or ray.cluster_resources().get("GPU", 0) > 0
 
 
-def _request_rows(rows: list[PromptRow], config: Config, completions: CompletionWriter,
+def _missing_samples(rows: list[PromptRow], config: Config, written: dict[int, set[int]]) -> dict[int, list[int]]:
+    """The sample indices each row still lacks (sampling.n of them, or one for a row with an error)."""
+    missing = {}
+    for row in rows:
+        if row.error is None:
+            try:
+                num_samples = config.sampling.with_overrides(row.overrides).n
+            except ValueError as exc:
+                row.error = f"row {row.index}: {exc}"
+        if row.error is not None:
+            num_samples = 1
+        missing[row.index] = [i for i in range(num_samples) if i not in written.get(row.index, ())]
+    return missing
+
+
+def _request_rows(rows: list[PromptRow], missing: dict[int, list[int]], completions: CompletionWriter,
                   progress: Progress) -> list[dict[str, str]]:
     """The rows to generate, as JSON; rows with input or sampling-option errors are written here as error rows."""
     requests = []
     for row in rows:
-        if row.error is None:
-            try:
-                config.sampling.with_overrides(row.overrides)
-            except ValueError as exc:
-                row.error = f"row {row.index}: {exc}"
         if row.error is not None:
             completions.write(completion_record(row))
             progress.update([], errors=1)
             continue
-        requests.append({"row": json.dumps({"index": row.index, "prompt": row.prompt,
+        requests.append({"row": json.dumps({"index": row.index, "prompt": row.prompt, "samples": missing[row.index],
                                             "prompt_token_ids": row.prompt_token_ids, "overrides": row.overrides})})
     return requests
 
@@ -79,22 +90,24 @@ def _request_rows(rows: list[PromptRow], config: Config, completions: Completion
 def run_ray(config: Config, run_dir: Path) -> dict[str, Any]:
     runner = config.runner
     detokenizer = Detokenizer.load(config.model)
-    rows = read_prompts(config.data, detokenizer.tokenizer if detokenizer else None)
+    rows = read_prompts(config.data, detokenizer.tokenizer if detokenizer else None, model_name(config.model))
     if (run_dir / CompletionWriter.FILE_NAME).exists() and not config.job.resume:
         raise ConfigError(f"job.resume=false but {run_dir} already holds results; pass job.resume=true to continue")
     metadata = {"config": asdict(config), "versions": versions()}
     completions = CompletionWriter(run_dir, metadata, config.job.flush_rows, config.job.flush_seconds)
     steps = ShardedStepWriter(run_dir, metadata, config.job.flush_seconds)
-    done = completions.finished_indices()
-    attempt = max(steps.next_attempt(), 1 if done else 0)
-    pending = [row for row in rows if row.index not in done]
+    written = completions.finished_samples()
+    attempt = max(steps.next_attempt(), 1 if written else 0)
+    missing = _missing_samples(rows, config, written)
+    pending = [row for row in rows if missing[row.index]]
     rows_by_index = {row.index: row for row in pending}
-    progress = Progress(len(rows), len(rows) - len(pending), config.job)
+    total = sum(len(written.get(row.index, ())) + len(missing[row.index]) for row in rows)
+    progress = Progress(total, total - sum(len(samples) for samples in missing.values()), config.job)
     start = time.perf_counter()
     engine_info: dict[str, Any] = {}
     actor_numbers: dict[str, int] = {}
     try:
-        requests = _request_rows(pending, config, completions, progress)
+        requests = _request_rows(pending, missing, completions, progress)
         if requests:
             _connect()
             gpu = _wants_gpu(config)

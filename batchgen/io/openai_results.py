@@ -1,0 +1,104 @@
+"""results.jsonl: OpenAI Batch output lines (the shape of OpenAI's and `vllm run-batch`'s) built from the final
+completions.parquet, so it is the same after a resume or a shard merge.
+
+One line per input line, in input order. A row with several samples (n > 1: rows sharing an index, told apart
+by sample_index) is one line whose choices are the samples. An error row is a line with `error` set.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.config import Config, ConfigError
+from batchgen.io.atomic import write_atomically
+from batchgen.io.formats import resolve_format
+from batchgen.io.openai_batch import BatchLine, model_name, read_batch_lines
+from batchgen.io.openai_fields import CHAT_URL
+from batchgen.io.writers import CompletionWriter
+
+RESULTS_FILE = "results.jsonl"
+ERROR_CODE = "invalid_request"
+ERROR_STATUS = 400
+COLUMNS = ("index", "sample_index", "completion", "num_prompt_tokens", "num_output_tokens", "finish_reason", "error")
+
+
+def _random_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def _choice(row: dict[str, Any], url: str | None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": row.get("sample_index") or 0}
+    if url == CHAT_URL:
+        choice["message"] = {"role": "assistant", "content": row["completion"]}
+    else:
+        choice["text"] = row["completion"]
+    return {**choice, "logprobs": None, "finish_reason": row["finish_reason"]}
+
+
+def response_body(samples: list[dict[str, Any]], url: str | None, model: str, created: int) -> dict[str, Any]:
+    """A chat.completion or text_completion object for one request's completions rows (one per sample)."""
+    chat = url == CHAT_URL
+    prompt_tokens = samples[0]["num_prompt_tokens"] or 0
+    completion_tokens = sum(sample["num_output_tokens"] or 0 for sample in samples)
+    return {
+        "id": _random_id("chatcmpl-" if chat else "cmpl-"),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [_choice(sample, url) for sample in samples],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
+def result_line(samples: list[dict[str, Any]], line: BatchLine, model: str, created: int) -> dict[str, Any]:
+    """One output line: a 200 response, or (any sample an error) a 400 with `error` {code, message}."""
+    failed = next((sample for sample in samples if sample["finish_reason"] == "error"), None)
+    response = {"status_code": ERROR_STATUS if failed else 200, "request_id": _random_id("req_"),
+                "body": None if failed else response_body(samples, line.url, model, created)}
+    error = None if failed is None else {"code": ERROR_CODE, "message": failed["error"]}
+    return {"id": _random_id("batch_req_"), "custom_id": line.custom_id, "response": response, "error": error}
+
+
+def _samples_by_index(table: pa.Table) -> list[tuple[int, list[dict[str, Any]]]]:
+    rows = table.to_pylist()
+    rows.sort(key=lambda row: (row["index"], row.get("sample_index") or 0))
+    return [(index, list(group)) for index, group in groupby(rows, key=lambda row: row["index"])]
+
+
+def write_results(completions_path: Path, lines: list[BatchLine], model: str) -> Path:
+    """Writes results.jsonl beside `completions_path` atomically; `lines`: the input lines by row index."""
+    names = pq.read_schema(completions_path).names
+    table = pq.read_table(completions_path, columns=[name for name in COLUMNS if name in names])
+    created = int(time.time())
+    out = []
+    for index, samples in _samples_by_index(table):
+        if index >= len(lines):
+            raise ValueError(f"{completions_path}: row index {index} has no input line (the input has {len(lines)})")
+        out.append(json.dumps(result_line(samples, lines[index], model, created)) + "\n")
+    path = completions_path.with_name(RESULTS_FILE)
+    write_atomically(path, lambda file: file.write("".join(out).encode()))
+    return path
+
+
+def openai_results_wanted(config: Config) -> bool:
+    """Whether the job writes results.jsonl (job.output_format); raises ConfigError when it cannot."""
+    openai_input = resolve_format(config.data) == "openai_batch"
+    if config.job.output_format == "openai_batch" and not openai_input:
+        raise ConfigError("job.output_format=openai_batch needs an OpenAI Batch input file (data.format="
+                          "openai_batch, or a .jsonl file of such lines with data.format=auto)")
+    return config.job.output_format == "openai_batch" or (config.job.output_format == "auto" and openai_input)
+
+
+def write_openai_results(config: Config, run_dir: Path) -> Path:
+    """results.jsonl from the run's final completions.parquet (a shard merge calls it after merging)."""
+    return write_results(Path(run_dir) / CompletionWriter.FILE_NAME, read_batch_lines(config.data),
+                         model_name(config.model))

@@ -1,0 +1,1 @@
+"""`python -m batchgen.report PATH ...`: tables and plots from the files runs wrote (never the engine or torch)."""

@@ -1,0 +1,109 @@
+"""Prefix caching: 1,024 requests sharing a 1,000-token prefix, 50-token suffixes, 64 new tokens, Qwen3-0.6B shape
+(dummy bf16), with engine.enable_prefix_caching on and off: prefill tokens computed and wall time.
+
+Greedy, ignore_eos. Each engine first runs 16 unrelated warm-up requests (8 new tokens), so that neither run pays
+for compilation or graph warm-up in its timing and the shared prefix is not cached before the timed run.
+
+Usage: python -m benchmarks.prefix_cache [--num-requests 1024] [--small] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from batchgen.sampling_params import SamplingParams
+from benchmarks.common import (
+    Request,
+    add_out_argument,
+    build_engine,
+    cuda_available,
+    environment,
+    markdown_table,
+    qwen3_model_config,
+    random_prompt,
+    run_engine,
+    save_json,
+    step_counts,
+)
+
+
+def shared_prefix_requests(num_requests: int, prefix_len: int, suffix_len: int, max_tokens: int) -> list[Request]:
+    prefix = random_prompt(prefix_len, seed=0)
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [(prefix + [rng.randrange(10000) for _ in range(suffix_len)], params) for _ in range(num_requests)]
+
+
+def warmup_requests() -> list[Request]:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    return [(random_prompt(100, seed=1000 + i), params) for i in range(16)]
+
+
+def run(args: argparse.Namespace, requests: list[Request], enable_prefix_caching: bool) -> dict:
+    engine = build_engine(qwen3_model_config(args.small), enforce_eager=not cuda_available(),
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len, enable_prefix_caching=enable_prefix_caching)
+    try:
+        run_engine(engine, warmup_requests())
+        outputs, records, wall = run_engine(engine, requests)
+    finally:
+        engine.close()
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(o.num_output_tokens for o in outputs)
+    return {
+        "enable_prefix_caching": enable_prefix_caching,
+        "prompt_tokens": prompt_tokens,
+        "prefill_tokens_computed": sum(r.num_prefill_tokens for r in records),
+        "cached_tokens": sum(o.num_cached_tokens for o in outputs),
+        "hit_rate": sum(o.num_cached_tokens for o in outputs) / prompt_tokens,
+        "output_tokens": output_tokens,
+        "wall_seconds": wall,
+        "output_tok_s": output_tokens / wall,
+        "steps_by_kind": step_counts(records),
+        "preemptions": sum(r.num_preempted for r in records),
+        "token_ids": [o.token_ids for o in outputs],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=1024)
+    parser.add_argument("--prefix-len", type=int, default=1000)
+    parser.add_argument("--suffix-len", type=int, default=50)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--small", action="store_true",
+                        help="a CPU smoke check: a two-layer Qwen3, 64 requests, 200-token prefix, 8 new tokens")
+    add_out_argument(parser)
+    args = parser.parse_args()
+    if args.small:
+        args.num_requests, args.prefix_len, args.suffix_len, args.max_tokens = 64, 200, 20, 8
+        args.max_num_seqs, args.max_num_batched_tokens = 32, 1024
+
+    requests = shared_prefix_requests(args.num_requests, args.prefix_len, args.suffix_len, args.max_tokens)
+    off = run(args, requests, enable_prefix_caching=False)
+    on = run(args, requests, enable_prefix_caching=True)
+    same_tokens = sum(a == b for a, b in zip(on.pop("token_ids"), off.pop("token_ids"), strict=True))
+    comparison = {
+        "prefill_tokens_drop": 1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"],
+        "speedup": off["wall_seconds"] / on["wall_seconds"],
+        "requests_with_identical_tokens": same_tokens,
+    }
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    name = "prefix_cache_small" if args.small else "prefix_cache"
+    save_json(args.out, name, {"environment": environment(), "settings": settings, "caching_off": off,
+                               "caching_on": on, "comparison": comparison})
+    print(f"\n## {name} ({environment()['device']}; {settings})\n")
+    print(f"prefill tokens computed drop {comparison['prefill_tokens_drop']:.1%}, "
+          f"speedup {comparison['speedup']:.2f}x, greedy tokens identical for {same_tokens} of {len(requests)} "
+          "requests (bf16 logits may differ with the batch shape)\n")
+    headers = ["enable_prefix_caching", "prompt_tokens", "prefill_tokens_computed", "cached_tokens", "hit_rate",
+               "output_tokens", "wall_seconds", "output_tok_s", "preemptions"]
+    print(markdown_table(headers, [[run_result[h] for h in headers] for run_result in (off, on)]))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -19,6 +20,7 @@ from batchgen.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarte
 from batchgen.io.errors import InputError
 from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
+from batchgen.runners.errors import MergeError, RankFailedError
 from batchgen.stop_signals import JobStopped, resume_command
 from batchgen.usage import early_exit
 
@@ -68,9 +70,9 @@ def _main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         config = to_config(cfg)
-        from batchgen.job import run  # torch, pyarrow and the engine load only once the config is valid
+        from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
 
-        summary = run(config, run_dir)
+        summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)
         remove_unstarted_run_dir(run_dir)
@@ -80,8 +82,24 @@ def _main(cfg: DictConfig) -> float | None:
         print(f"{stop}; resume with: {resume_command(list(HydraConfig.get().overrides.task), run_dir)}",
               file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)
+    except (MergeError, RankFailedError) as exc:
+        log.error("%s", exc)
+        sys.exit(EXIT_CRASH)
     print(brief_table(summary))
     return read_figures(summary).output_tok_s
+
+
+class MergeShardsCallback(Callback):
+    """After a multirun over data.shard_index (e.g. a SLURM array of shard jobs), merges the shards into the
+    sweep directory; a sweep without data.num_shards > 1 is left alone."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.data.num_shards > 1:
+            from batchgen.runners.merge import merge_shards  # pyarrow: only for a sharded sweep
+
+            summary = merge_shards(Path(config.hydra.sweep.dir))
+            log.info("Merged %d shards, %d rows -> %s", summary["num_shards"], summary["rows"],
+                     config.hydra.sweep.dir)
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 EMPTY_POLICIES = ("warn", "fail")
+RUNNERS = ("local", "ray")
 
 
 class ConfigError(ValueError):
@@ -62,6 +63,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM v1's default)
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs (after penalties, temperature, filters)
+    data_parallel_size: int = 1  # N > 1: start N processes, one shard each on its own GPU (cuda:rank) or CPU
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
 
@@ -78,6 +80,8 @@ class DataConfig:
     limit: int | None = None  # read only the first N rows
     on_empty: str = "warn"  # an input without rows: warn (and write empty outputs) | fail
     check_model: bool = False  # openai_batch: a line whose body.model is not the loaded model is an error line
+    num_shards: int = 1  # K > 1: this run takes only the rows with index % K == shard_index
+    shard_index: int = 0
 
 
 @dataclass
@@ -96,12 +100,20 @@ class JobConfig:
 
 
 @dataclass
+class RunnerConfig:
+    name: str = "local"  # local (this process; torchrun ranks) | ray (Ray Data actors, one engine each)
+    num_replicas: int = 1  # ray: the number of actors
+    batch_size: int = 256  # ray: rows per map_batches call
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # job-wide defaults; rows may override
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -141,6 +153,7 @@ def validate_engine(engine: EngineConfig) -> None:
     _positive("engine.max_model_len", engine.max_model_len, optional=True)
     _positive("engine.num_gpu_blocks_override", engine.num_gpu_blocks_override, optional=True)
     _positive("engine.cpu_threads", engine.cpu_threads, optional=True)
+    _positive("engine.data_parallel_size", engine.data_parallel_size)
     bs = engine.block_size
     _require(isinstance(bs, int) and bs > 0 and bs & (bs - 1) == 0, "engine.block_size", bs,
              "must be a power of two")
@@ -163,6 +176,9 @@ def validate_data(data: DataConfig) -> None:
     _require(os.path.exists(data.path), "data.path", data.path, "no such file or directory")
     _require(bool(data.prompt_field), "data.prompt_field", data.prompt_field, "must be a field name")
     _positive("data.limit", data.limit, optional=True)
+    _positive("data.num_shards", data.num_shards)
+    _require(isinstance(data.shard_index, int) and 0 <= data.shard_index < data.num_shards, "data.shard_index",
+             data.shard_index, f"must be in [0, data.num_shards={data.num_shards})")
 
 
 def validate_job(job: JobConfig) -> None:
@@ -178,9 +194,22 @@ def validate_job(job: JobConfig) -> None:
              "must be a non-negative integer")
 
 
+def validate_runner(config: Config) -> None:
+    runner = config.runner
+    _one_of("runner.name", runner.name, RUNNERS)
+    _positive("runner.num_replicas", runner.num_replicas)
+    _positive("runner.batch_size", runner.batch_size)
+    parallel = [key for key, on in (("engine.data_parallel_size", config.engine.data_parallel_size > 1),
+                                    ("data.num_shards", config.data.num_shards > 1),
+                                    ("runner.name=ray", runner.name == "ray")) if on]
+    _require(len(parallel) <= 1, parallel[-1] if parallel else "runner", None,
+             f"choose one way to split the rows, not {' and '.join(parallel)}")
+
+
 def validate(config: Config) -> Config:
     validate_job(config.job)
     validate_data(config.data)
     validate_engine(config.engine)
     validate_model(config.model)
+    validate_runner(config)
     return config

@@ -26,6 +26,7 @@ from batchgen.summary import AttemptStats, summarize, versions
 
 if TYPE_CHECKING:
     from batchgen.engine.llm_engine import LLMEngine
+from batchgen.runners.shards import shard_rows
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +59,16 @@ class Job:
         # Input problems surface here, before the model loads.
         self.openai_results = openai_results_wanted(config)
         self.detokenizer = Detokenizer.load(config.model)
-        self.rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
-                                 model_name(config.model))
+        rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
+                            model_name(config.model))
         read_seconds = time.perf_counter() - read_start
-        if not self.rows:
+        if not rows:
             if config.data.on_empty == "fail":
                 raise InputError(f"{config.data.path}: no rows to generate (data.on_empty=fail)")
             log.warning("%s has no rows: writing empty outputs (data.on_empty=fail makes this an error)",
                         config.data.path)
+        self.num_input_rows = len(rows)
+        self.rows = shard_rows(rows, config.data.num_shards, config.data.shard_index)
         existing = [p.name for p in (self.run_dir / CompletionWriter.FILE_NAME,
                                      self.run_dir / "completions.parts") if p.exists()]
         if existing and not config.job.resume:

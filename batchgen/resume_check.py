@@ -41,6 +41,9 @@ OUTPUT_NEUTRAL_KEYS = (
     "engine.cpu_threads",
     "engine.torch_compile",
     "engine.attention_backend",
+    "engine.enable_prefix_caching",
+    "engine.data_parallel_size",
+    "runner.*",
 )
 
 

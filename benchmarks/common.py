@@ -74,14 +74,15 @@ def random_prompt(length: int, seed: int = 0) -> list[int]:
     return [rng.randrange(10000) for _ in range(length)]
 
 
-def nanovllm_requests(num_seqs: int = NANOVLLM_NUM_SEQS) -> list[Request]:
-    """nano-vllm's bench.py draws, in its order (all prompts, then all sampling params); the first num_seqs."""
-    if not 0 < num_seqs <= NANOVLLM_NUM_SEQS:
-        raise ValueError(f"num_seqs={num_seqs} must be in [1, {NANOVLLM_NUM_SEQS}]")
+def nanovllm_requests(num_seqs: int = NANOVLLM_NUM_SEQS, total: int = NANOVLLM_NUM_SEQS) -> list[Request]:
+    """nano-vllm's bench.py draws, in its order (all prompts, then all sampling params); the first num_seqs.
+    `total` scales the workload: that many draws of each (nano-vllm's own: 256)."""
+    if not 0 < num_seqs <= total:
+        raise ValueError(f"num_seqs={num_seqs} must be in [1, {total}]")
     rng = random.Random(0)  # the same stream as nano-vllm's random.seed(0) and module-level randint
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(NANOVLLM_NUM_SEQS)]
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(total)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024))
-              for _ in range(NANOVLLM_NUM_SEQS)]
+              for _ in range(total)]
     return list(zip(prompts, params, strict=True))[:num_seqs]
 
 

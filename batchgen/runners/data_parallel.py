@@ -1,0 +1,64 @@
+"""engine.data_parallel_size=N: starts N copies of this command as ranks 0..N-1 of one run, waits, and merges.
+
+Each child is `python -m batchgen` with the same overrides, the parent's run directory and the rank in its
+environment (as torchrun would set it). A child that dies costs only its shard's unfinished rows: the others
+finish, the parent reports the failure, and the same command with job.resume=true finishes the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from batchgen.config import Config
+from batchgen.runners.errors import RankFailedError
+from batchgen.runners.merge import merge_shards
+from batchgen.runners.ranks import PARENT_MERGES_ENV
+
+log = logging.getLogger(__name__)
+
+# Keys the parent sets for its children itself.
+_PARENT_KEYS = ("engine.data_parallel_size", "hydra.run.dir", "hydra.output_subdir")
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def child_command(task_overrides: list[str], run_dir: Path) -> list[str]:
+    kept = [o for o in task_overrides if _override_key(o) not in _PARENT_KEYS]
+    # The parent already wrote .hydra/; the children would race to rewrite it.
+    return [sys.executable, "-m", "batchgen", *kept, "engine.data_parallel_size=1", f"hydra.run.dir={run_dir}",
+            "hydra.output_subdir=null"]
+
+
+def child_env(rank: int, world_size: int) -> dict[str, str]:
+    return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), PARENT_MERGES_ENV: "1"}
+
+
+def run_data_parallel(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str, Any]:
+    world_size = config.engine.data_parallel_size
+    command = child_command(task_overrides, run_dir)
+    log.info("Starting %d data-parallel ranks in %s", world_size, run_dir)
+    children = [subprocess.Popen(command, env=child_env(rank, world_size)) for rank in range(world_size)]
+    try:
+        codes = [child.wait() for child in children]
+    except BaseException:
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.wait()
+        raise
+    failed = [rank for rank, code in enumerate(codes) if code != 0]
+    if failed:
+        raise RankFailedError(f"data-parallel ranks {failed} of {world_size} failed (exit codes "
+                              f"{[codes[r] for r in failed]}); the finished rows are kept under {run_dir}: "
+                              f"run the same command with job.resume=true hydra.run.dir={run_dir} to finish")
+    summary = merge_shards(run_dir)
+    log.info("Done: %d rows from %d ranks -> %s", summary["rows"], world_size, run_dir)
+    return summary

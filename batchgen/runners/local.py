@@ -1,0 +1,36 @@
+"""A job in this process: the whole input, or one shard of it in <run dir>/shard-<i>-of-<K>/."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from batchgen.config import Config
+from batchgen.job import SUMMARY_FILE, Job
+from batchgen.runners.shards import MARKER_FILE, ShardMarker, shard_dir_name
+
+log = logging.getLogger(__name__)
+
+
+def shard_run_dir(config: Config, run_dir: Path) -> Path:
+    data = config.data
+    return run_dir if data.num_shards == 1 else run_dir / shard_dir_name(data.num_shards, data.shard_index)
+
+
+def run_local(config: Config, run_dir: Path) -> dict[str, Any]:
+    """Runs the job (or its shard); a finished shard leaves shard.json for the merge."""
+    directory = shard_run_dir(config, run_dir)
+    if config.data.num_shards > 1 and config.job.resume and (directory / MARKER_FILE).exists():
+        # Resuming a data-parallel run restarts every rank; a finished shard need not load the model again.
+        log.info("Shard %d of %d already finished in %s", config.data.shard_index, config.data.num_shards, directory)
+        return json.loads((directory / SUMMARY_FILE).read_text())
+    job = Job(config, directory)
+    started_at = time.time()
+    summary = job.run()
+    if config.data.num_shards > 1:
+        ShardMarker(config.data.num_shards, config.data.shard_index, job.num_input_rows, started_at,
+                    time.time()).write(directory)
+    return summary

@@ -1,0 +1,137 @@
+"""Merges the shards of a run into one run directory: the one place that guarantees every row once, in order.
+
+<dir>/completions.parquet: every shard's rows sorted by global index, after checking each input index appears
+exactly once; <dir>/steps.parquet: every shard's steps with a `shard` column; <dir>/summary.json: totals over all
+shards, throughput over the wall time of the whole (first shard start to last shard end).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchgen.io.atomic import write_atomically
+from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
+from batchgen.job import SUMMARY_FILE
+from batchgen.runners.errors import MergeError
+from batchgen.runners.shards import MARKER_FILE, SHARD_DIR_PATTERN, SHARDED_STEPS_SCHEMA, ShardMarker
+from batchgen.summary import step_medians, versions
+
+NAMED_AT_MOST = 20
+
+
+def _listed(values: list[int]) -> str:
+    shown = ", ".join(map(str, values[:NAMED_AT_MOST]))
+    return shown + (f" and {len(values) - NAMED_AT_MOST} more" if len(values) > NAMED_AT_MOST else "")
+
+
+def find_shards(root: Path) -> dict[int, Path]:
+    """The shard directories under `root` (at any depth: a torchrun run or a multirun sweep), by shard index."""
+    found = sorted(path for path in root.rglob("shard-*-of-*") if path.is_dir()
+                   and SHARD_DIR_PATTERN.fullmatch(path.name))
+    if not found:
+        raise MergeError(f"{root}: no shard-<i>-of-<K> directories to merge")
+    counts = {int(SHARD_DIR_PATTERN.fullmatch(path.name).group(2)) for path in found}
+    if len(counts) > 1:
+        raise MergeError(f"{root}: shards of different splits ({sorted(counts)} shards) are mixed: "
+                         f"{', '.join(str(p) for p in found)}")
+    num_shards = counts.pop()
+    by_index: dict[int, list[Path]] = {}
+    for path in found:
+        by_index.setdefault(int(SHARD_DIR_PATTERN.fullmatch(path.name).group(1)), []).append(path)
+    repeated = {index: paths for index, paths in by_index.items() if len(paths) > 1}
+    if repeated:
+        raise MergeError(f"{root}: shards found more than once: " + "; ".join(
+            f"shard {index} in {', '.join(map(str, paths))}" for index, paths in sorted(repeated.items())))
+    missing = sorted(set(range(num_shards)) - set(by_index))
+    if missing:
+        raise MergeError(f"{root}: shards {_listed(missing)} of {num_shards} have no directory; run them "
+                         f"(data.num_shards={num_shards} data.shard_index=<i>) before merging")
+    unfinished = sorted(index for index, (path,) in by_index.items() if not (path / MARKER_FILE).exists())
+    if unfinished:
+        raise MergeError(f"{root}: shards {_listed(unfinished)} did not finish (no {MARKER_FILE}); resume them with "
+                         f"job.resume=true and the same hydra.run.dir, e.g. {by_index[unfinished[0]][0]}")
+    return {index: paths[0] for index, paths in sorted(by_index.items())}
+
+
+def check_indices(indices: list[int], sample_indices: list[int], num_input_rows: int, where: Path) -> None:
+    """Every input row index appears, and each (index, sample_index) once (a row has sampling.n samples)."""
+    counts = Counter(zip(indices, sample_indices, strict=True))
+    duplicated = sorted({index for (index, _), count in counts.items() if count > 1})
+    present = set(indices)
+    missing = sorted(set(range(num_input_rows)) - present)
+    unexpected = sorted(index for index in present if not 0 <= index < num_input_rows)
+    problems = [f"{label} row indices {_listed(values)}" for label, values in
+                (("missing", missing), ("duplicated", duplicated), ("unexpected", unexpected)) if values]
+    if problems:
+        raise MergeError(f"{where}: cannot merge {num_input_rows} input rows: {'; '.join(problems)}")
+
+
+def _write_parquet(path: Path, table: pa.Table) -> None:
+    write_atomically(path, lambda file: pq.write_table(table, file))
+
+
+def merge_shards(root: Path) -> dict[str, Any]:
+    """Merges the finished shards under `root` into root's completions, steps and summary; returns the summary."""
+    root = Path(root)
+    shards = find_shards(root)
+    markers = {index: ShardMarker.read(path) for index, path in shards.items()}
+    input_rows = {marker.num_input_rows for marker in markers.values()}
+    if len(input_rows) > 1:
+        raise MergeError(f"{root}: the shards read inputs of different lengths {sorted(input_rows)}")
+    completions = [pq.read_table(path / CompletionWriter.FILE_NAME) for path in shards.values()]
+    merged = pa.concat_tables([table.cast(completions[0].schema) for table in completions])
+    merged = merged.sort_by([("index", "ascending"), ("sample_index", "ascending")])
+    check_indices(merged.column("index").to_pylist(), merged.column("sample_index").to_pylist(), input_rows.pop(),
+                  root)
+    _write_parquet(root / CompletionWriter.FILE_NAME, merged)
+
+    steps = []
+    for index, path in shards.items():
+        table = pq.read_table(path / StepWriter.FILE_NAME)
+        steps.append(table.append_column("shard", pa.array([index] * table.num_rows, pa.int32())))
+    merged_steps = pa.concat_tables([t.cast(SHARDED_STEPS_SCHEMA.with_metadata(t.schema.metadata)) for t in steps])
+    _write_parquet(root / StepWriter.FILE_NAME, merged_steps)
+
+    summaries = {index: _read_json(path / SUMMARY_FILE) for index, path in shards.items()}
+    summary = combine_summaries(merged, merged_steps, summaries, markers)
+    write_json_atomic(root / SUMMARY_FILE, summary)
+    return summary
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def combine_summaries(completions: pa.Table, steps: pa.Table, summaries: dict[int, dict[str, Any]],
+                      markers: dict[int, ShardMarker]) -> dict[str, Any]:
+    wall = max(m.finished_at for m in markers.values()) - min(m.started_at for m in markers.values())
+    # Each shard's summary counts the tokens of its last attempt; their sum over the whole span is the throughput.
+    attempt_prompt = sum(s["prompt_tokens_per_s"] * s["wall_seconds"] for s in summaries.values())
+    attempt_output = sum(s["output_tokens_per_s"] * s["wall_seconds"] for s in summaries.values())
+    last_attempt_steps = [row for row in steps.to_pylist() if row["attempt"] == summaries[row["shard"]]["attempt"]]
+    reasons = completions.column("finish_reason").value_counts().to_pylist()
+    first = summaries[min(summaries)]
+    return {
+        "rows": completions.num_rows,
+        "finish_reasons": {r["values"]: r["counts"] for r in reasons},
+        "prompt_tokens": pc.sum(completions["num_prompt_tokens"]).as_py() or 0,
+        "output_tokens": pc.sum(completions["num_output_tokens"]).as_py() or 0,
+        "num_shards": len(summaries),
+        "wall_seconds": wall,
+        "steps": len(last_attempt_steps),
+        "prompt_tokens_per_s": attempt_prompt / wall,
+        "output_tokens_per_s": attempt_output / wall,
+        "step_medians": step_medians(last_attempt_steps),
+        "shards": [{"shard": index, "rows": s["rows"], "attempt": s["attempt"], "wall_seconds": s["wall_seconds"],
+                    "output_tokens_per_s": s["output_tokens_per_s"]} for index, s in sorted(summaries.items())],
+        "engine": first.get("engine"),
+        "versions": versions(),
+        "config": first.get("config"),
+    }

@@ -1,0 +1,67 @@
+"""One data-parallel rank: shard RANK of WORLD_SIZE on cuda:LOCAL_RANK (or the CPU), as torchrun starts them.
+
+Under torchrun the ranks agree on one run directory (Hydra picks one per process from the clock, so rank 0's
+wins, broadcast over a gloo group), each runs its shard, and rank 0 merges once all have passed a barrier.
+Ranks started by `engine.data_parallel_size` get the directory from their parent, which merges itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from batchgen.config import Config
+from batchgen.runners.local import run_local
+from batchgen.runners.merge import merge_shards
+
+PARENT_MERGES_ENV = "BATCHGEN_PARENT_MERGES"  # set by the data_parallel_size spawner for its children
+# Ranks wait for the slowest one at the end; a shard of a large job can take many hours.
+RANK_WAIT = timedelta(hours=48)
+
+
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls) -> Rank | None:
+        """The rank torchrun (or the spawner) set in the environment; None for a single process."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size <= 1:
+            return None
+        return cls(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+
+
+def rank_config(config: Config, rank: Rank) -> Config:
+    return replace(config, data=replace(config.data, num_shards=rank.world_size, shard_index=rank.rank))
+
+
+def _agreed_run_dir(run_dir: Path) -> Path:
+    chosen = [str(run_dir)]
+    dist.broadcast_object_list(chosen, src=0)
+    return Path(chosen[0])
+
+
+def run_rank(config: Config, run_dir: Path, rank: Rank) -> dict[str, Any]:
+    """Returns rank 0's merged summary under torchrun, else this rank's shard summary."""
+    config = rank_config(config, rank)
+    if config.engine.device != "cpu" and torch.cuda.is_available():
+        torch.cuda.set_device(rank.local_rank)
+    if os.environ.get(PARENT_MERGES_ENV) == "1":
+        return run_local(config, run_dir)
+    dist.init_process_group("gloo", rank=rank.rank, world_size=rank.world_size, timeout=RANK_WAIT)
+    try:
+        run_dir = _agreed_run_dir(run_dir)
+        summary = run_local(config, run_dir)
+        dist.barrier()
+        return merge_shards(run_dir) if rank.rank == 0 else summary
+    finally:
+        dist.destroy_process_group()

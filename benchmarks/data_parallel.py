@@ -1,0 +1,111 @@
+"""Data parallel on one machine: the nanovllm workload scaled to 512 requests, through `python -m batchgen` on one GPU
+and on N (engine.data_parallel_size=N), output tok/s each and the speedup.
+
+The requests are nanovllm_bench's draws scaled to 512 (seed 0; prompt ids randint(0, 10000), prompt length and
+max_tokens randint(100, 1024), temperature 0.6, ignore_eos), Qwen3-0.6B shape with dummy bf16 weights, max_model_len
+4096, written as a prompts file with per-row max_tokens. Two throughputs per run: `job` is the run's summary (output
+tokens over the wall time from the first rank's start to the last rank's end, model load and graph capture
+included), `generation` leaves out each rank's engine start (load_seconds + cuda_graph_capture_seconds from its
+summary) and takes the slowest rank. A short warm-up job first fills the Triton and inductor caches on disk, so
+neither run pays for compilation the other does not.
+
+Usage: python -m benchmarks.data_parallel [--num-seqs 512] [--gpus 2] [--tiny] [--max-tokens N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    QWEN3,
+    REPO,
+    TINY_QWEN3,
+    Request,
+    add_out_argument,
+    environment,
+    markdown_table,
+    nanovllm_requests,
+    save_json,
+)
+
+NUM_SEQS = 512
+ENGINE = ["engine.max_model_len=4096", "engine.max_num_seqs=256", "engine.max_num_batched_tokens=16384"]
+
+
+def write_prompts(path: Path, requests: list[Request], max_tokens: int | None) -> Path:
+    with path.open("w") as file:
+        for index, (token_ids, params) in enumerate(requests):
+            cap = params.max_tokens if max_tokens is None else min(params.max_tokens, max_tokens)
+            record = {"id": f"r{index:05d}", "prompt_token_ids": token_ids, "max_tokens": cap,
+                      "temperature": params.temperature, "ignore_eos": params.ignore_eos}
+            file.write(json.dumps(record) + "\n")
+    return path
+
+
+def run_job(prompts: Path, run_dir: Path, gpus: int, tiny: bool, limit: int | None = None) -> dict[str, Any]:
+    """Runs the job; returns its summary, the rank summaries and the whole process's wall seconds."""
+    model = [f"model={QWEN3}"] + ([f"model.hf_config.{k}={v}" for k, v in TINY_QWEN3.items()] if tiny else [])
+    command = [sys.executable, "-m", "batchgen", *model, f"data.path={prompts}", "data.id_field=id", *ENGINE,
+               f"engine.data_parallel_size={gpus}", "job.name=data_parallel_bench", "job.progress=false",
+               f"hydra.run.dir={run_dir}", *([f"data.limit={limit}"] if limit else [])]
+    start = time.perf_counter()
+    subprocess.run(command, cwd=REPO, check=True)
+    process_seconds = time.perf_counter() - start
+    ranks = sorted(run_dir.glob("shard-*/summary.json")) or [run_dir / "summary.json"]
+    return {"summary": json.loads((run_dir / "summary.json").read_text()), "process_seconds": process_seconds,
+            "ranks": [json.loads(path.read_text()) for path in ranks]}
+
+
+def generation_seconds(rank: dict[str, Any]) -> float:
+    engine = rank["engine"]
+    return rank["wall_seconds"] - engine["load_seconds"] - engine.get("cuda_graph_capture_seconds", 0.0)
+
+
+def row(gpus: int, run: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, Any]:
+    summary = run["summary"]
+    generation = max(generation_seconds(rank) for rank in run["ranks"])
+    result = {"gpus": gpus, "output_tokens": summary["output_tokens"], "process_s": run["process_seconds"],
+              "job_output_tok_s": summary["output_tokens_per_s"],
+              "generation_output_tok_s": summary["output_tokens"] / generation}
+    if baseline is not None:
+        result["job_speedup"] = result["job_output_tok_s"] / baseline["job_output_tok_s"]
+        result["generation_speedup"] = result["generation_output_tok_s"] / baseline["generation_output_tok_s"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-seqs", type=int, default=NUM_SEQS)
+    parser.add_argument("--gpus", type=int, default=2, help="ranks of the data-parallel run")
+    parser.add_argument("--tiny", action="store_true", help="a two-layer Qwen3 instead of the 0.6B shape (CPU test)")
+    parser.add_argument("--max-tokens", type=int, help="caps each request's max_tokens (a quick CPU smoke test)")
+    add_out_argument(parser)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="batchgen_dp_") as tmp:
+        directory = Path(tmp)
+        prompts = write_prompts(directory / "prompts.jsonl", nanovllm_requests(args.num_seqs, total=args.num_seqs),
+                                args.max_tokens)
+        run_job(prompts, directory / "warmup", 1, args.tiny, limit=16)
+        single = run_job(prompts, directory / "gpus1", 1, args.tiny)
+        parallel = run_job(prompts, directory / f"gpus{args.gpus}", args.gpus, args.tiny)
+    baseline = row(1, single, None)
+    rows = [baseline, row(args.gpus, parallel, baseline)]
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    save_json(args.out, "data_parallel", {"environment": environment(), "settings": settings, "rows": rows,
+                                          "summaries": {"gpus1": single, f"gpus{args.gpus}": parallel}})
+    headers = ["gpus", "output_tokens", "process_s", "job_output_tok_s", "job_speedup", "generation_output_tok_s",
+               "generation_speedup"]
+    print(f"\n## data_parallel ({environment()['device']}; {settings})\n")
+    print(markdown_table(headers, [[r.get(h) for h in headers] for r in rows]))
+
+
+if __name__ == "__main__":
+    main()

@@ -244,9 +244,15 @@ class Job:
 
 
 def run(config: Config, run_dir: Path) -> dict[str, Any]:
-    """Runs the job; SIGTERM and SIGINT end it with JobStopped after every finished row is flushed."""
+    return run_job(config, run_dir)[0]
+
+
+def run_job(config: Config, run_dir: Path) -> tuple[dict[str, Any], Job]:
+    """Runs the job; returns its summary and the job. SIGTERM and SIGINT end it with JobStopped after every
+    finished row is flushed."""
     with StopSignals() as signals:
         try:
-            return Job(config, run_dir).run(signals)
+            job = Job(config, run_dir)
+            return job.run(signals), job
         except StopRequested as stop:  # before Job.run's loop took over the signals: nothing was generated
             raise JobStopped(stop.signum, 0, None) from None

@@ -3,10 +3,11 @@ and on N (engine.data_parallel_size=N), output tok/s each and the speedup.
 
 The requests are nanovllm_bench's draws scaled to 512 (seed 0; prompt ids randint(0, 10000), prompt length and
 max_tokens randint(100, 1024), temperature 0.6, ignore_eos), Qwen3-0.6B shape with dummy bf16 weights, max_model_len
-4096, written as a prompts file with per-row max_tokens. Two throughputs per run: `job` is the run's summary (output
-tokens over the wall time from the first rank's start to the last rank's end, model load and graph capture
-included), `generation` leaves out each rank's engine start (load_seconds + cuda_graph_capture_seconds from its
-summary) and takes the slowest rank. A short warm-up job first fills the Triton and inductor caches on disk, so
+4096, written as a prompts file with per-row max_tokens. Two throughputs per run: `job` is the run's summary
+(output tokens over the wall time from the first rank's start to the last rank's end, model load and graph capture
+included); `generation` is each rank's engine loop alone (the sum of its steps' step_ms, its summary's
+`this_attempt.time_seconds.steps`: no imports, load, compilation or capture), taking the slowest rank. A short
+warm-up job first fills the Triton and inductor caches on disk, so
 neither run pays for compilation the other does not.
 
 Usage: python -m benchmarks.data_parallel [--num-seqs 512] [--gpus 2] [--tiny] [--max-tokens N] [--out DIR]
@@ -64,8 +65,7 @@ def run_job(prompts: Path, run_dir: Path, gpus: int, tiny: bool, limit: int | No
 
 
 def generation_seconds(rank: dict[str, Any]) -> float:
-    engine = rank["engine"]
-    return rank["wall_seconds"] - engine["load_seconds"] - engine.get("cuda_graph_capture_seconds", 0.0)
+    return rank["this_attempt"]["time_seconds"]["steps"]
 
 
 def row(gpus: int, run: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, Any]:

@@ -65,8 +65,8 @@ class FastTokenizer:
     def bos_token_id(self) -> int | None:
         return self._special_id("bos_token")
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.config import Config
-from batchgen.job import SUMMARY_FILE, Job
+from batchgen.job import SUMMARY_FILE, run_job
 from batchgen.runners.shards import MARKER_FILE, ShardMarker, shard_dir_name
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,8 @@ def run_local(config: Config, run_dir: Path) -> dict[str, Any]:
         # Resuming a data-parallel run restarts every rank; a finished shard need not load the model again.
         log.info("Shard %d of %d already finished in %s", config.data.shard_index, config.data.num_shards, directory)
         return json.loads((directory / SUMMARY_FILE).read_text())
-    job = Job(config, directory)
     started_at = time.time()
-    summary = job.run()
+    summary, job = run_job(config, directory)
     if config.data.num_shards > 1:
         ShardMarker(config.data.num_shards, config.data.shard_index, job.num_input_rows, started_at,
                     time.time()).write(directory)

@@ -95,3 +95,21 @@ def test_scoring_job_prefills_only(tmp_path):
         assert output_tokens == 0 and n == prompt_tokens and first_is_null and total < 0
     steps = duckdb.sql(f"SELECT DISTINCT kind FROM '{tmp_path / 'steps.parquet'}'").fetchall()
     assert steps == [("prefill",)]
+
+
+def test_prompt_logprobs_are_complete_for_a_prompt_already_in_the_prefix_cache(tiny_model_dir):
+    """A request with prompt_logprobs takes no prefix-cache hits: every prompt position needs its logits."""
+    model_dir = tiny_model_dir("Qwen3ForCausalLM")
+    prompt = [(7 * i + 3) % 256 for i in range(40)]  # five full blocks of 8
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", block_size=8)
+    try:
+        llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # caches its blocks
+        [output] = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1),
+                                use_tqdm=False)
+    finally:
+        llm.close()
+    assert output.num_cached_tokens == 0
+    reference = hf_logprobs(model_dir, prompt)
+    assert len(output.prompt_logprobs) == len(prompt)
+    for position in range(1, len(prompt)):
+        check_entry(output.prompt_logprobs[position], prompt[position], reference[position - 1], 1)

@@ -126,6 +126,14 @@ def test_unguided_rows_equal_a_run_without_guided_rows(llguidance) -> None:
     assert [o.token_ids for o in mixed[2:]] == [o.token_ids for o in alone]
 
 
+def test_every_sample_of_a_guided_row_has_its_own_matcher(llguidance) -> None:
+    """n samples share their row's request id; each must follow the grammar from its own start."""
+    [output] = _generate(SHAKESPEARE, [SamplingParams(n=4, max_tokens=40, temperature=1.0, seed=3,
+                                                      guided_choice=SHAKESPEARE_CHOICES)], "ROMEO:")
+    assert len(output.outputs) == 4
+    assert all(sample.text in SHAKESPEARE_CHOICES for sample in output.outputs)
+
+
 def test_invalid_specs_are_error_rows_naming_the_field(llguidance) -> None:
     params = [
         SamplingParams(max_tokens=8, guided_regex="(unclosed"),

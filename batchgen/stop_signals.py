@@ -73,8 +73,9 @@ class StopSignals:
 
 
 def run_stoppable(run: Callable[[StopSignals], T]) -> T:
-    """Calls `run` with SIGTERM and SIGINT handled: a signal before `run` defers them (nothing was generated yet)
-    ends it with JobStopped at once; `run` itself raises JobStopped once it has flushed its finished rows."""
+    """Calls `run` with SIGTERM and SIGINT handled. A signal while they are not deferred (reading the input,
+    loading the model) ends it at once with JobStopped; while rows are written `run` flushes them and raises
+    JobStopped itself."""
     with StopSignals() as signals:
         try:
             return run(signals)

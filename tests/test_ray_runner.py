@@ -44,8 +44,9 @@ def local_ray():
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_ray_runner_equals_a_local_run(tmp_path, local_ray, sampling):
     run_local(job_config(*JOB, *SAMPLING[sampling]), tmp_path / "local")
-    # batch_size=2: windows of 16 rows, so the 24 rows cross a window boundary.
-    config = job_config(*JOB, *SAMPLING[sampling], "runner=ray", "runner.num_replicas=2", "runner.batch_size=2")
+    # Windows of 16 rows, so the 24 rows cross a window boundary.
+    config = job_config(*JOB, *SAMPLING[sampling], "runner=ray", "runner.num_replicas=2", "runner.batch_size=2",
+                        "runner.window_rows=16")
     summary = ray_data.run_ray(config, tmp_path / "ray")
     assert comparable(tmp_path / "ray") == comparable(tmp_path / "local")
     steps = pq.read_table(tmp_path / "ray" / "steps.parquet").to_pandas()
@@ -66,10 +67,8 @@ def test_ray_runner_resumes_skipping_finished_rows(tmp_path, local_ray):
 
 
 def test_the_driver_holds_at_most_a_window_of_rows(tmp_path, local_ray, monkeypatch):
-    monkeypatch.setattr(ray_data, "WINDOW_BATCHES_PER_ACTOR", 1)  # windows of batch_size * num_replicas = 4 rows
     config = job_config(*JOB, "sampling.temperature=0", "data.limit=10", "runner=ray", "runner.num_replicas=2",
-                        "runner.batch_size=2")
-    assert ray_data.window_size(config) == 4
+                        "runner.batch_size=2", "runner.window_rows=4")
     rows_read = 0
     read_rows = ray_data.iter_prompts
 
@@ -105,11 +104,11 @@ def test_a_resume_with_changed_sampling_is_refused_unless_forced(tmp_path, local
     assert forced["resume_forced"]["differences"] == {"sampling.temperature": [0.0, 0.5]}
 
 
-def test_sigterm_flushes_finished_rows_and_a_resume_completes_them(tmp_path, local_ray, monkeypatch):
-    monkeypatch.setattr(ray_data, "WINDOW_BATCHES_PER_ACTOR", 1)
+def test_sigterm_flushes_finished_rows_and_a_resume_completes_them(tmp_path, local_ray):
     overrides = [*JOB, "sampling.temperature=0", "data.limit=16", "job.flush_rows=1", "job.flush_seconds=0.01"]
     run_local(job_config(*overrides), tmp_path / "local")
-    config = job_config(*overrides, "runner=ray", "runner.num_replicas=2", "runner.batch_size=2", "job.resume=true")
+    config = job_config(*overrides, "runner=ray", "runner.num_replicas=2", "runner.batch_size=2",
+                        "runner.window_rows=4", "job.resume=true")
     parts = tmp_path / "ray" / "completions.parts"
 
     def terminate_after_the_first_part() -> None:

@@ -6,7 +6,7 @@ max_task_retries unbounded), and a failed task's output is never emitted, so no 
 a killed driver resumes like a local job (job.resume=true), with the same configuration check, and SIGTERM/SIGINT
 stop it like a local job: every finished row flushed, then JobStopped.
 
-The input streams: the driver reads rows lazily and hands Ray one window of rows at a time (see window_size), so
+The input streams: the driver reads rows lazily and hands Ray one window of rows at a time (runner.window_rows), so
 neither its memory nor Ray's object store ever holds more than a window of prompts, whatever the input's size.
 """
 
@@ -42,11 +42,6 @@ from batchgen.summary import AttemptStats, summarize, versions
 
 log = logging.getLogger(__name__)
 
-# Batches each actor gets per window: enough that the actors stay busy through a window's tail, few enough that a
-# window of prompts stays small.
-WINDOW_BATCHES_PER_ACTOR = 4
-
-
 class ShardedStepWriter(StepWriter):
     """steps.parquet with the `shard` column: here the number of the actor that ran the step."""
 
@@ -68,11 +63,6 @@ def _wants_gpu(config: Config) -> bool:
     if config.engine.device == "cpu":
         return False
     return config.engine.device == "cuda" or ray.cluster_resources().get("GPU", 0) > 0
-
-
-def window_size(config: Config) -> int:
-    """Rows handed to Ray at once: runner.batch_size * runner.num_replicas * WINDOW_BATCHES_PER_ACTOR."""
-    return config.runner.batch_size * config.runner.num_replicas * WINDOW_BATCHES_PER_ACTOR
 
 
 def _windows(rows: Iterator[PromptRow], size: int) -> Iterator[list[PromptRow]]:
@@ -121,14 +111,14 @@ class RayDriver:
     Driver memory is bounded by a window: it reads the next window only once Ray has returned every output of the
     previous one, and it keeps of the rows only the current window's (plus, like a local job, each row's index:
     the written samples and the sample counts). Ray holds no more: each window is its own `from_items` dataset.
-    The price is that each window starts its actor pool anew, engines included; window_size keeps that rare.
+    The price is that each window starts its actor pool anew, engines included; runner.window_rows keeps that rare.
     """
 
     def __init__(self, config: Config, run_dir: Path):
         self.config, self.run_dir = config, run_dir
         detokenizer = Detokenizer.load(config.model)
         rows = iter_prompts(config.data, detokenizer.tokenizer if detokenizer else None, model_name(config.model))
-        self.windows = _windows(rows, window_size(config))
+        self.windows = _windows(rows, config.runner.window_rows)
         self.first_window = next(self.windows, [])  # problems with the input or its config surface here
         if not self.first_window and config.data.on_empty == "fail":
             raise InputError(f"{config.data.path}: no rows to generate (data.on_empty=fail)")

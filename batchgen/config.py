@@ -104,6 +104,9 @@ class RunnerConfig:
     name: str = "local"  # local (this process; torchrun ranks) | ray (Ray Data actors, one engine each)
     num_replicas: int = 1  # ray: the number of actors
     batch_size: int = 256  # ray: rows per map_batches call
+    # ray: rows the driver hands Ray at once. Each window starts its actors (engines) anew: larger windows load the
+    # model less often and hold more prompts in memory.
+    window_rows: int = 32768
 
 
 @dataclass
@@ -199,6 +202,7 @@ def validate_runner(config: Config) -> None:
     _one_of("runner.name", runner.name, RUNNERS)
     _positive("runner.num_replicas", runner.num_replicas)
     _positive("runner.batch_size", runner.batch_size)
+    _positive("runner.window_rows", runner.window_rows)
     parallel = [key for key, on in (("engine.data_parallel_size", config.engine.data_parallel_size > 1),
                                     ("data.num_shards", config.data.num_shards > 1),
                                     ("runner.name=ray", runner.name == "ray")) if on]

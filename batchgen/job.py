@@ -21,7 +21,7 @@ from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic,
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
 from batchgen.resume_check import check_resume
-from batchgen.stop_signals import JobStopped, StopRequested, StopSignals
+from batchgen.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.summary import AttemptStats, summarize, versions
 
 if TYPE_CHECKING:
@@ -51,6 +51,19 @@ def completion_record(row: PromptRow, output: RequestOutput | None = None) -> di
     }
 
 
+def check_run_dir(config: Config, run_dir: Path) -> dict[str, Any] | None:
+    """Refuses a run dir that holds results unless job.resume is set, and a resume whose output-altering
+    configuration changed unless it is "force" (check_resume); returns what a forced resume overrode."""
+    existing = [p.name for p in (run_dir / CompletionWriter.FILE_NAME, run_dir / "completions.parts") if p.exists()]
+    if existing and not config.job.resume:
+        raise ConfigError(f"job.resume=false but {run_dir} already holds results ({', '.join(existing)}); "
+                          "pass job.resume=true with hydra.run.dir set to it to continue, or use a new run dir")
+    forced = check_resume(run_dir, asdict(config), config.job.resume)
+    if forced is not None:
+        log.warning("job.resume=force: resuming despite changes that alter outputs: %s", forced["differences"])
+    return forced
+
+
 class Job:
     def __init__(self, config: Config, run_dir: Path):
         self.config = config
@@ -69,14 +82,7 @@ class Job:
                         config.data.path)
         self.num_input_rows = len(rows)
         self.rows = shard_rows(rows, config.data.num_shards, config.data.shard_index)
-        existing = [p.name for p in (self.run_dir / CompletionWriter.FILE_NAME,
-                                     self.run_dir / "completions.parts") if p.exists()]
-        if existing and not config.job.resume:
-            raise ConfigError(f"job.resume=false but {self.run_dir} already holds results ({', '.join(existing)}); "
-                              "pass job.resume=true with hydra.run.dir set to it to continue, or use a new run dir")
-        self.forced = check_resume(self.run_dir, asdict(config), config.job.resume)
-        if self.forced is not None:
-            log.warning("job.resume=force: resuming despite changes that alter outputs: %s", self.forced["differences"])
+        self.forced = check_run_dir(config, self.run_dir)
         self.finished_summary = self._finished_summary()
         if self.finished_summary is not None:
             return
@@ -250,9 +256,8 @@ def run(config: Config, run_dir: Path) -> dict[str, Any]:
 def run_job(config: Config, run_dir: Path) -> tuple[dict[str, Any], Job]:
     """Runs the job; returns its summary and the job. SIGTERM and SIGINT end it with JobStopped after every
     finished row is flushed."""
-    with StopSignals() as signals:
-        try:
-            job = Job(config, run_dir)
-            return job.run(signals), job
-        except StopRequested as stop:  # before Job.run's loop took over the signals: nothing was generated
-            raise JobStopped(stop.signum, 0, None) from None
+    def start(signals: StopSignals) -> tuple[dict[str, Any], Job]:
+        job = Job(config, run_dir)
+        return job.run(signals), job
+
+    return run_stoppable(start)

@@ -25,6 +25,13 @@ class Progress:
         self.total, self.done = total, done
         self.prompt_tokens = self.output_tokens = self.errors = 0
 
+    def add_rows(self, total: int, done: int) -> None:
+        """More of a streamed input was read: `total` requests, `done` of them already finished (a resume)."""
+        self.total += total
+        self.done += done
+        self.bar.total = self.total
+        self.bar.update(done)
+
     def update(self, finished: list[RequestOutput], errors: int = 0) -> None:
         self.done += len(finished) + errors
         self.errors += errors + sum(o.finish_reason == "error" for o in finished)

@@ -11,8 +11,12 @@ import shlex
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TypeVar
+
+T = TypeVar("T")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -66,6 +70,17 @@ class StopSignals:
         self.received = signum
         if repeated or not self.deferred:
             raise StopRequested(signum)
+
+
+def run_stoppable(run: Callable[[StopSignals], T]) -> T:
+    """Calls `run` with SIGTERM and SIGINT handled. A signal while they are not deferred (reading the input,
+    loading the model) ends it at once with JobStopped; while rows are written `run` flushes them and raises
+    JobStopped itself."""
+    with StopSignals() as signals:
+        try:
+            return run(signals)
+        except StopRequested as stop:
+            raise JobStopped(stop.signum, 0, None) from None
 
 
 def resume_command(task_overrides: list[str], run_dir: Path) -> str:

@@ -13,8 +13,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from batchgen.cli import CONF_DIR, to_config
-from batchgen.config import Config
+from batchgen.config import Config, ConfigError
 from batchgen.runners.local import run_local
+from batchgen.stop_signals import JobStopped
 
 ray = pytest.importorskip("ray", reason="runner=ray needs the [ray] extra")
 ray_data = pytest.importorskip("batchgen.runners.ray_data", reason="ray.data is not installed")
@@ -43,7 +44,9 @@ def local_ray():
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_ray_runner_equals_a_local_run(tmp_path, local_ray, sampling):
     run_local(job_config(*JOB, *SAMPLING[sampling]), tmp_path / "local")
-    config = job_config(*JOB, *SAMPLING[sampling], "runner=ray", "runner.num_replicas=2", "runner.batch_size=5")
+    # Windows of 16 rows, so the 24 rows cross a window boundary.
+    config = job_config(*JOB, *SAMPLING[sampling], "runner=ray", "runner.num_replicas=2", "runner.batch_size=2",
+                        "runner.window_rows=16")
     summary = ray_data.run_ray(config, tmp_path / "ray")
     assert comparable(tmp_path / "ray") == comparable(tmp_path / "local")
     steps = pq.read_table(tmp_path / "ray" / "steps.parquet").to_pandas()
@@ -61,6 +64,68 @@ def test_ray_runner_resumes_skipping_finished_rows(tmp_path, local_ray):
     pq.write_table(table.slice(0, 10), tmp_path / "completions.parquet")
     summary = ray_data.run_ray(config, tmp_path)
     assert comparable(tmp_path) == first and summary["attempt"] == 1
+
+
+def test_the_driver_holds_at_most_a_window_of_rows(tmp_path, local_ray, monkeypatch):
+    config = job_config(*JOB, "sampling.temperature=0", "data.limit=10", "runner=ray", "runner.num_replicas=2",
+                        "runner.batch_size=2", "runner.window_rows=4")
+    rows_read = 0
+    read_rows = ray_data.iter_prompts
+
+    def counting_reader(*args, **kwargs):
+        nonlocal rows_read
+        for row in read_rows(*args, **kwargs):
+            rows_read += 1
+            yield row
+
+    handed_to_ray: list[tuple[int, int]] = []  # (rows in the dataset, rows read from the input by then)
+    from_items = ray.data.from_items
+
+    def recording_from_items(items, *args, **kwargs):
+        handed_to_ray.append((len(items), rows_read))
+        return from_items(items, *args, **kwargs)
+
+    monkeypatch.setattr(ray_data, "iter_prompts", counting_reader)
+    monkeypatch.setattr(ray.data, "from_items", recording_from_items)
+    summary = ray_data.run_ray(config, tmp_path)
+    assert [size for size, _ in handed_to_ray] == [4, 4, 2]
+    # The next window is read only once the previous one is written.
+    assert [read for _, read in handed_to_ray] == [4, 8, 10]
+    assert summary["rows"] == 10
+    assert pq.read_table(tmp_path / "completions.parquet").column("index").to_pylist() == list(range(10))
+
+
+def test_a_resume_with_changed_sampling_is_refused_unless_forced(tmp_path, local_ray):
+    overrides = [*JOB, "data.limit=4", "runner=ray", "runner.num_replicas=2", "job.resume=true"]
+    ray_data.run_ray(job_config(*overrides, "sampling.temperature=0"), tmp_path)
+    with pytest.raises(ConfigError, match=r"sampling\.temperature: 0\.0 -> 0\.5"):
+        ray_data.run_ray(job_config(*overrides, "sampling.temperature=0.5"), tmp_path)
+    forced = ray_data.run_ray(job_config(*overrides, "sampling.temperature=0.5", "job.resume=force"), tmp_path)
+    assert forced["resume_forced"]["differences"] == {"sampling.temperature": [0.0, 0.5]}
+
+
+def test_sigterm_flushes_finished_rows_and_a_resume_completes_them(tmp_path, local_ray):
+    overrides = [*JOB, "sampling.temperature=0", "data.limit=16", "job.flush_rows=1", "job.flush_seconds=0.01"]
+    run_local(job_config(*overrides), tmp_path / "local")
+    config = job_config(*overrides, "runner=ray", "runner.num_replicas=2", "runner.batch_size=2",
+                        "runner.window_rows=4", "job.resume=true")
+    parts = tmp_path / "ray" / "completions.parts"
+
+    def terminate_after_the_first_part() -> None:
+        deadline = time.monotonic() + 300
+        while not list(parts.glob("part-*.parquet")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=terminate_after_the_first_part)
+    killer.start()
+    with pytest.raises(JobStopped) as stopped:
+        ray_data.run_ray(config, tmp_path / "ray")
+    killer.join()
+    assert stopped.value.signum == signal.SIGTERM and 1 <= stopped.value.rows_done < 16
+    assert list(parts.glob("part-*.parquet")) and not (tmp_path / "ray" / "completions.parquet").exists()
+    ray_data.run_ray(config, tmp_path / "ray")
+    assert comparable(tmp_path / "ray") == comparable(tmp_path / "local")
 
 
 def engine_actor_pids() -> list[int]:

@@ -1,4 +1,5 @@
-"""Reads a prompts file into validated `PromptRow`s, all of them before anything is generated."""
+"""Reads a prompts file into validated `PromptRow`s: all of them before anything is generated (read_prompts), or
+lazily, row by row (iter_prompts, for runner=ray's streaming driver)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from batchgen.io.overrides import OVERRIDE_FIELDS
 from batchgen.io.prompt_rows import PromptRow, error_row, parse_row
 from batchgen.io.sources import SourceRow, arrow_rows, hf_disk_rows, hf_rows, jsonl_rows, parquet_rows
 
-__all__ = ["InputError", "PromptRow", "read_prompts", "resolve_format"]
+__all__ = ["InputError", "PromptRow", "iter_prompts", "read_prompts", "resolve_format"]
 
 FILE_FORMATS = ("jsonl", "parquet", "arrow", "hf")
 
@@ -60,7 +61,13 @@ def _prompt_row(source_row: SourceRow, index: int, cfg: DataConfig, tokenizer: A
 
 
 def read_prompts(cfg: DataConfig, tokenizer: Any = None, model_name: str | None = None) -> list[PromptRow]:
-    """Every row of `cfg.path` (the first `cfg.limit`), in input order.
+    """Every row of `cfg.path` (the first `cfg.limit`), in input order; see iter_prompts."""
+    return list(iter_prompts(cfg, tokenizer, model_name))
+
+
+def iter_prompts(cfg: DataConfig, tokenizer: Any = None, model_name: str | None = None) -> Iterator[PromptRow]:
+    """The rows of `cfg.path` (the first `cfg.limit`), in input order, read as they are asked for (an OpenAI Batch
+    file is read whole); configuration and file problems raise at the first row asked for.
 
     A malformed row raises InputError under on_error="fail"; under "skip" it comes back in place as a
     PromptRow with `error` set. Blank JSONL lines are not rows: they are skipped and get no index. Duplicate
@@ -81,14 +88,13 @@ def read_prompts(cfg: DataConfig, tokenizer: Any = None, model_name: str | None 
     if fmt == "openai_batch":
         if not path.is_file():
             raise InputError(f"{path}: format openai_batch reads a file, and this is not one")
-        return read_batch_file(cfg, tokenizer, model_name if cfg.check_model else None)
+        yield from read_batch_file(cfg, tokenizer, model_name if cfg.check_model else None)
+        return
     source = _row_source(fmt, path, cfg)
-    rows: list[PromptRow] = []
     location_by_id: dict[str, str] = {}
     for index, source_row in enumerate(islice(source, cfg.limit)):
         row = _prompt_row(source_row, index, cfg, tokenizer, path)
         first_location = location_by_id.setdefault(row.id, source_row.location)
         if first_location != source_row.location:
             raise InputError(f"{path}: duplicate id {row.id!r} at {first_location} and {source_row.location}")
-        rows.append(row)
-    return rows
+        yield row

@@ -3,7 +3,11 @@ same run directory as a local job (completions in input order, steps with a `sha
 
 Ray Data restarts an actor that dies and retries its batch (its defaults for actor pools: max_restarts and
 max_task_retries unbounded), and a failed task's output is never emitted, so no row is lost or duplicated;
-a killed driver resumes like a local job (job.resume=true).
+a killed driver resumes like a local job (job.resume=true), with the same configuration check, and SIGTERM/SIGINT
+stop it like a local job: every finished row flushed, then JobStopped.
+
+The input streams: the driver reads rows lazily and hands Ray one window of rows at a time (runner.window_rows), so
+neither its memory nor Ray's object store ever holds more than a window of prompts, whatever the input's size.
 """
 
 from __future__ import annotations
@@ -12,28 +16,31 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import ray
 import ray.data
 
-from batchgen.config import Config, ConfigError
+from batchgen.config import Config
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
-from batchgen.io.readers import PromptRow, read_prompts
+from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.schema import with_metadata
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
-from batchgen.job import STEP_FLUSH_ROWS, SUMMARY_FILE, completion_record
+from batchgen.job import STEP_FLUSH_ROWS, SUMMARY_FILE, check_run_dir, completion_record
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
 from batchgen.runners.ray_actor import INFO, OUTPUT, STEP, EngineActor
 from batchgen.runners.shards import SHARDED_STEPS_SCHEMA
+from batchgen.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.summary import AttemptStats, summarize, versions
 
 log = logging.getLogger(__name__)
-
 
 class ShardedStepWriter(StepWriter):
     """steps.parquet with the `shard` column: here the number of the actor that ran the step."""
@@ -56,6 +63,17 @@ def _wants_gpu(config: Config) -> bool:
     if config.engine.device == "cpu":
         return False
     return config.engine.device == "cuda" or ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _windows(rows: Iterator[PromptRow], size: int) -> Iterator[list[PromptRow]]:
+    window: list[PromptRow] = []
+    for row in rows:
+        window.append(row)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
 
 
 def _missing_samples(rows: list[PromptRow], config: Config, written: dict[int, set[int]]) -> dict[int, list[int]]:
@@ -87,58 +105,122 @@ def _request_rows(rows: list[PromptRow], missing: dict[int, list[int]], completi
     return requests
 
 
+class RayDriver:
+    """Streams the job's rows through Ray Data window by window and writes what the actors return.
+
+    Driver memory is bounded by a window: it reads the next window only once Ray has returned every output of the
+    previous one, and it keeps of the rows only the current window's (plus, like a local job, each row's index:
+    the written samples and the sample counts). Ray holds no more: each window is its own `from_items` dataset.
+    The price is that each window starts its actor pool anew, engines included; runner.window_rows keeps that rare.
+    """
+
+    def __init__(self, config: Config, run_dir: Path):
+        self.config, self.run_dir = config, run_dir
+        detokenizer = Detokenizer.load(config.model)
+        rows = iter_prompts(config.data, detokenizer.tokenizer if detokenizer else None, model_name(config.model))
+        self.windows = _windows(rows, config.runner.window_rows)
+        self.first_window = next(self.windows, [])  # problems with the input or its config surface here
+        if not self.first_window and config.data.on_empty == "fail":
+            raise InputError(f"{config.data.path}: no rows to generate (data.on_empty=fail)")
+        self.forced = check_run_dir(config, run_dir)
+        metadata: dict[str, Any] = {"config": asdict(config), "versions": versions()}
+        if self.forced is not None:
+            metadata["resume_forced"] = self.forced
+        self.completions = CompletionWriter(run_dir, metadata, config.job.flush_rows, config.job.flush_seconds)
+        self.steps = ShardedStepWriter(run_dir, metadata, config.job.flush_seconds)
+        self.written = self.completions.finished_samples()
+        self.attempt = max(self.steps.next_attempt(), 1 if self.written else 0)
+        self.progress = Progress(0, 0, config.job)
+        self.num_samples: dict[int, int] = {}  # by row index, for the rows read so far
+        self.engine_info: dict[str, Any] = {}
+        self.gpu: bool | None = None
+
+    def run(self, signals: StopSignals) -> dict[str, Any]:
+        start = time.perf_counter()
+        already_done = 0
+        try:
+            for window in chain([self.first_window], self.windows):
+                already_done += self._run_window(window, signals)
+                if signals.received is not None:
+                    break
+        except BaseException as exc:
+            self.completions.flush()
+            self.steps.flush()
+            if isinstance(exc, StopRequested):
+                raise self._stopped(exc.signum) from None
+            log.error("Job stopped; finished rows are in %s (resume with job.resume=true)", self.run_dir)
+            raise
+        finally:
+            self.progress.close()
+        if signals.received is not None:
+            self.completions.flush()
+            self.steps.flush()
+            raise self._stopped(signals.received)
+        wall = time.perf_counter() - start
+        stats = AttemptStats(self.attempt, rows=self.progress.done - already_done,
+                             prompt_tokens=self.progress.prompt_tokens, output_tokens=self.progress.output_tokens,
+                             engine_loop_seconds=wall)
+        summary = summarize(self.completions.close(), self.steps.close(), stats, self.engine_info,
+                            asdict(self.config))
+        if self.forced is not None:
+            summary["resume_forced"] = self.forced
+        write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
+        log.info("Done: %d rows through Ray actors in %.1f s -> %s", len(self.num_samples), wall, self.run_dir)
+        return summary
+
+    def _run_window(self, window: list[PromptRow], signals: StopSignals) -> int:
+        """Generates the window's missing samples; returns how many of its samples an earlier attempt wrote.
+        Signals are deferred only while rows are written, so a part file is never cut and waiting on Ray (actors
+        loading their models) stops at once."""
+        missing = _missing_samples(window, self.config, self.written)
+        for row in window:
+            self.num_samples[row.index] = len(self.written.get(row.index, ())) + len(missing[row.index])
+        total = sum(self.num_samples[row.index] for row in window)
+        done = total - sum(len(samples) for samples in missing.values())
+        self.progress.add_rows(total, done)
+        pending = [row for row in window if missing[row.index]]
+        signals.deferred = True
+        requests = _request_rows(pending, missing, self.completions, self.progress)
+        signals.deferred = False
+        if not requests or signals.received is not None:
+            return done
+        _connect()
+        if self.gpu is None:
+            self.gpu = _wants_gpu(self.config)
+        runner = self.config.runner
+        dataset = ray.data.from_items(requests).map_batches(
+            EngineActor, fn_constructor_kwargs={"config": self.config}, batch_size=runner.batch_size,
+            compute=ray.data.ActorPoolStrategy(size=runner.num_replicas), num_gpus=1 if self.gpu else 0,
+            num_cpus=0 if self.gpu else 1)
+        rows_by_index = {row.index: row for row in pending}
+        actor_numbers: dict[str, int] = {}  # a window's actors are shards 0 .. num_replicas - 1
+        for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+            signals.deferred = True
+            self._write_batch(batch, rows_by_index, actor_numbers)
+            signals.deferred = False
+            if signals.received is not None:
+                break
+        return done
+
+    def _write_batch(self, batch: dict[str, Any], rows_by_index: dict[int, PromptRow],
+                     actor_numbers: dict[str, int]) -> None:
+        for kind, actor, line in zip(batch["kind"], batch["actor"], batch["record"], strict=True):
+            record = json.loads(line)
+            if kind == OUTPUT:
+                output = RequestOutput(**record)
+                self.completions.write(completion_record(rows_by_index[output.request_id], output))
+                self.progress.update([output])
+            elif kind == STEP:
+                shard = actor_numbers.setdefault(str(actor), len(actor_numbers))
+                self.steps.write({**record, "attempt": self.attempt, "shard": shard})
+            elif kind == INFO and not self.engine_info:
+                self.engine_info = {**record, "runner": "ray", "num_replicas": self.config.runner.num_replicas}
+
+    def _stopped(self, signum: int) -> JobStopped:
+        """JobStopped counting the rows read so far (the input streams, so its length is not known)."""
+        finished = self.completions.finished_indices(lambda index: self.num_samples.get(index, 1))
+        return JobStopped(signum, len(finished & self.num_samples.keys()), len(self.num_samples))
+
+
 def run_ray(config: Config, run_dir: Path) -> dict[str, Any]:
-    runner = config.runner
-    detokenizer = Detokenizer.load(config.model)
-    rows = read_prompts(config.data, detokenizer.tokenizer if detokenizer else None, model_name(config.model))
-    if (run_dir / CompletionWriter.FILE_NAME).exists() and not config.job.resume:
-        raise ConfigError(f"job.resume=false but {run_dir} already holds results; pass job.resume=true to continue")
-    metadata = {"config": asdict(config), "versions": versions()}
-    completions = CompletionWriter(run_dir, metadata, config.job.flush_rows, config.job.flush_seconds)
-    steps = ShardedStepWriter(run_dir, metadata, config.job.flush_seconds)
-    written = completions.finished_samples()
-    attempt = max(steps.next_attempt(), 1 if written else 0)
-    missing = _missing_samples(rows, config, written)
-    pending = [row for row in rows if missing[row.index]]
-    rows_by_index = {row.index: row for row in pending}
-    total = sum(len(written.get(row.index, ())) + len(missing[row.index]) for row in rows)
-    already_done = total - sum(len(samples) for samples in missing.values())
-    progress = Progress(total, already_done, config.job)
-    start = time.perf_counter()
-    engine_info: dict[str, Any] = {}
-    actor_numbers: dict[str, int] = {}
-    try:
-        requests = _request_rows(pending, missing, completions, progress)
-        if requests:
-            _connect()
-            gpu = _wants_gpu(config)
-            dataset = ray.data.from_items(requests).map_batches(
-                EngineActor, fn_constructor_kwargs={"config": config}, batch_size=runner.batch_size,
-                compute=ray.data.ActorPoolStrategy(size=runner.num_replicas), num_gpus=1 if gpu else 0,
-                num_cpus=0 if gpu else 1)
-            for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
-                for kind, actor, line in zip(batch["kind"], batch["actor"], batch["record"], strict=True):
-                    record = json.loads(line)
-                    if kind == OUTPUT:
-                        output = RequestOutput(**record)
-                        completions.write(completion_record(rows_by_index[output.request_id], output))
-                        progress.update([output])
-                    elif kind == STEP:
-                        shard = actor_numbers.setdefault(str(actor), len(actor_numbers))
-                        steps.write({**record, "attempt": attempt, "shard": shard})
-                    elif kind == INFO:
-                        engine_info = engine_info or {**record, "runner": "ray", "num_replicas": runner.num_replicas}
-    except BaseException:
-        completions.flush()
-        steps.flush()
-        log.error("Job stopped; finished rows are in %s (resume with job.resume=true)", run_dir)
-        raise
-    finally:
-        progress.close()
-    wall = time.perf_counter() - start
-    stats = AttemptStats(attempt, rows=progress.done - already_done, prompt_tokens=progress.prompt_tokens,
-                         output_tokens=progress.output_tokens, engine_loop_seconds=wall)
-    summary = summarize(completions.close(), steps.close(), stats, engine_info, asdict(config))
-    write_json_atomic(run_dir / SUMMARY_FILE, summary)
-    log.info("Done: %d rows through %d Ray actors in %.1f s -> %s", len(rows), len(actor_numbers), wall, run_dir)
-    return summary
+    return run_stoppable(lambda signals: RayDriver(config, Path(run_dir)).run(signals))

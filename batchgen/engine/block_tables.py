@@ -11,23 +11,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchgen.engine.request import Request
+from batchgen.engine.request_rows import RequestRows
 
 
 class BlockTables:
     def __init__(self, width: int, rows: int = 64):
         self.table = np.zeros((rows, width), dtype=np.int32)  # (rows, max_blocks_per_seq)
-        self._free_rows = list(range(rows - 1, -1, -1))
-        # Keyed by object identity (request ids may repeat across generate calls); the entry keeps the request
-        # alive so its id() cannot be reused while the row is held.
-        self._entries: dict[int, _Entry] = {}
+        self._rows = RequestRows(_Entry, self._grow, range(rows))
 
     def rows(self, requests: list[Request]) -> np.ndarray:
         """The table row of each request, its new blocks written first."""
         rows = np.empty(len(requests), dtype=np.int64)
         for i, request in enumerate(requests):
-            entry = self._entries.get(id(request))
-            if entry is None:
-                entry = self._entries[id(request)] = _Entry(request, self._take_row())
+            entry, _ = self._rows.entry(request)
             if entry.preemptions != request.num_preemptions:  # recomputed into new blocks: rewrite the row
                 entry.written, entry.preemptions = 0, request.num_preemptions
             blocks = request.block_ids
@@ -38,22 +34,16 @@ class BlockTables:
         return rows
 
     def release(self, requests: list[Request]) -> None:
-        for request in requests:
-            entry = self._entries.pop(id(request), None)
-            if entry is not None:
-                self._free_rows.append(entry.row)
+        self._rows.release(requests)
 
-    def _take_row(self) -> int:
-        if not self._free_rows:
-            grown = len(self.table)
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
-            self._free_rows = list(range(2 * grown - 1, grown - 1, -1))
-        return self._free_rows.pop()
+    def _grow(self) -> range:
+        grown = len(self.table)
+        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+        return range(grown, 2 * grown)
 
 
 @dataclass
 class _Entry:
-    request: Request
     row: int
     written: int = 0  # blocks of the request already in the row
     preemptions: int = 0

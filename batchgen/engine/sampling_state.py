@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from batchgen.engine.request import Request
+from batchgen.engine.request_rows import RequestRows
 from batchgen.layers.penalties import NEG_INF, SamplingStateRows
 
 INITIAL_ROWS = 64
@@ -26,8 +27,7 @@ class SamplingState:
         self.device = device
         self.rows_tensors: SamplingStateRows | None = None
         self.version = 0
-        self._free_rows: list[int] = []
-        self._entries: dict[int, _Entry] = {}  # id(request) -> its row; the entry keeps the request alive
+        self._rows = RequestRows(_Entry, self._grow)
 
     def rows(self, requests: list[Request]) -> list[int]:
         """Each request's row (0 for one that uses none), new rows initialised on the device first."""
@@ -36,25 +36,16 @@ class SamplingState:
             if not request.sampling_params.uses_penalty_state:
                 rows.append(0)
                 continue
-            entry = self._entries.get(id(request))
-            if entry is None:
-                entry = self._entries[id(request)] = _Entry(request, self._take_row())
+            entry, new = self._rows.entry(request)
+            if new:
                 self._initialise(entry.row, request)
             rows.append(entry.row)
         return rows
 
     def release(self, requests: list[Request]) -> None:
-        for request in requests:
-            entry = self._entries.pop(id(request), None)
-            if entry is not None:
-                self._free_rows.append(entry.row)
+        self._rows.release(requests)
 
-    def _take_row(self) -> int:
-        if not self._free_rows:
-            self._grow()
-        return self._free_rows.pop()
-
-    def _grow(self) -> None:
+    def _grow(self) -> range:
         old = self.rows_tensors
         old_rows = 0 if old is None else old.output_counts.shape[0]
         rows = max(INITIAL_ROWS, 2 * old_rows)
@@ -70,7 +61,7 @@ class SamplingState:
                 getattr(new, name)[:old_rows].copy_(getattr(old, name))
         self.rows_tensors = new
         self.version += 1
-        self._free_rows = list(range(rows - 1, max(old_rows, 1) - 1, -1))  # row 0 stays neutral
+        return range(max(old_rows, 1), rows)  # row 0 stays neutral
 
     def _initialise(self, row: int, request: Request) -> None:
         params = request.sampling_params
@@ -98,5 +89,4 @@ class SamplingState:
 
 @dataclass
 class _Entry:
-    request: Request
     row: int

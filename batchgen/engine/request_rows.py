@@ -1,0 +1,45 @@
+"""Rows of a growable table, each held by one running request across steps and reused once released: the block
+tables' rows and the sampling state's rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Generic, Protocol, TypeVar
+
+from batchgen.engine.request import Request
+
+
+class RowEntry(Protocol):
+    row: int
+
+
+EntryT = TypeVar("EntryT", bound=RowEntry)
+
+
+class RequestRows(Generic[EntryT]):
+    """Keyed by object identity: request ids repeat across generate calls and among a prompt's samples. Each entry
+    keeps its request alive, so the request's id() cannot be reused while it holds a row."""
+
+    def __init__(self, make_entry: Callable[[int], EntryT], grow: Callable[[], Iterable[int]],
+                 free_rows: Iterable[int] = ()):
+        self._make_entry = make_entry  # row -> the entry that holds it
+        self._grow = grow  # enlarges the table; returns the rows it added
+        self._free_rows = sorted(free_rows, reverse=True)  # popped lowest first
+        self._entries: dict[int, tuple[Request, EntryT]] = {}
+
+    def entry(self, request: Request) -> tuple[EntryT, bool]:
+        """The request's entry, and whether its row was taken just now."""
+        held = self._entries.get(id(request))
+        if held is not None:
+            return held[1], False
+        if not self._free_rows:
+            self._free_rows = sorted(self._grow(), reverse=True)
+        entry = self._make_entry(self._free_rows.pop())
+        self._entries[id(request)] = (request, entry)
+        return entry, True
+
+    def release(self, requests: list[Request]) -> None:
+        for request in requests:
+            held = self._entries.pop(id(request), None)
+            if held is not None:
+                self._free_rows.append(held[1].row)

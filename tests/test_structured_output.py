@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -66,11 +67,11 @@ def test_sampler_only_draws_allowed_tokens() -> None:
     masked = apply_token_bitmask(logits, packed)
     assert torch.equal(masked.isfinite(), allowed)
     greedy = SamplingTensors.from_params([SamplingParams(temperature=0)] * 6, [0] * 6, [0] * 6, "cpu")
-    assert torch.equal(sample(logits, greedy, packed), masked.argmax(-1))
+    assert torch.equal(sample(logits, replace(greedy, bitmask=packed)), masked.argmax(-1))
     for position in range(20):
         tensors = SamplingTensors.from_params([SamplingParams(temperature=1.5, top_p=0.9)] * 6, list(range(6)),
                                               [position] * 6, "cpu")
-        ids = sample(logits, tensors, packed)
+        ids = sample(logits, replace(tensors, bitmask=packed))
         assert allowed[torch.arange(6), ids].all()
 
 

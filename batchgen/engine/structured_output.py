@@ -180,10 +180,6 @@ class StructuredOutputManager:
             finished.append(request)
         return finished
 
-    def release(self, requests: list[Request]) -> None:
-        for request in requests:
-            self._requests.pop(request.key, None)
-
     def _sync(self, request: Request, guided: _Guided) -> str | None:
         """Feeds the matcher the request's committed output tokens it has not seen; an error message if one is
         rejected (the mask makes that impossible unless the request was not masked)."""

@@ -8,7 +8,7 @@ timing: a seeded request reproduces run to run and across preemption, with no ho
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -166,13 +166,8 @@ class SamplerOutput:
         return self.logits.float() * self.inv_temperatures.unsqueeze(1)
 
 
-def sample(logits: torch.Tensor, tensors: SamplingTensors, token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (B, V), any float dtype -> (B,) int64 token ids on the same device.
-
-    token_bitmask: (B, ceil(V / 32)) int32, packed allowed tokens (structured output), applied before anything else.
-    """
-    if token_bitmask is not None:
-        tensors = replace(tensors, bitmask=token_bitmask)
+def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """logits (B, V), any float dtype -> (B,) int64 token ids on the same device."""
     return run_sampler(logits, tensors).token_ids
 
 

@@ -56,6 +56,17 @@ def test_eager_vs_graph_pairs_runs_and_compares_tokens_row_by_row(sweep):
     assert (row["tokens_identical"], row["identical_rows"], row["compared_rows"]) == ("false", 1, 2)
 
 
+def test_graph_decode_median_leaves_out_the_eager_decode_steps_of_a_graph_run(tmp_path):
+    """A graph run decodes eagerly above its largest bucket; those steps are not the graph's."""
+    write_run(tmp_path / "0", ["engine.enforce_eager=true"], summary(1.0), [step(0, "decode", 4.0)],
+              [completion(0, [1])])
+    write_run(tmp_path / "1", ["engine.enforce_eager=false"], summary(1.0),
+              [step(0, "decode", 1.0, padded_size=4), step(1, "decode", 9.0), step(2, "decode", 9.0)],
+              [completion(0, [1])])
+    row = table(build_report([tmp_path]), "eager_vs_graph").iloc[0]
+    assert (row["eager_decode_step_ms_p50"], row["graph_decode_step_ms_p50"]) == (4.0, 1.0)
+
+
 def test_sampled_runs_compare_tokens_too(tmp_path):
     sampled = summary(1.0, config={"sampling": {"temperature": 0.8}})
     for number, eager in enumerate(["true", "false"]):

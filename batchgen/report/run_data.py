@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import yaml
 
 from batchgen.report.summary_fields import SummaryFigures, read_figures
+from batchgen.summary import TIME_COLUMNS
 
 REQUIRED_FILES = ("summary.json", "completions.parquet", "steps.parquet")
 COMPLETION_COLUMNS = ["index", "finish_reason", "num_output_tokens", "output_token_ids", "ttft_ms", "tpot_ms",
                       "latency_ms"]
-STEP_COLUMNS = ["step", "kind", "num_seqs", "padded_size", "cuda_graph", "schedule_ms", "prepare_ms", "forward_ms",
-                "sample_ms", "wait_ms", "step_ms"]
+STEP_COLUMNS = ["step", "kind", "num_seqs", "padded_size", "cuda_graph", *TIME_COLUMNS]
 NEEDED_COLUMNS = {"completions.parquet": COMPLETION_COLUMNS, "steps.parquet": STEP_COLUMNS}
 
 

@@ -6,8 +6,8 @@ import pandas as pd
 
 from batchgen.report.aggregate import percentiles
 from batchgen.report.run_data import Run
+from batchgen.summary import TIME_COLUMNS
 
-TIME_COLUMNS = ["schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "wait_ms", "step_ms"]
 GROUP = ["run", "kind", "mode", "bucket"]
 
 
@@ -29,5 +29,5 @@ def per_step_table(runs: list[Run]) -> pd.DataFrame:
     grouped = steps.groupby(GROUP, sort=False)
     counts = grouped.agg(steps=("step", "size"), num_seqs_mean=("num_seqs", "mean"),
                          padding_seqs_mean=("padding_seqs", "mean"))
-    table = counts.join(percentiles(steps, GROUP, TIME_COLUMNS, (50, 90)))
+    table = counts.join(percentiles(steps, GROUP, list(TIME_COLUMNS), (50, 90)))
     return table.reset_index()

@@ -171,7 +171,7 @@ class CompletionWriter(PartedParquetWriter):
                 if samples.issuperset(range(num_samples(index)))}
 
     def write(self, record: dict[str, Any]) -> None:
-        record = {"sample_index": 0, **record}
+        record.setdefault("sample_index", 0)
         key = (record.get("index"), record["sample_index"])
         if key in self._written:
             raise DuplicateRowError(f"{self.final_path}: index {key[0]} was already written (sample_index {key[1]})")
@@ -191,11 +191,10 @@ class StepWriter(PartedParquetWriter):
     FILE_NAME = "steps.parquet"
 
     def __init__(
-        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 256, flush_seconds: float = 10.0
+        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 256, flush_seconds: float = 10.0,
+        schema: pa.Schema = STEPS_SCHEMA,  # a sharded run's steps add a `shard` column
     ) -> None:
-        super().__init__(
-            run_dir / self.FILE_NAME, with_metadata(STEPS_SCHEMA, metadata), None, flush_rows, flush_seconds
-        )
+        super().__init__(run_dir / self.FILE_NAME, with_metadata(schema, metadata), None, flush_rows, flush_seconds)
 
     def next_attempt(self) -> int:
         """0 for a fresh run, else 1 + the latest attempt with steps on disk; call it before writing."""

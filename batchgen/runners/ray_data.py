@@ -29,8 +29,8 @@ from batchgen.config import Config
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
+from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, iter_prompts
-from batchgen.io.schema import with_metadata
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
 from batchgen.job import STEP_FLUSH_ROWS, SUMMARY_FILE, check_run_dir, completion_record
 from batchgen.outputs import RequestOutput
@@ -41,14 +41,6 @@ from batchgen.stop_signals import JobStopped, StopRequested, StopSignals, run_st
 from batchgen.summary import AttemptStats, summarize, versions
 
 log = logging.getLogger(__name__)
-
-class ShardedStepWriter(StepWriter):
-    """steps.parquet with the `shard` column: here the number of the actor that ran the step."""
-
-    def __init__(self, run_dir: Path, metadata: dict[str, Any], flush_seconds: float) -> None:
-        super(StepWriter, self).__init__(run_dir / self.FILE_NAME, with_metadata(SHARDED_STEPS_SCHEMA, metadata),
-                                         None, STEP_FLUSH_ROWS, flush_seconds)
-
 
 def _connect() -> None:
     if ray.is_initialized():
@@ -127,7 +119,7 @@ class RayDriver:
         if self.forced is not None:
             metadata["resume_forced"] = self.forced
         self.completions = CompletionWriter(run_dir, metadata, config.job.flush_rows, config.job.flush_seconds)
-        self.steps = ShardedStepWriter(run_dir, metadata, config.job.flush_seconds)
+        self.steps = StepWriter(run_dir, metadata, STEP_FLUSH_ROWS, config.job.flush_seconds, SHARDED_STEPS_SCHEMA)
         self.written = self.completions.finished_samples()
         self.attempt = max(self.steps.next_attempt(), 1 if self.written else 0)
         self.progress = Progress(0, 0, config.job)
@@ -165,6 +157,8 @@ class RayDriver:
         if self.forced is not None:
             summary["resume_forced"] = self.forced
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
+        if openai_results_wanted(self.config):
+            write_openai_results(self.config, self.run_dir)
         log.info("Done: %d rows through Ray actors in %.1f s -> %s", len(self.num_samples), wall, self.run_dir)
         return summary
 

@@ -3,6 +3,7 @@ profiled job sees the kernels inside replayed CUDA graphs."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -25,7 +26,8 @@ def shakespeare_config(*overrides: str) -> Config:
 
 def test_three_jobs_in_one_process_return_gpu_memory(tmp_path: Path):
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # blocks cached by earlier tests of this process are not the jobs' to give back
+    gc.collect()  # earlier tests' garbage and cached blocks are not the jobs' to give back
+    torch.cuda.empty_cache()
     start = torch.cuda.memory_reserved()
     setups = [["engine.enforce_eager=true"], ["engine.enforce_eager=false"],
               ["engine.enforce_eager=false", "engine.torch_compile=false", "job.profile_steps=2"]]

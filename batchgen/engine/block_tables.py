@@ -17,13 +17,13 @@ from batchgen.engine.request_rows import RequestRows
 class BlockTables:
     def __init__(self, width: int, rows: int = 64):
         self.table = np.zeros((rows, width), dtype=np.int32)  # (rows, max_blocks_per_seq)
-        self._rows = RequestRows(_Entry, self._grow, range(rows))
+        self._rows = RequestRows(_Entry, range(rows))
 
     def rows(self, requests: list[Request]) -> np.ndarray:
         """The table row of each request, its new blocks written first."""
         rows = np.empty(len(requests), dtype=np.int64)
         for i, request in enumerate(requests):
-            entry, _ = self._rows.entry(request)
+            entry, _ = self._rows.entry(request, self._grow)
             if entry.preemptions != request.num_preemptions:  # recomputed into new blocks: rewrite the row
                 entry.written, entry.preemptions = 0, request.num_preemptions
             blocks = request.block_ids

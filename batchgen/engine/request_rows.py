@@ -20,20 +20,20 @@ class RequestRows(Generic[EntryT]):
     """Keyed by object identity: request ids repeat across generate calls and among a prompt's samples. Each entry
     keeps its request alive, so the request's id() cannot be reused while it holds a row."""
 
-    def __init__(self, make_entry: Callable[[int], EntryT], grow: Callable[[], Iterable[int]],
-                 free_rows: Iterable[int] = ()):
+    def __init__(self, make_entry: Callable[[int], EntryT], free_rows: Iterable[int] = ()):
         self._make_entry = make_entry  # row -> the entry that holds it
-        self._grow = grow  # enlarges the table; returns the rows it added
         self._free_rows = sorted(free_rows, reverse=True)  # popped lowest first
         self._entries: dict[int, tuple[Request, EntryT]] = {}
 
-    def entry(self, request: Request) -> tuple[EntryT, bool]:
-        """The request's entry, and whether its row was taken just now."""
+    def entry(self, request: Request, grow: Callable[[], Iterable[int]]) -> tuple[EntryT, bool]:
+        """The request's entry, and whether its row was taken just now. grow enlarges the table when no row is free
+        and returns the rows it added (passed per call, not kept: a bound method kept here would make its table a
+        reference cycle, freed only by the garbage collector, and the sampling state's table is GPU memory)."""
         held = self._entries.get(id(request))
         if held is not None:
             return held[1], False
         if not self._free_rows:
-            self._free_rows = sorted(self._grow(), reverse=True)
+            self._free_rows = sorted(grow(), reverse=True)
         entry = self._make_entry(self._free_rows.pop())
         self._entries[id(request)] = (request, entry)
         return entry, True

@@ -27,7 +27,7 @@ class SamplingState:
         self.device = device
         self.rows_tensors: SamplingStateRows | None = None
         self.version = 0
-        self._rows = RequestRows(_Entry, self._grow)
+        self._rows = RequestRows(_Entry)
 
     def rows(self, requests: list[Request]) -> list[int]:
         """Each request's row (0 for one that uses none), new rows initialised on the device first."""
@@ -36,7 +36,7 @@ class SamplingState:
             if not request.sampling_params.uses_penalty_state:
                 rows.append(0)
                 continue
-            entry, new = self._rows.entry(request)
+            entry, new = self._rows.entry(request, self._grow)
             if new:
                 self._initialise(entry.row, request)
             rows.append(entry.row)

@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import asdict
 from itertools import chain
 from pathlib import Path
@@ -188,12 +189,15 @@ class RayDriver:
             num_cpus=0 if self.gpu else 1)
         rows_by_index = {row.index: row for row in pending}
         actor_numbers: dict[str, int] = {}  # a window's actors are shards 0 .. num_replicas - 1
-        for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
-            signals.deferred = True
-            self._write_batch(batch, rows_by_index, actor_numbers)
-            signals.deferred = False
-            if signals.received is not None:
-                break
+        # Closed explicitly: a stop's traceback keeps this frame, and with it an unclosed iterator whose executor
+        # would hold the actors (and their CPUs or GPUs) until garbage collection, starving a resume in-process.
+        with closing(iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))) as batches:
+            for batch in batches:
+                signals.deferred = True
+                self._write_batch(batch, rows_by_index, actor_numbers)
+                signals.deferred = False
+                if signals.received is not None:
+                    break
         return done
 
     def _write_batch(self, batch: dict[str, Any], rows_by_index: dict[int, PromptRow],

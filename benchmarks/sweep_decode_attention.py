@@ -1,0 +1,101 @@
+"""Decode attention launch configurations on ragged contexts (CUDA only): which tile, warps, stages and split count
+read the paged KV cache fastest at the batch sizes of nanovllm_bench.
+
+Run from the repo root: python -m benchmarks.sweep_decode_attention [--out DIR]
+Contexts are uniform in [100, 2048] (nanovllm_bench's prompt plus output lengths), blocks scattered over the cache.
+GB/s = K and V bytes of every sequence's context / median time (triton.testing.do_bench, L2 flushed per call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from batchgen.layers import attention_triton as at
+from benchmarks.common import add_out_argument, environment, save_json
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
+
+
+def ragged_inputs(batch: int, lo: int, hi: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (batch,), generator=gen)
+    width = -(-hi // BLOCK_SIZE)
+    num_blocks = batch * width
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    block_tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, width)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    return q, k_cache, v_cache, block_tables, lens.to(torch.int32).cuda()
+
+
+def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, block_n, warps, stages):
+    batch, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    mid_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+
+    def run():
+        at._decode_kernel[(batch, NUM_KV_HEADS, splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+            scale * at._LOG2E, at._NO_WINDOW,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+            splits,
+            GROUP=num_heads // NUM_KV_HEADS, HEAD_DIM=head_dim, BLOCK_SIZE=BLOCK_SIZE,
+            BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n, DOT_PRECISION="tf32",
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        if splits > 1:
+            at._decode_reduce_kernel[(batch, num_heads)](
+                mid_o, mid_lse, out, *out.stride(), splits,
+                HEAD_DIM=head_dim, BLOCK_D=head_dim, MAX_SPLITS=at._MAX_SPLITS, num_warps=4,
+            )  # fmt: skip
+        return out
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_out_argument(parser)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    scale = HEAD_DIM**-0.5
+    results = []
+    for batch, (lo, hi) in itertools.product((64, 128, 256), ((100, 2048), (512, 512), (2048, 2048))):
+        inputs = ragged_inputs(batch, lo, hi)
+        kv_gb = 2 * int(inputs[4].sum()) * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize / 1e9
+        reference = at.decode_attention(*inputs, scale).float()
+        best = None
+        for splits, block_n, warps, stages in itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (2, 3, 4)):
+            try:
+                fn = launch(*inputs, scale, splits, block_n, warps, stages)
+                torch.testing.assert_close(fn().float(), reference, atol=2e-2, rtol=2e-2)
+                ms = do_bench(fn, return_mode="median")
+            except Exception as exc:  # out of shared memory, registers
+                print(f"skip {batch} {lo}-{hi} {splits} {block_n} {warps} {stages}: {type(exc).__name__}",
+                      file=sys.stderr)
+                continue
+            row = {"batch": batch, "ctx": f"{lo}-{hi}", "splits": splits, "block_n": block_n, "warps": warps,
+                   "stages": stages, "ms": ms, "gb_s": kv_gb / ms * 1e3}
+            results.append(row)
+            if best is None or ms < best["ms"]:
+                best = row
+        default = next(r for r in results if r["batch"] == batch and r["ctx"] == f"{lo}-{hi}" and r["splits"] == 1
+                       and r["block_n"] == 64 and r["warps"] == 4 and r["stages"] == 2)
+        print(f"batch {batch} ctx {lo}-{hi}: default {default['ms']:.4f} ms {default['gb_s']:.0f} GB/s; best "
+              f"{best['ms']:.4f} ms {best['gb_s']:.0f} GB/s with splits={best['splits']} block_n={best['block_n']} "
+              f"warps={best['warps']} stages={best['stages']}")
+        del inputs
+        torch.cuda.empty_cache()
+    save_json(args.out, "sweep_decode_attention", {"environment": environment(), "rows": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -41,14 +41,20 @@ class HostClock:
         self.seconds: dict[tuple[str, str], list[float]] = defaultdict(list)
         self.kind = "?"
         self._current: dict[str, float] = defaultdict(float)
+        self._open: set[str] = set()
 
     def wrap(self, part: str, fn: Callable) -> Callable:
+        """fn, timed into `part`; a call nested in another call of the same part counts once."""
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if part in self._open:
+                return fn(*args, **kwargs)
+            self._open.add(part)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._current[part] += time.perf_counter() - start
+                self._open.discard(part)
         return timed
 
     def begin(self, kind: str) -> None:
@@ -81,12 +87,11 @@ def instrument(engine, clock: HostClock) -> None:
     scheduler.schedule = clock.wrap("schedule", scheduler.schedule)
     scheduler.commit = clock.wrap("commit", scheduler.commit)
     model_runner.build_step_inputs = clock.wrap("build_step_inputs", model_runner.build_step_inputs)
-    sampling_tensors = model_runner.SamplingTensors
-    model_runner.SamplingTensors = type("TimedSamplingTensors", (), {
-        "from_params": staticmethod(clock.wrap("sampling_tensors", sampling_tensors.from_params))})
-    model_runner.sample = clock.wrap("sample_launch", model_runner.sample)
+    model_runner.build_step_sampling = clock.wrap("sampling_tensors", model_runner.build_step_sampling)
+    runner._graph_sample = clock.wrap("sample_launch", runner._graph_sample)
+    runner._eager_sample = clock.wrap("sample_launch", runner._eager_sample)
     runner._to_device = clock.wrap("to_device", runner._to_device)
-    runner._eager_logits = clock.wrap("forward_launch", runner._eager_logits)
+    runner._eager_forward = clock.wrap("forward_launch", runner._eager_forward)
     if runner.graphs is not None:
         runner.graphs.replay = clock.wrap("forward_launch", runner.graphs.replay)
     runner.collect = clock.wrap("collect", runner.collect)

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace, requests: list[Request], enable_prefix_caching
         "wall_seconds": wall,
         "output_tok_s": output_tokens / wall,
         "steps_by_kind": step_counts(records),
+        "cascade_decode_steps": sum(r.cascade_attention for r in records),
         "preemptions": sum(r.num_preempted for r in records),
         "token_ids": [o.token_ids for o in outputs],
     }

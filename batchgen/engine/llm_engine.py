@@ -133,7 +133,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
                                   engine_config.max_num_seqs, attention_ops(backend))
         self.runner.logprobs_mode = engine_config.logprobs_mode
-        self.runner.cascade_attention = engine_config.cascade_attention and backend == "triton"
+        # Only the Triton kernels cascade, and only layers without a sliding window (Mistral windows every layer).
+        self.runner.cascade_attention = (engine_config.cascade_attention and backend == "triton"
+                                         and any(a.sliding_window is None for a in self.runner.attention_layers))
         self._token_text = token_texts(self.detokenizer)
         kv_choice = self._num_kv_blocks(kv_demand)
         num_blocks = kv_choice.num_blocks

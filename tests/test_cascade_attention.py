@@ -1,7 +1,6 @@
 """Cascade decode attention: the shared prefix read once for the whole batch gives the reference's output.
 
-The Triton cases run on CUDA, or on CPU through Triton's interpreter (`TRITON_INTERPRET=1`, scaled down, fp32 only);
-the shared-length computation is plain torch and always runs.
+Runs on CUDA, or on CPU through Triton's interpreter (`TRITON_INTERPRET=1`; fp32 only there).
 """
 
 from __future__ import annotations
@@ -19,29 +18,9 @@ from triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 from batchgen.layers import attention_torch, attention_triton
 from batchgen.layers.shared_prefix import shared_prefix_len
 
+pytestmark = TRITON_MARKS
+
 f32, bf16 = torch.float32, torch.bfloat16
-
-
-def _tables(rows: list[list[int]], width: int = 6) -> torch.Tensor:
-    table = torch.zeros(len(rows), width, dtype=torch.int32)
-    for i, row in enumerate(rows):
-        table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
-    return table
-
-
-@pytest.mark.parametrize(("rows", "seq_lens", "expected"), [
-    ([[5, 6, 7], [5, 6, 9], [5, 6, 7]], [40, 40, 33], 32),  # a divergent third block in one row
-    ([[5, 6, 7], [5, 6, 7], [5, 6, 7]], [40, 41, 35], 35),  # no more than the shortest context
-    ([[5, 6, 7], [5, 6, 7], []], [40, 48, 0], 40),  # a padding row matches anything
-    ([[5, 6, 7], [4, 6, 7]], [40, 40], 0),  # a later match does not count without the blocks before it
-    ([[5, 6], [5, 6, 3]], [20, 47], 20),  # a row's zero columns past its blocks never widen the prefix
-    ([[], [5, 6]], [0, 20], 0),  # row 0 padding: the kernel reads through row 0's table
-    ([[5, 6, 7]], [40], 40),
-], ids=str)
-def test_shared_prefix_len(rows, seq_lens, expected) -> None:
-    got = shared_prefix_len(_tables(rows), torch.tensor(seq_lens, dtype=torch.int32), block_size=16)
-    assert got.dtype == torch.int32 and got.shape == (1,)
-    assert got.item() == expected
 
 
 def _shared_prefix_tables(block_tables: torch.Tensor, seq_lens: list[int], prefix_len: int,

@@ -23,8 +23,8 @@ from batchgen.engine.step_sampling import BitmaskProvider, StepSampling, build_s
 from batchgen.layers import attention_torch
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.logprobs import compute_logprobs
-from batchgen.layers.shared_prefix import shared_prefix_len
 from batchgen.layers.sampler import SamplerOutput, run_sampler
+from batchgen.layers.shared_prefix import shared_prefix_len
 
 log = logging.getLogger(__name__)
 

@@ -46,6 +46,7 @@ cb_limit=$((cb_limit > 300 ? 300 : cb_limit < 30 ? 30 : cb_limit))
 step peers 450 "$PY" -m benchmarks.peers --num-seqs 256 --time-limit "$cb_limit"
 step prefix_cache 240 "$PY" -m benchmarks.prefix_cache
 step bench_attention 60 "$PY" -m benchmarks.bench_attention
+step bench_cascade_attention 60 "$PY" -m benchmarks.bench_cascade_attention
 step bench_linear 90 "$PY" -m benchmarks.bench_linear
 step main_job_cold 150 "$PY" -m benchmarks.main_job --fresh-triton-cache
 step main_job 120 "$PY" -m benchmarks.main_job

@@ -61,6 +61,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     torch_compile: bool = True  # on CUDA, fuse the small elementwise layers (norms, rotary, activation)
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM v1's default)
+    # Triton decode steps whose rows all start with the same KV blocks read that shared prefix once for the batch
+    cascade_attention: bool = True
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs (after penalties, temperature, filters)
     data_parallel_size: int = 1  # N > 1: start N processes, one shard each on its own GPU (cuda:rank) or CPU

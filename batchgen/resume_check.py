@@ -42,6 +42,7 @@ OUTPUT_NEUTRAL_KEYS = (
     "engine.torch_compile",
     "engine.attention_backend",
     "engine.enable_prefix_caching",
+    "engine.cascade_attention",
     "engine.data_parallel_size",
     "runner.*",
 )

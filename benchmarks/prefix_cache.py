@@ -1,8 +1,9 @@
 """Prefix caching: 1,024 requests sharing a 1,000-token prefix, 50-token suffixes, 64 new tokens, Qwen3-0.6B shape
 (dummy bf16), with engine.enable_prefix_caching on and off: prefill tokens computed and wall time.
 
-Greedy, ignore_eos. Each engine first runs 16 unrelated warm-up requests (8 new tokens), so that neither run pays
-for compilation or graph warm-up in its timing and the shared prefix is not cached before the timed run.
+Greedy, ignore_eos. Each engine first runs warm-up requests (8 new tokens: 16 unrelated, then 16 sharing another
+prefix), so that neither run pays for compilation or graph warm-up in its timing and the shared prefix is not cached
+before the timed run.
 
 Usage: python -m benchmarks.prefix_cache [--num-requests 1024] [--small] [--out DIR]
 """
@@ -35,9 +36,14 @@ def shared_prefix_requests(num_requests: int, prefix_len: int, suffix_len: int, 
     return [(prefix + [rng.randrange(10000) for _ in range(suffix_len)], params) for _ in range(num_requests)]
 
 
-def warmup_requests() -> list[Request]:
+def warmup_requests() -> list[list[Request]]:
+    """Unrelated prompts, then (once its first row is cached) 16 rows sharing another 320-token prefix, so that
+    cascade attention's kernels compile here too."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    return [(random_prompt(100, seed=1000 + i), params) for i in range(16)]
+    unrelated = [(random_prompt(100, seed=1000 + i), params) for i in range(16)]
+    prefix = random_prompt(320, seed=999)
+    sharing = [(prefix + random_prompt(20, seed=2000 + i), params) for i in range(16)]
+    return [unrelated, sharing[:1], sharing]
 
 
 def run(args: argparse.Namespace, requests: list[Request], enable_prefix_caching: bool) -> dict:
@@ -45,7 +51,8 @@ def run(args: argparse.Namespace, requests: list[Request], enable_prefix_caching
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, enable_prefix_caching=enable_prefix_caching)
     try:
-        run_engine(engine, warmup_requests())
+        for warmup in warmup_requests():
+            run_engine(engine, warmup)
         outputs, records, wall = run_engine(engine, requests)
     finally:
         engine.close()
@@ -61,6 +68,7 @@ def run(args: argparse.Namespace, requests: list[Request], enable_prefix_caching
         "wall_seconds": wall,
         "output_tok_s": output_tokens / wall,
         "steps_by_kind": step_counts(records),
+        "cascade_decode_steps": sum(r.cascade_attention for r in records),
         "preemptions": sum(r.num_preempted for r in records),
         "token_ids": [o.token_ids for o in outputs],
     }

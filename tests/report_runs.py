@@ -16,9 +16,10 @@ def step(index: int, kind: str, step_ms: float, num_seqs: int = 2, padded_size: 
          **times: float) -> dict[str, Any]:
     return {"step": index, "attempt": 0, "kind": kind, "num_seqs": num_seqs, "num_tokens": num_seqs,
             "num_prefill_tokens": 0, "num_decode_tokens": num_seqs, "padded_size": padded_size,
-            "cuda_graph": padded_size is not None, "schedule_ms": 0.0, "prepare_ms": 0.0, "forward_ms": 0.0,
-            "sample_ms": 0.0, "wait_ms": 0.0, "step_ms": step_ms, "kv_blocks_used": 1, "kv_blocks_total": 8,
-            "num_waiting": 0, "num_running": num_seqs, "num_preempted": 0, "num_cached_tokens": 0, **times}
+            "cuda_graph": padded_size is not None, "cascade_attention": False, "schedule_ms": 0.0, "prepare_ms": 0.0,
+            "forward_ms": 0.0, "sample_ms": 0.0, "wait_ms": 0.0, "step_ms": step_ms, "kv_blocks_used": 1,
+            "kv_blocks_total": 8, "num_waiting": 0, "num_running": num_seqs, "num_preempted": 0, "num_cached_tokens": 0,
+            **times}
 
 
 def completion(index: int, tokens: list[int], ttft_ms: float = 1.0, finish_reason: str = "length") -> dict[str, Any]:

@@ -63,10 +63,10 @@ def test_graph_replay_equals_eager_for_every_bucket(tiny_model_dir, architecture
 def test_capture_out_of_memory_drops_only_that_bucket(tiny_model_dir, monkeypatch, caplog):
     capture_forward = CudaGraphRunner._forward
 
-    def forward(self, size: int) -> torch.Tensor:
+    def forward(self, size: int, cascade: bool = False) -> torch.Tensor:
         if size == 8:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return capture_forward(self, size)
+        return capture_forward(self, size, cascade)
 
     monkeypatch.setattr(CudaGraphRunner, "_forward", forward)
     model_dir = str(tiny_model_dir("Qwen3ForCausalLM"))

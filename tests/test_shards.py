@@ -17,9 +17,9 @@ from batchgen.runners.shards import ShardMarker, shard_dir_name, shard_indices, 
 
 REPO = Path(__file__).resolve().parent.parent
 STEP = dict(step=0, attempt=0, kind="decode", num_seqs=1, num_tokens=1, num_prefill_tokens=0, num_decode_tokens=1,
-            padded_size=None, cuda_graph=False, schedule_ms=1.0, prepare_ms=1.0, forward_ms=1.0, sample_ms=1.0,
-            wait_ms=0.0, step_ms=4.0, kv_blocks_used=1, kv_blocks_total=8, num_waiting=0, num_running=1,
-            num_preempted=0, num_cached_tokens=0)
+            padded_size=None, cuda_graph=False, cascade_attention=False, schedule_ms=1.0, prepare_ms=1.0,
+            forward_ms=1.0, sample_ms=1.0, wait_ms=0.0, step_ms=4.0, kv_blocks_used=1, kv_blocks_total=8, num_waiting=0,
+            num_running=1, num_preempted=0, num_cached_tokens=0)
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 7])

@@ -53,6 +53,7 @@ def step(attempt: int, number: int) -> dict[str, Any]:
         "num_decode_tokens": 4,
         "padded_size": 8,
         "cuda_graph": True,
+        "cascade_attention": False,
         "schedule_ms": 0.1,
         "prepare_ms": 0.2,
         "forward_ms": 3.0,

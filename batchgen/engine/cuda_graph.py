@@ -2,6 +2,9 @@
 
 A pure-decode step of n requests replays the graph of the smallest bucket >= n. Its inputs are copied into
 static buffers first; padded rows get slot -1 (write no KV) and context length 0 (read nothing).
+
+Steps whose rows share a KV prefix replay a bucket's cascade variant (`attention_triton`), which computes the shared
+length inside the graph. Each is captured on first use, so jobs without shared prefixes never pay for them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch import nn
 
 from batchgen.engine.step_inputs import StepInputs
 from batchgen.layers.attention import AttentionMetadata
+from batchgen.layers.shared_prefix import shared_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ def fill_pending_tokens(input_ids: torch.Tensor, pending_source: torch.Tensor,
 class GraphCaptureBuffers:
     """Static device inputs sized for the largest bucket; every graph reads views of their first rows."""
 
-    def __init__(self, max_size: int, block_table_width: int, device: torch.device):
+    def __init__(self, max_size: int, block_table_width: int, block_size: int, device: torch.device):
         self.pinned = device.type == "cuda"
         # Ids, positions, slots, context lengths and pending sources share one (5, max_size) buffer: one copy.
         self.packed = torch.zeros(5, max_size, dtype=torch.int64, device=device)
@@ -54,16 +58,19 @@ class GraphCaptureBuffers:
         self.block_tables = torch.zeros(max_size, block_table_width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
         self.block_table_width = block_table_width
+        self.block_size = block_size
 
-    def metadata(self, size: int) -> AttentionMetadata:
+    def metadata(self, size: int, cascade: bool = False) -> AttentionMetadata:
+        block_tables, seq_lens = self.block_tables[:size], self.seq_lens[:size]
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             query_start_loc=self.query_start_loc[:size + 1],
             max_query_len=1,
             max_seq_len=self.block_table_width,
             is_decode=True,
+            shared_prefix_len=shared_prefix_len(block_tables, seq_lens, self.block_size) if cascade else None,
         )
 
     def load(self, inputs: StepInputs, size: int) -> None:
@@ -98,52 +105,83 @@ class CaptureStats:
 class CudaGraphRunner:
     """Captures model forward + logits for each bucket, largest first, into one shared memory pool."""
 
-    def __init__(self, model: nn.Module, buffers: GraphCaptureBuffers, sizes: list[int], last_sampled: torch.Tensor):
+    def __init__(self, model: nn.Module, buffers: GraphCaptureBuffers, sizes: list[int], last_sampled: torch.Tensor,
+                 cascade: bool = False):
         self.model = model
         self.buffers = buffers
         self.last_sampled = last_sampled  # (max_num_seqs,) int64: the previous step's sampled ids
         self.sizes = sorted(sizes)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.cascade = cascade  # whether steps may replay cascade variants
+        # Keyed by (bucket, cascade); each graph's logits are its own static output.
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self._pool = None
+        self._replayed: tuple[int, bool] | None = None
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, cascade: bool = False) -> torch.Tensor:
         b = self.buffers
         input_ids = fill_pending_tokens(b.input_ids[:size], b.pending_source[:size], self.last_sampled)
-        hidden = self.model(input_ids, b.positions[:size], b.metadata(size))
+        hidden = self.model(input_ids, b.positions[:size], b.metadata(size, cascade))
         return self.model.compute_logits(hidden)
+
+    def _capture_one(self, size: int, cascade: bool) -> None:
+        # Warm-up and capture must not write into real KV blocks. Both are queued after any step still in flight,
+        # whose inputs the buffers already hold; the next replay stages its own.
+        self.buffers.slot_mapping.fill_(-1)
+        self._forward(size, cascade)  # warm-up: lazy initialisation and autotuning stay out of the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.logits[(size, cascade)] = self._forward(size, cascade)
+        self.graphs[(size, cascade)] = graph
+        torch.cuda.synchronize()
 
     def capture(self) -> CaptureStats:
         """Capture every bucket; a bucket that runs out of memory is dropped with a warning, not fatal."""
         start = time.perf_counter()
         before = torch.cuda.memory_reserved()
-        pool = torch.cuda.graph_pool_handle()
-        self.buffers.slot_mapping.fill_(-1)  # warm-up and capture runs must not write into real KV blocks
+        self._pool = torch.cuda.graph_pool_handle()
         seconds_per_size: dict[int, float] = {}
         for size in sorted(self.sizes, reverse=True):
             size_start = time.perf_counter()
             try:
-                self._forward(size)  # warm-up: lazy initialisation and autotuning stay out of the graph
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[size] = self._forward(size)
-                self.graphs[size] = graph
-                torch.cuda.synchronize()
+                self._capture_one(size, cascade=False)
                 seconds_per_size[size] = time.perf_counter() - size_start
             except torch.OutOfMemoryError:
                 log.warning("CUDA-graph capture ran out of memory at batch size %d; that bucket runs eagerly", size)
-                self.logits.pop(size, None)
+                self.logits.pop((size, False), None)
                 torch.cuda.empty_cache()
+        self.sizes = sorted(size for size, _ in self.graphs)
         torch.cuda.synchronize()
-        self.sizes = sorted(self.graphs)
         return CaptureStats(self.sizes, time.perf_counter() - start, torch.cuda.memory_reserved() - before,
                             dict(sorted(seconds_per_size.items())))
+
+    def _capture_cascade(self, size: int) -> bool:
+        """Whether the bucket's cascade variant is (now) captured; running out of memory only turns it off."""
+        if (size, True) not in self.graphs:
+            try:
+                self._capture_one(size, cascade=True)
+            except torch.OutOfMemoryError:
+                log.warning("CUDA-graph capture of cascade attention ran out of memory at batch size %d; such "
+                            "steps replay the plain graph", size)
+                self.logits.pop((size, True), None)
+                self.cascade = False
+                torch.cuda.empty_cache()
+                return False
+        return True
 
     def padded_size(self, n: int) -> int | None:
         return padded_size(self.sizes, n)
 
-    def replay(self, inputs: StepInputs, size: int) -> torch.Tensor:
-        """Logits (n, vocab) of a pure-decode step of n <= size requests."""
+    def replay(self, inputs: StepInputs, size: int, cascade: bool = False) -> torch.Tensor:
+        """Logits (n, vocab) of a pure-decode step of n <= size requests. cascade: the rows share a KV prefix, so
+        the bucket's cascade variant runs (captured now if this is its first use)."""
+        cascade = cascade and self.cascade and self._capture_cascade(size)
         self.buffers.load(inputs, size)
-        self.graphs[size].replay()
-        return self.logits[size][: inputs.num_tokens]
+        self.graphs[(size, cascade)].replay()
+        self._replayed = (size, cascade)
+        return self.logits[(size, cascade)][: inputs.num_tokens]
+
+    def static_logits(self) -> torch.Tensor:
+        """(size, vocab): the whole static logits of the latest replay, which the sampler graphs read."""
+        return self.logits[self._replayed]

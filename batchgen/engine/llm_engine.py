@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from batchgen.config import EngineConfig, ModelConfig
+from batchgen.engine import cascade
 from batchgen.engine.bad_words import bad_words_token_ids
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cuda_graph import default_capture_sizes
@@ -43,6 +44,7 @@ class StepRecord:
     num_decode_tokens: int
     padded_size: int | None
     cuda_graph: bool
+    cascade_attention: bool
     schedule_ms: float
     prepare_ms: float
     forward_ms: float
@@ -132,6 +134,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
                                   engine_config.max_num_seqs, attention_ops(backend))
         self.runner.logprobs_mode = engine_config.logprobs_mode
+        # Only the Triton kernels cascade, only layers without a sliding window (Mistral windows every layer), and
+        # only where a context can outgrow the shortest prefix worth sharing.
+        self.runner.cascade_attention = (engine_config.cascade_attention and backend == "triton"
+                                         and self.max_model_len > cascade.CASCADE_MIN_SHARED_TOKENS
+                                         and any(a.sliding_window is None for a in self.runner.attention_layers))
         self._token_text = token_texts(self.detokenizer)
         kv_choice = self._num_kv_blocks(kv_demand)
         num_blocks = kv_choice.num_blocks
@@ -359,6 +366,7 @@ class LLMEngine:
             step=self.num_steps, kind=step.kind, num_seqs=step.num_seqs, num_tokens=step.num_tokens,
             num_prefill_tokens=step.num_prefill_tokens, num_decode_tokens=step.num_decode_tokens,
             padded_size=result.padded_size, cuda_graph=result.padded_size is not None,
+            cascade_attention=result.cascade_attention,
             schedule_ms=in_flight.schedule_ms, prepare_ms=result.prepare_ms, forward_ms=result.forward_ms,
             sample_ms=result.sample_ms, wait_ms=result.wait_ms, step_ms=step_ms,
             kv_blocks_used=block_manager.num_used_blocks, kv_blocks_total=block_manager.num_total_blocks,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from batchgen.engine.block_tables import BlockTables
+from batchgen.engine.cascade import shares_long_prefix
 from batchgen.engine.cuda_graph import CaptureStats, CudaGraphRunner, GraphCaptureBuffers, fill_pending_tokens
 from batchgen.engine.logprobs_step import StepLogprobs, plan_prompt_logprobs, sampled_logprobs
 from batchgen.engine.request import Request
@@ -23,6 +24,7 @@ from batchgen.layers import attention_torch
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.logprobs import compute_logprobs
 from batchgen.layers.sampler import SamplerOutput, run_sampler
+from batchgen.layers.shared_prefix import shared_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class StepResult:
     sample_ms: float
     wait_ms: float  # host time spent waiting for the sampled ids
     padded_size: int | None  # the CUDA-graph bucket that ran the step, None when eager
+    cascade_attention: bool  # the step's rows shared a KV prefix, read once for all of them
     # {step row: (logprob, rank, top ids, top logprobs)} and [(step row, prompt position, same)]; empty unless asked
     logprobs: dict[int, tuple] = field(default_factory=dict)
     prompt_logprobs: list[tuple[int, int, tuple]] = field(default_factory=list)
@@ -73,6 +76,7 @@ class LaunchedStep:
     timer: _Timer
     prepare_ms: float
     padded_size: int | None
+    cascade_attention: bool
     logprobs: StepLogprobs | None = None
 
 
@@ -97,6 +101,7 @@ class ModelRunner:
         self.sampler_graphs: SamplerGraphs | None = None
         self.bitmask_provider: BitmaskProvider | None = None  # set by the engine for structured output
         self.logprobs_mode = "raw_logprobs"  # raw_logprobs | processed_logprobs
+        self.cascade_attention = False  # set by the engine: only the Triton decode kernels cascade
 
     # -- KV cache -------------------------------------------------------------------------------------------
 
@@ -141,8 +146,8 @@ class ModelRunner:
     # -- CUDA graphs ----------------------------------------------------------------------------------------
 
     def capture_graphs(self, sizes: list[int]) -> CaptureStats:
-        buffers = GraphCaptureBuffers(max(sizes), self.block_table_width, self.device)
-        self.graphs = CudaGraphRunner(self.model, buffers, sizes, self.last_sampled)
+        buffers = GraphCaptureBuffers(max(sizes), self.block_table_width, self.block_size, self.device)
+        self.graphs = CudaGraphRunner(self.model, buffers, sizes, self.last_sampled, self.cascade_attention)
         self.sampler_graphs = SamplerGraphs(max(sizes), self.vocab_size, self.last_sampled, self.device)
         with torch.inference_mode():
             return self.graphs.capture()
@@ -160,17 +165,19 @@ class ModelRunner:
         graph_size = self.graphs.padded_size(step.num_seqs) if graphed else None
         width = self.block_table_width if graph_size else None
         inputs = build_step_inputs(step, self.block_size, self.block_tables, width, self._last_sample_rows)
+        cascade = self.cascade_attention and inputs.is_decode and shares_long_prefix(step.requests, self.block_size)
         timer = _Timer(self.device)
         prompt_logprobs = None
         if graph_size:
             prepare_ms = (time.perf_counter() - start) * 1000
             timer.mark()
-            logits = self.graphs.replay(inputs, graph_size)
+            logits = self.graphs.replay(inputs, graph_size, cascade)
+            cascade = cascade and self.graphs.cascade  # off for good where a cascade capture ran out of memory
             timer.mark()
             self._add_bitmask(sampling, sample_requests)
             output = self._graph_sample(sampling, graph_size, logits)
         else:
-            input_ids, positions, meta, sample_token_index = self._to_device(inputs)
+            input_ids, positions, meta, sample_token_index = self._to_device(inputs, cascade)
             prepare_ms = (time.perf_counter() - start) * 1000
             timer.mark()
             hidden, logits = self._eager_forward(inputs, input_ids, positions, meta, sample_token_index)
@@ -192,7 +199,8 @@ class ModelRunner:
         if done is not None:
             done.record()
         self._last_sample_rows = {id(step.requests[row]): i for i, row in enumerate(inputs.sample_rows)}
-        return LaunchedStep(step.num_seqs, inputs.sample_rows, sampled, done, timer, prepare_ms, graph_size, logprobs)
+        return LaunchedStep(step.num_seqs, inputs.sample_rows, sampled, done, timer, prepare_ms, graph_size, cascade,
+                            logprobs)
 
     def _step_sampling(self, requests: list[Request]) -> StepSampling:
         if self.sampling_state is None and any(r.sampling_params.uses_penalty_state for r in requests):
@@ -208,7 +216,7 @@ class ModelRunner:
         """Inside the sampler graph when any stage beyond argmax runs; the ids land in last_sampled."""
         if not sampling.packed.features.any:
             return self._eager_sample(sampling, logits, None)
-        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, self.graphs.logits[size],
+        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, self.graphs.static_logits(),
                                        self.sampling_state)
 
     def _eager_sample(self, sampling: StepSampling, logits: torch.Tensor,
@@ -247,7 +255,8 @@ class ModelRunner:
         token_ids = [-1] * launched.num_seqs
         for row, token in zip(launched.sample_rows, launched.sampled.tolist(), strict=True):
             token_ids[row] = token
-        result = StepResult(token_ids, launched.prepare_ms, forward_ms, sample_ms, wait_ms, launched.padded_size)
+        result = StepResult(token_ids, launched.prepare_ms, forward_ms, sample_ms, wait_ms, launched.padded_size,
+                            launched.cascade_attention)
         if launched.logprobs is not None:
             result.logprobs, result.prompt_logprobs = launched.logprobs.entries()
         return result
@@ -258,19 +267,22 @@ class ModelRunner:
         if self.sampling_state is not None:
             self.sampling_state.release(requests)
 
-    def _to_device(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _to_device(self, inputs: StepInputs,
+                   cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         def put(array) -> torch.Tensor:
             host = torch.from_numpy(array)
             return (host.pin_memory() if self._pinned else host).to(self.device, non_blocking=True)
 
+        seq_lens, block_tables = put(inputs.seq_lens), put(inputs.block_tables)
         meta = AttentionMetadata(
             slot_mapping=put(inputs.slot_mapping),
-            seq_lens=put(inputs.seq_lens),
-            block_tables=put(inputs.block_tables),
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             query_start_loc=put(inputs.query_start_loc),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             is_decode=inputs.is_decode,
+            shared_prefix_len=shared_prefix_len(block_tables, seq_lens, self.block_size) if cascade else None,
         )
         input_ids = put(inputs.input_ids)
         if inputs.has_pending_tokens:

@@ -42,7 +42,8 @@ class SamplerGraphs:
         """Samples a decode step of n <= size rows from the bucket's static logits (size, V); the ids land in
         last_sampled[:n]. bitmask: (n, W) int32 on the host (pinned on CUDA) or None."""
         features = packed.features
-        key = (size, features, state.version if features.penalties else 0)
+        # A bucket's plain and cascade forward graphs each end in their own static logits, which a graph reads.
+        key = (size, features, state.version if features.penalties else 0, logits.data_ptr())
         if self.capture_graphs and key not in self.graphs:
             if features.penalties:  # graphs of state tensors that have since grown (and moved) are never replayed
                 self.graphs = {k: v for k, v in self.graphs.items() if not k[1].penalties or k[2] == key[2]}

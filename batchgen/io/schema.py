@@ -57,6 +57,7 @@ STEPS_SCHEMA = pa.schema(
         pa.field("num_decode_tokens", pa.int32(), nullable=False),
         pa.field("padded_size", pa.int32()),  # the CUDA-graph bucket; null when eager
         pa.field("cuda_graph", pa.bool_(), nullable=False),
+        pa.field("cascade_attention", pa.bool_(), nullable=False),  # a decode step that read a shared prefix once
         pa.field("schedule_ms", pa.float64(), nullable=False),
         pa.field("prepare_ms", pa.float64(), nullable=False),
         pa.field("forward_ms", pa.float64(), nullable=False),

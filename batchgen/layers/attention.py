@@ -24,6 +24,9 @@ class AttentionMetadata:
     max_query_len: int  # host ints, used only by the prefill path
     max_seq_len: int
     is_decode: bool  # every sequence has exactly one query token
+    # (1,) int32 on the device: leading positions every decode row reads from the same blocks (cascade attention);
+    # None: no cascade this step
+    shared_prefix_len: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -67,8 +70,10 @@ class Attention(nn.Module):
         """Attention over the cache, which already holds this step's K/V."""
         q = q.view(-1, self.num_heads, self.head_dim)
         if meta.is_decode:
+            # A window cuts the shared prefix differently for every row: windowed layers never cascade.
+            shared = meta.shared_prefix_len if self.sliding_window is None else None
             out = self.ops.decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                            sliding_window=self.sliding_window)
+                                            sliding_window=self.sliding_window, shared_prefix_len=shared)
         else:
             out = self.ops.prefill_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,

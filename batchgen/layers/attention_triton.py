@@ -9,6 +9,13 @@ config, context lengths are read from GPU memory inside the kernel, and it never
 
 A sliding window W (per layer, static) limits the query at position p to keys p - W < k <= p: the kernels start
 their KV loop at the window's first tile and mask the rest; without a window they get W = _NO_WINDOW.
+
+Cascade decode: when every sequence of a decode batch starts with the same physical KV blocks (prefix caching, or
+n > 1 samples of one prompt), `shared_prefix_len` (a 1-element device tensor, see `shared_prefix`) names how many
+leading positions they share. `_shared_prefix_kernel` then reads that prefix once for all sequences, as a
+tensor-core tile of (sequence, query head) rows, and `_decode_kernel` reads only each sequence's own rest; both write
+partial softmaxes that `_decode_reduce_kernel` merges. The prefix kernel ignores sliding windows: windowed layers do
+not cascade (a window would cut the prefix differently for every row).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-_MAX_SPLITS = 16
+_MAX_SPLITS = 16  # of each sequence's own KV range, and (cascade) of the shared prefix
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2), with log2(e) folded into the softmax scale
 _NO_WINDOW = 1 << 30  # longer than any context, and p - _NO_WINDOW stays inside int32
 
@@ -79,20 +86,24 @@ def store_kv(
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
 # a second) whenever that width first changes divisibility. The split count is chosen per batch-size bucket: as a
 # plain (unspecialized) argument, one compile serves every bucket's CUDA graph.
-@triton.jit(do_not_specialize=["stride_bt", "window", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt", "window", "num_splits", "num_slots"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, shared_len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale, window,
     stride_qb, stride_qh, stride_qd,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
     stride_bt,
     stride_ob, stride_oh, stride_od,
-    num_splits,
+    num_splits, num_slots,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CASCADE: tl.constexpr,
 ):  # fmt: skip
-    """One program per (sequence, kv head, split): all GROUP query heads share each K/V tile load."""
+    """One program per (sequence, kv head, split): all GROUP query heads share each K/V tile load.
+
+    Partial results go to slot `split` of num_slots per (sequence, head); with one slot the output is final.
+    CASCADE: the shared prefix [0, shared_len) is the prefix kernel's; this one reads from shared_len on."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -111,6 +122,8 @@ def _decode_kernel(
     )  # (BLOCK_G, BLOCK_D)
 
     first = tl.maximum(seq_len - window, 0)  # the window's first position
+    if CASCADE:
+        first = tl.maximum(first, tl.load(shared_len_ptr))
     # With one split this is [first, seq_len).
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits)
     lo = first + split * tiles_per_split * BLOCK_N
@@ -150,38 +163,115 @@ def _decode_kernel(
     # Empty ranges (padding rows, splits past the context) leave l_i == 0 and acc == 0: they output zeros.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if num_splits == 1:
+    if num_slots == 1:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # mid_o: (B, H, num_splits, HEAD_DIM) fp32, mid_lse: (B, H, num_splits) fp32 (log2 units), both contiguous.
-        row = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # (BLOCK_G,)
+        # mid_o: (B, H, num_slots, HEAD_DIM) fp32, mid_lse: (B, H, num_slots) fp32 (log2 units), both contiguous.
+        row = (b * GROUP * tl.num_programs(1) + heads) * num_slots + split  # (BLOCK_G,)
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# One compile serves every bucket's graph: the row count and split counts are plain arguments.
+@triton.jit(do_not_specialize=["num_rows", "first_slot", "num_splits", "num_slots"])
+def _shared_prefix_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, shared_len_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_qd,
+    stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
+    stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
+    num_rows, first_slot, num_splits, num_slots,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One program per (tile of BLOCK_M query rows, kv head, prefix split). The rows are the (sequence, group head)
+    pairs of the kv head, so each K/V tile of the shared prefix (read through row 0's block table) serves BLOCK_M
+    queries at once: the prefix is read once per tile instead of once per sequence. Every decode query sits after
+    the prefix, so no causal mask. Writes slot first_slot + split of each row's partial softmaxes."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    shared_len = tl.load(shared_len_ptr)
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    row_mask = rows < num_rows
+    b = rows // GROUP
+    heads = kvh * GROUP + rows % GROUP
+    # Padding rows (context 0) must stay zeros: their query is masked and their partial gets no weight.
+    live = row_mask & (tl.load(seq_lens_ptr + b, mask=row_mask, other=0) > 0)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=live[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_D)
+
+    tiles_per_split = tl.cdiv(tl.cdiv(shared_len, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, shared_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    kc_head = k_cache_ptr + kvh * stride_kc_h
+    vc_head = v_cache_ptr + kvh * stride_vc_h
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        valid = pos < hi
+        blk = tl.load(block_tables_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = pos % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            kc_head + (blk * stride_kc_blk + off * stride_kc_off)[:, None] + d[None, :] * stride_kc_d,
+            mask=kv_mask,
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
+        v = tl.load(
+            vc_head + (blk * stride_vc_blk + off * stride_vc_off)[:, None] + d[None, :] * stride_vc_d,
+            mask=kv_mask,
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    done = live & (l_i > 0)
+    l_safe = tl.where(done, l_i, 1.0)
+    slot = (b * GROUP * tl.num_programs(1) + heads) * num_slots + first_slot + split  # (BLOCK_M,)
+    o = tl.where(done[:, None], acc / l_safe[:, None], 0.0)
+    tl.store(mid_o_ptr + slot[:, None] * HEAD_DIM + d[None, :], o, mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(mid_lse_ptr + slot, tl.where(done, m_i + tl.log2(l_safe), float("-inf")), mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["num_slots"])
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr,
     stride_ob, stride_oh, stride_od,
-    num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    num_slots,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SLOTS: tl.constexpr,
 ):  # fmt: skip
-    """One program per (sequence, query head): merges the per-split partial softmaxes."""
+    """One program per (sequence, query head): merges the partial softmaxes of every split (and prefix split)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * tl.num_programs(1) + h
-    s = tl.arange(0, MAX_SPLITS)
-    s_mask = s < num_splits
+    s = tl.arange(0, MAX_SLOTS)
+    s_mask = s < num_slots
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    lse = tl.load(mid_lse_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"))  # (MAX_SPLITS,)
-    o = tl.load(mid_o_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+    lse = tl.load(mid_lse_ptr + row * num_slots + s, mask=s_mask, other=float("-inf"))  # (MAX_SLOTS,)
+    o = tl.load(mid_o_ptr + (row * num_slots + s)[:, None] * HEAD_DIM + d[None, :],
                 mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # (MAX_SPLITS,), 0 for empty splits
+    w = tl.exp2(lse - lse_max)  # (MAX_SLOTS,), 0 for empty splits
     den = tl.sum(w, 0)
     den = tl.where(den > 0, den, 1.0)
     out = tl.sum(o * w[:, None], 0) / den  # (BLOCK_D,)
@@ -217,6 +307,10 @@ def decode_attention(
     sliding_window: int | None = None,
     *,
     num_splits: int | None = None,  # power of two; None: chosen from B, KVH and the SM count
+    # (1,) int32 on the device: the leading positions every real row shares with row 0 (`shared_prefix`); None:
+    # no cascade. Not with a sliding window.
+    shared_prefix_len: torch.Tensor | None = None,
+    num_prefix_splits: int | None = None,  # splits of the shared prefix; None: chosen like num_splits
 ) -> torch.Tensor:  # (B, H, D)
     out = torch.empty_like(q)
     batch, num_heads, head_dim = q.shape
@@ -228,32 +322,52 @@ def decode_attention(
         num_splits = _default_num_splits(batch, num_kv_heads, q.device)
     assert 1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0, \
         f"num_splits must be a power of two up to {_MAX_SPLITS}"
+    cascade = shared_prefix_len is not None
+    assert not (cascade and sliding_window), "the shared-prefix kernel has no sliding window"
     block_d = max(16, triton.next_power_of_2(head_dim))
     # fp32 tiles hold twice the bytes (and tf32x3 splits each into three): smaller tiles avoid register spills.
     wide = block_d > 128 or q.dtype == torch.float32
     block_n = 32 if wide else 64
-    if num_splits > 1:
-        mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    prefix_block_m = 32 if wide else 64
+    prefix_tiles = triton.cdiv(batch * group, prefix_block_m)
+    if cascade and num_prefix_splits is None:
+        num_prefix_splits = _default_num_splits(prefix_tiles, num_kv_heads, q.device)
+    num_slots = num_splits + (num_prefix_splits if cascade else 0)
+    assert num_slots <= 2 * _MAX_SPLITS, f"num_prefix_splits must be at most {_MAX_SPLITS}"
+    if num_slots > 1:
+        mid_o = torch.empty(batch, num_heads, num_slots, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(batch, num_heads, num_slots, dtype=torch.float32, device=q.device)
     else:  # unused by the single-pass kernel, but fp32 like the split one's: one compile serves both
         mid_o = mid_lse = torch.empty(1, dtype=torch.float32, device=q.device)
+    dot_precision = _dot_precision(q.dtype)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, shared_prefix_len if cascade else seq_lens, out, mid_o, mid_lse,
         scale * _LOG2E, sliding_window or _NO_WINDOW,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        num_splits,
+        num_splits, num_slots,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision, CASCADE=cascade,
         # A third stage keeps one more K/V tile in flight: 3-10% faster on bf16 at batch 64-256 on the H200
         # (benchmarks/sweep_decode_attention.py); the fp32 tiles stay at two for their shared memory.
         num_warps=4, num_stages=2 if wide else 3,
     )  # fmt: skip
-    if num_splits > 1:
+    if cascade:
+        _shared_prefix_kernel[(prefix_tiles, num_kv_heads, num_prefix_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, shared_prefix_len, mid_o, mid_lse,
+            scale * _LOG2E,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            batch * group, num_splits, num_prefix_splits, num_slots,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            BLOCK_M=prefix_block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
+            num_warps=4, num_stages=2 if wide else 3,
+        )  # fmt: skip
+    if num_slots > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, *out.stride(),
-            num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=_MAX_SPLITS,
+            num_slots,
+            # Without cascade the same compile as before; cascade's extra slots need the wider one.
+            HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SLOTS=2 * _MAX_SPLITS if cascade else _MAX_SPLITS,
             num_warps=4,
         )  # fmt: skip
     return out

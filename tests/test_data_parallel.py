@@ -4,9 +4,9 @@ and resume finishes them."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import json
 import signal
 import subprocess
 import sys
@@ -18,7 +18,7 @@ import pytest
 
 from batchgen.job import run_job
 from batchgen.runners.data_parallel import arrive_when_exited
-from batchgen.runners.ranks import PARENT_MERGES_ENV, _run_shard
+from batchgen.runners.ranks import PARENT_MERGES_ENV, run_shard
 from batchgen.runners.shards import MARKER_FILE, shard_dir_name
 from batchgen.runners.start_barrier import FileStartBarrier, StartBarrier, arrival_file
 from tests.test_config import composed
@@ -118,7 +118,7 @@ def test_a_rank_with_nothing_to_generate_still_passes_the_start_barrier(tmp_path
     (shard / "summary.json").write_text('{"rows": 3}')
     config = composed("job=shakespeare", "data.num_shards=2", "data.shard_index=1", "job.resume=true")
     barrier = CountingBarrier()
-    assert _run_shard(config, tmp_path, barrier) == {"rows": 3}
+    assert run_shard(config, tmp_path, barrier) == {"rows": 3}
     assert barrier.waits == 1
 
 

@@ -52,7 +52,7 @@ def _agreed_run_dir(run_dir: Path) -> Path:
     return Path(chosen[0])
 
 
-def _run_shard(config: Config, run_dir: Path, barrier: StartBarrier) -> dict[str, Any]:
+def run_shard(config: Config, run_dir: Path, barrier: StartBarrier) -> dict[str, Any]:
     summary = run_local(config, run_dir, barrier.wait)
     barrier.wait()  # a rank that had nothing to generate has not passed it yet: the others wait for it
     return summary
@@ -65,11 +65,11 @@ def run_rank(config: Config, run_dir: Path, rank: Rank) -> dict[str, Any]:
         torch.cuda.set_device(rank.local_rank)
     if os.environ.get(PARENT_MERGES_ENV) == "1":
         barrier = FileStartBarrier(Path(os.environ[START_BARRIER_ENV]), rank.rank, rank.world_size)
-        return _run_shard(config, run_dir, barrier)
+        return run_shard(config, run_dir, barrier)
     dist.init_process_group("gloo", rank=rank.rank, world_size=rank.world_size, timeout=RANK_WAIT)
     try:
         run_dir = _agreed_run_dir(run_dir)
-        summary = _run_shard(config, run_dir, GlooStartBarrier())
+        summary = run_shard(config, run_dir, GlooStartBarrier())
         dist.barrier()
         return merge_shards(run_dir) if rank.rank == 0 else summary
     finally:

@@ -22,6 +22,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 EMPTY_POLICIES = ("warn", "fail")
 RUNNERS = ("local", "ray")
+SHARD_BY = ("work", "index")
 
 
 class ConfigError(ValueError):
@@ -82,8 +83,11 @@ class DataConfig:
     limit: int | None = None  # read only the first N rows
     on_empty: str = "warn"  # an input without rows: warn (and write empty outputs) | fail
     check_model: bool = False  # openai_batch: a line whose body.model is not the loaded model is an error line
-    num_shards: int = 1  # K > 1: this run takes only the rows with index % K == shard_index
+    num_shards: int = 1  # K > 1: this run takes only shard shard_index of the rows (see shard_by)
     shard_index: int = 0
+    # work: each row, in input order, goes to the shard with the least estimated work so far (prompt tokens +
+    # n * max_tokens), so shards finish together | index: row i goes to shard i % num_shards
+    shard_by: str = "work"
 
 
 @dataclass
@@ -182,6 +186,7 @@ def validate_data(data: DataConfig) -> None:
     _require(bool(data.prompt_field), "data.prompt_field", data.prompt_field, "must be a field name")
     _positive("data.limit", data.limit, optional=True)
     _positive("data.num_shards", data.num_shards)
+    _one_of("data.shard_by", data.shard_by, SHARD_BY)
     _require(isinstance(data.shard_index, int) and 0 <= data.shard_index < data.num_shards, "data.shard_index",
              data.shard_index, f"must be in [0, data.num_shards={data.num_shards})")
 

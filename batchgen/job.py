@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,17 +16,18 @@ from batchgen.engine.kv_sizing import KVDemand
 from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
-from batchgen.io.readers import PromptRow, read_prompts
+from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic, write_kernels
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
 from batchgen.resume_check import check_resume
+from batchgen.runners.shards import ShardSplit
+from batchgen.sampling_params import SamplingParams
 from batchgen.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.summary import AttemptStats, summarize, versions
 
 if TYPE_CHECKING:
     from batchgen.engine.llm_engine import LLMEngine
-from batchgen.runners.shards import shard_rows
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +73,15 @@ class Job:
         # Input problems surface here, before the model loads.
         self.openai_results = openai_results_wanted(config)
         self.detokenizer = Detokenizer.load(config.model)
-        rows = read_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
+        rows = iter_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
                             model_name(config.model))
+        self.rows = self._read_shard(rows)
         read_seconds = time.perf_counter() - read_start
-        if not rows:
+        if self.num_input_rows == 0:
             if config.data.on_empty == "fail":
                 raise InputError(f"{config.data.path}: no rows to generate (data.on_empty=fail)")
             log.warning("%s has no rows: writing empty outputs (data.on_empty=fail makes this an error)",
                         config.data.path)
-        self.num_input_rows = len(rows)
-        self.rows = shard_rows(rows, config.data.num_shards, config.data.shard_index)
         self.forced = check_run_dir(config, self.run_dir)
         self.finished_summary = self._finished_summary()
         if self.finished_summary is not None:
@@ -106,6 +106,40 @@ class Job:
             log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.stats.number,
                      len(self.rows) - len(self.pending), len(self.rows))
 
+    def _read_shard(self, rows: Iterable[PromptRow]) -> list[PromptRow]:
+        """This run's rows: all of them, or its shard's (data.num_shards), keeping no other row. Sets
+        num_input_rows and split_digest, which the shard marker records."""
+        data = self.config.data
+        split = ShardSplit(data.num_shards, data.shard_by)
+        weigh = data.num_shards > 1 and data.shard_by == "work"
+        own = []
+        self.num_input_rows = 0
+        for row in rows:
+            self.num_input_rows += 1
+            if split.shard_of(row.index, self._estimated_work(row) if weigh else 0) == data.shard_index:
+                own.append(row)
+        self.split_digest = split.digest
+        return own
+
+    def _estimated_work(self, row: PromptRow) -> int:
+        """What the row can cost: its prompt tokens plus max_tokens for each sample (0 for a row that fails)."""
+        if row.error is not None:
+            return 0
+        try:
+            params = self.config.sampling.with_overrides(row.overrides)
+        except ValueError:
+            return 0
+        return self._num_prompt_tokens(row, params) + params.n * params.max_tokens
+
+    def _num_prompt_tokens(self, row: PromptRow, params: SamplingParams) -> int:
+        """The prompt's length as the engine takes it. A text row is tokenized here, once: the engine takes its ids."""
+        if row.prompt_token_ids is None and self.detokenizer is not None:
+            row.prompt_token_ids = self.detokenizer.encode(row.prompt)
+        num_prompt_tokens = len(row.prompt_token_ids or ())
+        if params.truncate_prompt_tokens is not None:
+            num_prompt_tokens = min(num_prompt_tokens, params.truncate_prompt_tokens)
+        return num_prompt_tokens
+
     def _num_samples(self, row: PromptRow) -> int:
         """Completion rows the input row yields: sampling.n, or 1 for a row that is an error."""
         if row.error is not None:
@@ -125,7 +159,10 @@ class Job:
                     and not (self.run_dir / "completions.parts").exists())
         return json.loads(summary_path.read_text()) if finished else None
 
-    def run(self, signals: StopSignals | None = None) -> dict[str, Any]:
+    def run(self, signals: StopSignals | None = None, wait_for_ranks: Callable[[], None] | None = None
+            ) -> dict[str, Any]:
+        """wait_for_ranks: a data-parallel rank's start barrier, passed once the engine is ready, so that the ranks
+        generate together (a run with nothing to generate never calls it)."""
         if self.finished_summary is not None:
             log.info("Nothing to do: %s already holds all %d rows; its summary.json is kept", self.run_dir,
                      self.finished_summary["rows"])
@@ -149,6 +186,11 @@ class Job:
 
                 engine.profiler = StepProfiler(self.config.job.profile_steps, engine.device)
             clock = self._lap("engine_start_seconds", clock)
+            self.stats.engine_ready_at = time.time()
+            if wait_for_ranks is not None:
+                wait_for_ranks()
+                clock = self._lap("wait_for_ranks_seconds", clock)
+            self.stats.generation_started_at = time.time()
             signals.deferred = True  # from here on rows are written: a signal stops the loop at its next step
             for row in self.pending:
                 if row.error is not None:
@@ -170,6 +212,7 @@ class Job:
                     self._count(output)
                 self.progress.update(finished)
             clock = self._lap("engine_loop_seconds", clock)
+            self.stats.generation_finished_at = time.time()
         except BaseException as exc:
             self.completions.flush()
             self.steps.flush()
@@ -200,19 +243,14 @@ class Job:
         return summary
 
     def _kv_demand(self, rows: list[PromptRow]) -> KVDemand:
-        """The rows' prompt lengths and max_tokens, so that the KV cache is sized to the job. Text rows are
-        tokenized here, once: the engine takes their ids."""
+        """The rows' prompt lengths and max_tokens, so that the KV cache is sized to the job."""
         demand = []
         for row in rows:
-            if row.prompt_token_ids is None and self.detokenizer is not None:
-                row.prompt_token_ids = self.detokenizer.encode(row.prompt)
             try:
                 params = self.config.sampling.with_overrides(row.overrides)
             except ValueError:
                 continue  # the row fails when it is added
-            num_prompt_tokens = len(row.prompt_token_ids or ())
-            if params.truncate_prompt_tokens is not None:
-                num_prompt_tokens = min(num_prompt_tokens, params.truncate_prompt_tokens)
+            num_prompt_tokens = self._num_prompt_tokens(row, params)
             demand.extend([(num_prompt_tokens, params.max_tokens)] * params.n)  # each sample holds its own blocks
         return KVDemand(demand)
 
@@ -253,11 +291,12 @@ def run(config: Config, run_dir: Path) -> dict[str, Any]:
     return run_job(config, run_dir)[0]
 
 
-def run_job(config: Config, run_dir: Path) -> tuple[dict[str, Any], Job]:
-    """Runs the job; returns its summary and the job. SIGTERM and SIGINT end it with JobStopped after every
-    finished row is flushed."""
+def run_job(config: Config, run_dir: Path, wait_for_ranks: Callable[[], None] | None = None
+            ) -> tuple[dict[str, Any], Job]:
+    """Runs the job (see Job.run); returns its summary and the job. SIGTERM and SIGINT end it with JobStopped
+    after every finished row is flushed."""
     def start(signals: StopSignals) -> tuple[dict[str, Any], Job]:
         job = Job(config, run_dir)
-        return job.run(signals), job
+        return job.run(signals, wait_for_ranks), job
 
     return run_stoppable(start)

@@ -53,12 +53,25 @@ class AttemptStats:
     output_tokens: int = 0
     read_input_seconds: float = 0.0  # reading, validating and tokenizing the input
     engine_start_seconds: float = 0.0  # loading the model, allocating the KV cache, capturing CUDA graphs
+    wait_for_ranks_seconds: float = 0.0  # a data-parallel rank: waiting for the other ranks' engines
     engine_loop_seconds: float = 0.0  # from the first request added to the last row written
     finish_seconds: float = 0.0  # merging the part files into the final files
+    # Unix seconds, comparable across the processes of one machine: engine ready, engine loop start and end.
+    engine_ready_at: float | None = None
+    generation_started_at: float | None = None
+    generation_finished_at: float | None = None
 
     @property
     def wall_seconds(self) -> float:
-        return self.read_input_seconds + self.engine_start_seconds + self.engine_loop_seconds + self.finish_seconds
+        return (self.read_input_seconds + self.engine_start_seconds + self.wait_for_ranks_seconds
+                + self.engine_loop_seconds + self.finish_seconds)
+
+
+def generation_phase(started_at: float, finished_at: float, output_tokens: int) -> dict[str, float]:
+    """The engine loop alone (no imports, model load or graph capture): output tokens over its span."""
+    seconds = finished_at - started_at
+    return {"started_at": started_at, "finished_at": finished_at, "seconds": seconds, "output_tokens": output_tokens,
+            "output_tokens_per_s": output_tokens / seconds if seconds > 0 else 0.0}
 
 
 def attempt_summary(stats: AttemptStats, steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -78,17 +91,23 @@ def attempt_summary(stats: AttemptStats, steps: list[dict[str, Any]]) -> dict[st
         "time_seconds": {
             "read_input": stats.read_input_seconds,
             "engine_start": stats.engine_start_seconds,
+            "wait_for_ranks": stats.wait_for_ranks_seconds,
             "steps": step_seconds,
             "outside_steps": stats.engine_loop_seconds - step_seconds,
             "finish": stats.finish_seconds,
         },
+        "engine_ready_at": stats.engine_ready_at,
+        # None where the runner has no engine loop of its own (runner=ray).
+        "generation": None if stats.generation_finished_at is None else generation_phase(
+            stats.generation_started_at, stats.generation_finished_at, stats.output_tokens),
     }
 
 
 def summarize(completions_path: Path, steps_path: Path, stats: AttemptStats, engine_info: dict[str, Any],
               config: dict[str, Any]) -> dict[str, Any]:
     """The top-level keys keep their first meaning: rows, finish_reasons and token totals are the whole job's;
-    attempt, wall_seconds, steps, tok/s and step_medians are this attempt's. `job` and `this_attempt` repeat
+    attempt, wall_seconds, steps, tok/s, step_medians and generation (the engine loop's span and tok/s) are this
+    attempt's. `job` and `this_attempt` repeat
     them under names that say so, with the figures of the other scope."""
     completions = pq.read_table(completions_path, columns=["finish_reason", "num_prompt_tokens", "num_output_tokens",
                                                            "num_cached_tokens"])
@@ -116,6 +135,7 @@ def summarize(completions_path: Path, steps_path: Path, stats: AttemptStats, eng
         **{key: attempt[key] for key in ("attempt", "wall_seconds", "steps", "prompt_tokens_per_s",
                                          "output_tokens_per_s")},
         "step_medians": step_medians(this_attempt),
+        "generation": attempt["generation"],
         "job": job,
         "this_attempt": attempt,
         "engine": engine_info,

@@ -3,12 +3,13 @@ and on N (engine.data_parallel_size=N), output tok/s each and the speedup.
 
 The requests are nanovllm_bench's draws scaled to 512 (seed 0; prompt ids randint(0, 10000), prompt length and
 max_tokens randint(100, 1024), temperature 0.6, ignore_eos), Qwen3-0.6B shape with dummy bf16 weights, max_model_len
-4096, written as a prompts file with per-row max_tokens. Two throughputs per run: `job` is the run's summary
-(output tokens over the wall time from the first rank's start to the last rank's end, model load and graph capture
-included); `generation` is each rank's engine loop alone (the sum of its steps' step_ms, its summary's
-`this_attempt.time_seconds.steps`: no imports, load, compilation or capture), taking the slowest rank. A short
-warm-up job first fills the Triton and inductor caches on disk, so
-neither run pays for compilation the other does not.
+4096, written as a prompts file with per-row max_tokens. Three throughputs per run, all output tokens over a span:
+`generation` (the goal's figure; nano-vllm's bench times generate() alone) is the summary's generation phase, from the
+first rank's engine loop start to the last rank's loop end (the ranks pass a start barrier once every engine is
+ready, so their loops overlap; no imports, load, compilation or capture); `job` is the summary's wall time (first
+rank start to last rank end, engine start included); `process` is the whole `python -m batchgen` command. Each rank's
+engine start and barrier wait are listed too. A short warm-up job first fills the Triton and inductor caches on
+disk, so neither run pays for compilation the other does not.
 
 Usage: python -m benchmarks.data_parallel [--num-seqs 512] [--gpus 2] [--tiny] [--max-tokens N] [--out DIR]
 """
@@ -64,19 +65,27 @@ def run_job(prompts: Path, run_dir: Path, gpus: int, tiny: bool, limit: int | No
             "ranks": [json.loads(path.read_text()) for path in ranks]}
 
 
-def generation_seconds(rank: dict[str, Any]) -> float:
-    return rank["this_attempt"]["time_seconds"]["steps"]
+SPEEDUPS = ("generation", "job", "process")
+
+
+def _rank_seconds(run: dict[str, Any], phase: str) -> list[float]:
+    return [round(rank["this_attempt"]["time_seconds"][phase], 2) for rank in run["ranks"]]
 
 
 def row(gpus: int, run: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, Any]:
     summary = run["summary"]
-    generation = max(generation_seconds(rank) for rank in run["ranks"])
-    result = {"gpus": gpus, "output_tokens": summary["output_tokens"], "process_s": run["process_seconds"],
-              "job_output_tok_s": summary["output_tokens_per_s"],
-              "generation_output_tok_s": summary["output_tokens"] / generation}
+    generation = summary["generation"]
+    result = {"gpus": gpus, "output_tokens": summary["output_tokens"],
+              "rank_output_tokens": [rank["output_tokens"] for rank in run["ranks"]],
+              "generation_s": generation["seconds"], "generation_output_tok_s": generation["output_tokens_per_s"],
+              "job_s": summary["wall_seconds"], "job_output_tok_s": summary["output_tokens_per_s"],
+              "process_s": run["process_seconds"],
+              "process_output_tok_s": summary["output_tokens"] / run["process_seconds"],
+              "rank_engine_start_s": _rank_seconds(run, "engine_start"),
+              "rank_wait_for_ranks_s": _rank_seconds(run, "wait_for_ranks")}
     if baseline is not None:
-        result["job_speedup"] = result["job_output_tok_s"] / baseline["job_output_tok_s"]
-        result["generation_speedup"] = result["generation_output_tok_s"] / baseline["generation_output_tok_s"]
+        for name in SPEEDUPS:
+            result[f"{name}_speedup"] = result[f"{name}_output_tok_s"] / baseline[f"{name}_output_tok_s"]
     return result
 
 
@@ -101,8 +110,9 @@ def main() -> None:
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     save_json(args.out, "data_parallel", {"environment": environment(), "settings": settings, "rows": rows,
                                           "summaries": {"gpus1": single, f"gpus{args.gpus}": parallel}})
-    headers = ["gpus", "output_tokens", "process_s", "job_output_tok_s", "job_speedup", "generation_output_tok_s",
-               "generation_speedup"]
+    headers = ["gpus", "rank_output_tokens", "rank_engine_start_s", "rank_wait_for_ranks_s", "generation_s",
+               "generation_output_tok_s", "generation_speedup", "job_output_tok_s", "job_speedup",
+               "process_output_tok_s", "process_speedup"]
     print(f"\n## data_parallel ({environment()['device']}; {settings})\n")
     print(markdown_table(headers, [[r.get(h) for h in headers] for r in rows]))
 

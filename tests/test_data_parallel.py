@@ -1,8 +1,10 @@
 """Data parallel on one machine, on CPU: torchrun ranks (gloo) and engine.data_parallel_size=2 give the rows of a
-single-process run, row for row; a killed rank costs only its unfinished rows, and resume finishes them."""
+single-process run, row for row; the ranks start generating together; a killed rank costs only its unfinished rows,
+and resume finishes them."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,7 +16,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.runners.ranks import PARENT_MERGES_ENV
+from batchgen.job import run_job
+from batchgen.runners.data_parallel import arrive_when_exited
+from batchgen.runners.ranks import PARENT_MERGES_ENV, run_shard
+from batchgen.runners.shards import MARKER_FILE, shard_dir_name
+from batchgen.runners.start_barrier import FileStartBarrier, StartBarrier, arrival_file
+from tests.test_config import composed
 
 REPO = Path(__file__).resolve().parent.parent
 TIMING_COLUMNS = ["ttft_ms", "tpot_ms", "latency_ms"]
@@ -52,14 +59,82 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_data_parallel_size_2_equals_a_single_process(tmp_path, reference, sampling):
-    result = batchgen(f"hydra.run.dir={tmp_path}", *JOB, *SAMPLING[sampling], "engine.data_parallel_size=2")
+@pytest.mark.parametrize(("sampling", "shard_by"), [("greedy", "work"), ("seeded", "work"), ("seeded", "index")])
+def test_data_parallel_size_2_equals_a_single_process(tmp_path, reference, sampling, shard_by):
+    result = batchgen(f"hydra.run.dir={tmp_path}", *JOB, *SAMPLING[sampling], "engine.data_parallel_size=2",
+                      f"data.shard_by={shard_by}")
     assert result.returncode == 0, result.stdout + result.stderr
     assert comparable(tmp_path) == reference(sampling)
     shards = pq.read_table(tmp_path / "steps.parquet").column("shard").to_pylist()
     assert set(shards) == {0, 1}
     assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00000-of-00002", "shard-00001-of-00002"]
+    assert not (tmp_path / ".start-barrier").exists()
+
+    # The ranks passed the start barrier together: no engine loop began before every engine was ready.
+    ranks = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("shard-*/summary.json"))]
+    ready = max(rank["this_attempt"]["engine_ready_at"] for rank in ranks)
+    assert all(rank["generation"]["started_at"] >= ready for rank in ranks)
+    merged = json.loads((tmp_path / "summary.json").read_text())
+    generation = merged["generation"]
+    assert generation["output_tokens"] == merged["output_tokens"]
+    assert generation["started_at"] == min(rank["generation"]["started_at"] for rank in ranks)
+    assert generation["finished_at"] == max(rank["generation"]["finished_at"] for rank in ranks)
+    assert [shard["engine_start_seconds"] for shard in merged["shards"]] == [
+        rank["this_attempt"]["time_seconds"]["engine_start"] for rank in ranks]
+
+
+class CountingBarrier(StartBarrier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+
+    def _wait(self) -> None:
+        self.waits += 1
+
+
+def test_file_start_barrier_waits_until_every_rank_has_arrived(tmp_path):
+    def other_rank_arrives(seconds: float) -> None:
+        pauses.append(seconds)
+        arrival_file(tmp_path, 1).touch()
+
+    pauses: list[float] = []
+    barrier = FileStartBarrier(tmp_path, 0, 2, pause=other_rank_arrives)
+    barrier.wait()
+    assert len(pauses) == 1 and arrival_file(tmp_path, 0).exists()
+    barrier.wait()  # once passed, it stays passed
+    assert len(pauses) == 1
+
+
+def test_a_rank_that_exits_passes_the_start_barrier_for_the_others(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    arrive_when_exited(child, tmp_path, 1).join(timeout=60)
+    assert child.returncode == 3 and arrival_file(tmp_path, 1).exists()
+
+
+def test_a_rank_with_nothing_to_generate_still_passes_the_start_barrier(tmp_path):
+    shard = tmp_path / shard_dir_name(2, 1)
+    shard.mkdir()
+    (shard / MARKER_FILE).write_text("{}")
+    (shard / "summary.json").write_text('{"rows": 3}')
+    config = composed("job=shakespeare", "data.num_shards=2", "data.shard_index=1", "job.resume=true")
+    barrier = CountingBarrier()
+    assert run_shard(config, tmp_path, barrier) == {"rows": 3}
+    assert barrier.waits == 1
+
+
+def test_the_job_waits_for_the_ranks_once_its_engine_is_ready_and_before_generating(tmp_path):
+    def wait_for_ranks() -> None:
+        waited.append((time.time(), list(tmp_path.glob("*.parts/*.parquet"))))
+
+    waited: list[tuple[float, list[Path]]] = []
+    config = composed("job=shakespeare", "data.limit=4", "sampling.max_tokens=4", "engine.device=cpu",
+                      "job.progress=false", "job.flush_rows=1")
+    summary, _ = run_job(config, tmp_path, wait_for_ranks)
+    ((waited_at, parts_written),) = waited
+    assert parts_written == [] and list(tmp_path.glob("*.parquet"))
+    assert summary["this_attempt"]["engine_ready_at"] <= waited_at <= summary["generation"]["started_at"]
+    assert summary["generation"]["output_tokens"] == summary["output_tokens"] == 16
+    assert summary["this_attempt"]["time_seconds"]["wait_for_ranks"] >= 0
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])

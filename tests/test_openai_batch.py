@@ -16,9 +16,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from batchgen.config import ConfigError, DataConfig, JobConfig, ModelConfig, validate_job
+from batchgen.io import openai_batch
 from batchgen.io.openai_batch import BatchLine, model_name, read_batch_lines
 from batchgen.io.openai_results import write_results
-from batchgen.io.readers import read_prompts, resolve_format
+from batchgen.io.readers import iter_prompts, read_prompts, resolve_format
 from tests.test_job import REPO, batchgen
 
 CHAT = "/v1/chat/completions"
@@ -235,6 +236,39 @@ def test_shakespeare_job_answers_every_line(tmp_path: Path) -> None:
     resumed = results_of(run_dir)
     assert [line["custom_id"] for line in resumed] == ["text-1", "chat-1", "text-2", None, "text-3"]
     assert resumed[0]["response"]["body"]["choices"] == body["choices"]
+
+
+def test_a_data_parallel_run_leaves_one_results_file_in_input_order(tmp_path: Path) -> None:
+    lines: list[Any] = [request(f"text-{i}", COMPLETIONS, model="model", prompt=f"ROMEO {i}:\n", max_tokens=2 + i % 5)
+                        for i in range(7)]
+    lines.insert(3, "{broken")
+    path = write_lines(tmp_path / "batch.jsonl", lines)
+    overrides = ["job=shakespeare", f"data.path={path}", "sampling.temperature=0"]
+    single = batchgen(tmp_path / "single", *overrides)
+    assert single.returncode == 0, single.stdout + single.stderr
+    parallel = batchgen(tmp_path / "parallel", *overrides, "engine.data_parallel_size=2")
+    assert parallel.returncode == 0, parallel.stdout + parallel.stderr
+    merged = results_of(tmp_path / "parallel")
+    assert [line["custom_id"] for line in merged] == [f"text-{i}" for i in range(3)] + [None] + [
+        f"text-{i}" for i in range(3, 7)]
+    assert "line 4: invalid JSON" in merged[3]["error"]["message"]
+    assert [line["response"]["body"] and line["response"]["body"]["choices"] for line in merged] == [
+        line["response"]["body"] and line["response"]["body"]["choices"] for line in results_of(tmp_path / "single")]
+
+
+def test_batch_files_are_read_a_line_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed = []
+
+    def counting_parse(record: dict[str, Any], *args: Any) -> Any:
+        parsed.append(record["custom_id"])
+        return parse_batch_line(record, *args)
+
+    parse_batch_line = openai_batch.parse_batch_line
+    monkeypatch.setattr(openai_batch, "parse_batch_line", counting_parse)
+    path = write_lines(tmp_path / "batch.jsonl", [request(f"r{i}", COMPLETIONS, prompt=[1, 2]) for i in range(5)])
+    rows = iter_prompts(DataConfig(path=str(path)))
+    assert next(rows).id == "r0" and parsed == ["r0"]
+    assert [row.id for row in rows] == ["r1", "r2", "r3", "r4"]
 
 
 def test_output_format_openai_batch_needs_openai_batch_input(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Shards and their merge: the split by row index, and the merge's every-row-once-in-order check."""
+"""Shards and their merge: the splits by estimated work and by row index, and the merge's every-row-once-in-order
+check, its combined summary and its results.jsonl."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from batchgen.config import Config, ConfigError, DataConfig, EngineConfig, validate_data, validate_runner
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
 from batchgen.runners.merge import MergeError, merge_shards
-from batchgen.runners.shards import ShardMarker, shard_dir_name, shard_indices, shard_rows
+from batchgen.runners.shards import ShardMarker, ShardSplit, shard_dir_name
+from tests.test_config import composed
 
 REPO = Path(__file__).resolve().parent.parent
 STEP = dict(step=0, attempt=0, kind="decode", num_seqs=1, num_tokens=1, num_prefill_tokens=0, num_decode_tokens=1,
@@ -22,17 +24,71 @@ STEP = dict(step=0, attempt=0, kind="decode", num_seqs=1, num_tokens=1, num_pref
             num_running=1, num_preempted=0, num_cached_tokens=0)
 
 
+def assignment(num_shards: int, by: str, works: list[int]) -> tuple[list[int], str]:
+    """The shard of each row and the split's digest, as one shard computes them."""
+    split = ShardSplit(num_shards, by)
+    return [split.shard_of(index, work) for index, work in enumerate(works)], split.digest
+
+
+def loads(num_shards: int, shards: list[int], works: list[int]) -> list[int]:
+    return [sum(work for shard, work in zip(shards, works, strict=True) if shard == i) for i in range(num_shards)]
+
+
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 7])
-def test_shards_split_every_row_once_by_global_index(num_shards):
-    rows = list(range(20))
-    shards = [shard_rows(rows, num_shards, i) for i in range(num_shards)]
-    assert sorted(sum(shards, [])) == rows
-    assert all(shard == list(shard_indices(20, num_shards, i)) for i, shard in enumerate(shards))
+def test_index_split_strides_rows_by_global_index(num_shards):
+    shards, _ = assignment(num_shards, "index", [5] * 20)
+    assert shards == [index % num_shards for index in range(20)]
+
+
+@pytest.mark.parametrize("num_shards", [2, 3, 7])
+def test_work_split_balances_estimated_work_where_the_index_split_does_not(num_shards):
+    works = [1000 if index % num_shards == 0 else 10 for index in range(60)] + [7, 900, 3, 450, 1]
+    by_index, _ = assignment(num_shards, "index", works)
+    by_work, _ = assignment(num_shards, "work", works)
+    assert max(loads(num_shards, by_index, works)) - min(loads(num_shards, by_index, works)) > 5000
+    # Greedy list scheduling: the shards' loads end at most the largest row's work apart.
+    assert max(loads(num_shards, by_work, works)) - min(loads(num_shards, by_work, works)) <= max(works)
+    assert set(by_work) == set(range(num_shards))
+
+
+def test_every_shard_computes_the_same_split_and_another_assignment_has_another_digest():
+    works = [(index * 37) % 101 for index in range(50)]
+    # Each shard (and each resume of it) computes the assignment on its own; they must agree row for row, so the
+    # shards take every row exactly once.
+    assert assignment(3, "work", works) == assignment(3, "work", list(works))
+    assert assignment(3, "work", works)[1] != assignment(3, "work", [works[0] + 500, *works[1:]])[1]
+    assert assignment(3, "work", works)[1] != assignment(3, "index", works)[1]
+
+
+def write_prompts(path: Path, max_tokens: list[int]) -> Path:
+    path.write_text("".join(json.dumps({"id": index, "prompt": f"ROMEO {index}:", "max_tokens": tokens}) + "\n"
+                            for index, tokens in enumerate(max_tokens)))
+    return path
+
+
+@pytest.mark.parametrize("shard_by", ["work", "index"])
+def test_a_job_keeps_only_its_shard_of_the_rows(tmp_path, shard_by):
+    from batchgen.job import Job  # after tests.test_config: the job imports the engine's modules
+
+    max_tokens = [64 if index % 2 == 0 else 1 for index in range(30)]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", max_tokens)
+    jobs = [Job(composed("job=shakespeare", f"data.path={prompts}", "data.num_shards=2", f"data.shard_index={i}",
+                         f"data.shard_by={shard_by}", "engine.device=cpu"), tmp_path / str(i)) for i in range(2)]
+    indices = [[row.index for row in job.rows] for job in jobs]
+    assert sorted(indices[0] + indices[1]) == list(range(30)) and all(job.num_input_rows == 30 for job in jobs)
+    assert jobs[0].split_digest == jobs[1].split_digest
+    works = [sum(len(job.detokenizer.encode(row.prompt)) + max_tokens[row.index] for row in job.rows) for job in jobs]
+    if shard_by == "index":
+        assert indices[0] == list(range(0, 30, 2)) and works[0] > 5 * works[1]
+    else:
+        assert abs(works[0] - works[1]) <= 64 + len("ROMEO 29:")
 
 
 def fake_shard(root: Path, num_shards: int, index: int, rows: list[int], num_input_rows: int,
-               times: tuple[float, float] = (100.0, 110.0), finished: bool = True) -> Path:
-    """A shard directory as a finished shard run leaves it, with 2 output tokens per row."""
+               times: tuple[float, float] = (100.0, 110.0), finished: bool = True, digest: str = "d",
+               results: bool = False) -> Path:
+    """A shard directory as a finished shard run leaves it, with 2 output tokens per row; its engine loop runs
+    from 5 s after its start to its end."""
     directory = root / shard_dir_name(num_shards, index)
     completions = CompletionWriter(directory, {})
     for row in rows:
@@ -43,12 +99,16 @@ def fake_shard(root: Path, num_shards: int, index: int, rows: list[int], num_inp
     steps.write({**STEP, "step_ms": 4.0 + index})
     steps.close()
     wall = times[1] - times[0]
+    generation = {"started_at": times[0] + 5, "finished_at": times[1], "output_tokens": 2 * len(rows)}
     write_json_atomic(directory / "summary.json", {
         "rows": len(rows), "attempt": 0, "wall_seconds": wall, "prompt_tokens_per_s": 3 * len(rows) / wall,
         "output_tokens_per_s": 2 * len(rows) / wall, "engine": {"device": "cpu"}, "config": {"job": {}},
+        "this_attempt": {"time_seconds": {"engine_start": 4.0, "wait_for_ranks": 1.0}}, "generation": generation,
     })
+    if results:
+        (directory / "results.jsonl").write_text("".join(json.dumps({"custom_id": f"c{row}"}) + "\n" for row in rows))
     if finished:
-        ShardMarker(num_shards, index, num_input_rows, *times).write(directory)
+        ShardMarker(num_shards, index, num_input_rows, *times, "work", digest).write(directory)
     return directory
 
 
@@ -64,7 +124,13 @@ def test_merge_writes_rows_in_input_order_steps_per_shard_and_a_combined_summary
     assert summary["rows"] == 8 and summary["output_tokens"] == 16 and summary["num_shards"] == 3
     assert summary["wall_seconds"] == 20.0  # first start 100 to last end 120
     assert summary["output_tokens_per_s"] == pytest.approx(16 / 20)
+    # The generation phase: first engine loop start (105) to last engine loop end (120).
+    assert summary["generation"]["seconds"] == 15.0 and summary["generation"]["output_tokens"] == 16
+    assert summary["generation"]["output_tokens_per_s"] == pytest.approx(16 / 15)
     assert [s["rows"] for s in summary["shards"]] == [3, 3, 2]
+    assert [s["engine_start_seconds"] for s in summary["shards"]] == [4.0] * 3
+    assert [s["generation"]["started_at"] for s in summary["shards"]] == [105.0, 106.0, 107.0]
+    assert not (tmp_path / "results.jsonl").exists()
     assert json.loads((tmp_path / "summary.json").read_text())["rows"] == 8
 
 
@@ -74,6 +140,26 @@ def test_merge_names_missing_and_duplicated_rows(tmp_path):
     with pytest.raises(MergeError, match=r"missing row indices 4, 5; duplicated row indices 3"):
         merge_shards(tmp_path)
     assert not (tmp_path / "completions.parquet").exists()
+
+
+def test_merge_refuses_shards_that_split_the_rows_differently(tmp_path):
+    fake_shard(tmp_path, 2, 0, [0, 3], 4, digest="aaaa")
+    fake_shard(tmp_path, 2, 1, [1, 2], 4, digest="bbbb")
+    with pytest.raises(MergeError, match="split the rows differently .*shard 1: shard_by=work, assignment bbbb"):
+        merge_shards(tmp_path)
+
+
+def test_merge_writes_one_results_line_per_input_line_in_input_order(tmp_path):
+    fake_shard(tmp_path, 3, 0, [0, 4], 6, results=True)
+    fake_shard(tmp_path, 3, 1, [1, 2, 5], 6, results=True)
+    fake_shard(tmp_path, 3, 2, [3], 6, results=True)
+    merge_shards(tmp_path)
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert [json.loads(line)["custom_id"] for line in lines] == [f"c{row}" for row in range(6)]
+
+    (tmp_path / "shard-00002-of-00003" / "results.jsonl").unlink()
+    with pytest.raises(MergeError, match=r"shards \[2\] have no results.jsonl and the others do"):
+        merge_shards(tmp_path)
 
 
 def test_merge_names_missing_and_unfinished_shards(tmp_path):

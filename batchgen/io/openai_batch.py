@@ -101,11 +101,11 @@ def _batch_source(cfg: DataConfig) -> Iterator[SourceRow]:
     return islice(jsonl_rows(Path(cfg.path)), cfg.limit)
 
 
-def read_batch_file(cfg: DataConfig, tokenizer: Any = None, expected_model: str | None = None) -> list[PromptRow]:
-    """Every line of an OpenAI Batch file as a row, in order; bad lines and repeated custom_ids (the later
-    ones) come back as error rows. `expected_model`: the name body.model must equal (data.check_model)."""
-    rows: list[PromptRow] = []
-    line_by_id: dict[str, str] = {}
+def iter_batch_file(cfg: DataConfig, tokenizer: Any = None, expected_model: str | None = None) -> Iterator[PromptRow]:
+    """Every line of an OpenAI Batch file as a row, in order, read a line at a time; bad lines and repeated
+    custom_ids (the later ones) come back as error rows. `expected_model`: the name body.model must equal
+    (data.check_model)."""
+    line_by_id: dict[str, str] = {}  # custom_ids only, to name a repeated one's first line
     for index, source_row in enumerate(_batch_source(cfg)):
         problem = source_row.problem
         row = None
@@ -122,8 +122,7 @@ def read_batch_file(cfg: DataConfig, tokenizer: Any = None, expected_model: str 
         if problem is not None:
             row = PromptRow(index, custom_id or str(index), None, None, {},
                             error=f"{cfg.path}: {source_row.location}: {problem}")
-        rows.append(row)
-    return rows
+        yield row
 
 
 def read_batch_lines(cfg: DataConfig) -> list[BatchLine]:

@@ -1,5 +1,5 @@
-"""Reads a prompts file into validated `PromptRow`s: all of them before anything is generated (read_prompts), or
-lazily, row by row (iter_prompts, for runner=ray's streaming driver)."""
+"""Reads a prompts file into validated `PromptRow`s: lazily, row by row (iter_prompts, which a job and runner=ray's
+streaming driver read), or all of them at once (read_prompts)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from batchgen.config import ERROR_POLICIES, ConfigError, DataConfig
 from batchgen.io.errors import InputError, RowError
 from batchgen.io.formats import resolve_format
-from batchgen.io.openai_batch import read_batch_file
+from batchgen.io.openai_batch import iter_batch_file
 from batchgen.io.overrides import OVERRIDE_FIELDS
 from batchgen.io.prompt_rows import PromptRow, error_row, parse_row
 from batchgen.io.sources import SourceRow, arrow_rows, hf_disk_rows, hf_rows, jsonl_rows, parquet_rows
@@ -66,8 +66,8 @@ def read_prompts(cfg: DataConfig, tokenizer: Any = None, model_name: str | None 
 
 
 def iter_prompts(cfg: DataConfig, tokenizer: Any = None, model_name: str | None = None) -> Iterator[PromptRow]:
-    """The rows of `cfg.path` (the first `cfg.limit`), in input order, read as they are asked for (an OpenAI Batch
-    file is read whole); configuration and file problems raise at the first row asked for.
+    """The rows of `cfg.path` (the first `cfg.limit`), in input order, read as they are asked for; configuration
+    and file problems raise at the first row asked for.
 
     A malformed row raises InputError under on_error="fail"; under "skip" it comes back in place as a
     PromptRow with `error` set. Blank JSONL lines are not rows: they are skipped and get no index. Duplicate
@@ -88,7 +88,7 @@ def iter_prompts(cfg: DataConfig, tokenizer: Any = None, model_name: str | None 
     if fmt == "openai_batch":
         if not path.is_file():
             raise InputError(f"{path}: format openai_batch reads a file, and this is not one")
-        yield from read_batch_file(cfg, tokenizer, model_name if cfg.check_model else None)
+        yield from iter_batch_file(cfg, tokenizer, model_name if cfg.check_model else None)
         return
     source = _row_source(fmt, path, cfg)
     location_by_id: dict[str, str] = {}

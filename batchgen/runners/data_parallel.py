@@ -1,16 +1,20 @@
 """engine.data_parallel_size=N: starts N copies of this command as ranks 0..N-1 of one run, waits, and merges.
 
 Each child is `python -m batchgen` with the same overrides, the parent's run directory and the rank in its
-environment (as torchrun would set it). A child that dies costs only its shard's unfinished rows: the others
-finish, the parent reports the failure, and the same command with job.resume=true finishes the rest.
+environment (as torchrun would set it), and the directory of the ranks' start barrier, which the parent empties
+first and completes for every child that exits (start_barrier.py). A child that dies costs only its shard's
+unfinished rows: the others finish, the parent reports the failure, and the same command with job.resume=true
+finishes the rest.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +22,11 @@ from batchgen.config import Config
 from batchgen.runners.errors import RankFailedError
 from batchgen.runners.merge import merge_shards
 from batchgen.runners.ranks import PARENT_MERGES_ENV
+from batchgen.runners.start_barrier import START_BARRIER_ENV, arrival_file
 
 log = logging.getLogger(__name__)
 
+START_BARRIER_DIR = ".start-barrier"
 # Keys the parent sets for its children itself.
 _PARENT_KEYS = ("engine.data_parallel_size", "hydra.run.dir", "hydra.output_subdir")
 
@@ -36,16 +42,37 @@ def child_command(task_overrides: list[str], run_dir: Path) -> list[str]:
             "hydra.output_subdir=null"]
 
 
-def child_env(rank: int, world_size: int) -> dict[str, str]:
+def child_env(rank: int, world_size: int, start_barrier: Path) -> dict[str, str]:
     return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size), PARENT_MERGES_ENV: "1"}
+            "LOCAL_WORLD_SIZE": str(world_size), PARENT_MERGES_ENV: "1", START_BARRIER_ENV: str(start_barrier)}
+
+
+def _empty_directory(path: Path) -> Path:
+    """`path`, empty: an earlier attempt's arrivals must not let this attempt's ranks through."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def arrive_when_exited(child: subprocess.Popen, start_barrier: Path, rank: int) -> threading.Thread:
+    """A thread that, once the child has exited, passes the start barrier on its behalf."""
+    def wait_and_arrive() -> None:
+        child.wait()
+        arrival_file(start_barrier, rank).touch()
+
+    thread = threading.Thread(target=wait_and_arrive, name=f"rank-{rank}-exit", daemon=True)
+    thread.start()
+    return thread
 
 
 def run_data_parallel(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str, Any]:
     world_size = config.engine.data_parallel_size
     command = child_command(task_overrides, run_dir)
     log.info("Starting %d data-parallel ranks in %s", world_size, run_dir)
-    children = [subprocess.Popen(command, env=child_env(rank, world_size)) for rank in range(world_size)]
+    start_barrier = _empty_directory(run_dir / START_BARRIER_DIR)
+    children = [subprocess.Popen(command, env=child_env(rank, world_size, start_barrier))
+                for rank in range(world_size)]
+    watchers = [arrive_when_exited(child, start_barrier, rank) for rank, child in enumerate(children)]
     try:
         codes = [child.wait() for child in children]
     except BaseException:
@@ -54,6 +81,10 @@ def run_data_parallel(config: Config, run_dir: Path, task_overrides: list[str]) 
         for child in children:
             child.wait()
         raise
+    finally:
+        for watcher in watchers:
+            watcher.join()
+        shutil.rmtree(start_barrier, ignore_errors=True)
     failed = [rank for rank, code in enumerate(codes) if code != 0]
     if failed:
         raise RankFailedError(f"data-parallel ranks {failed} of {world_size} failed (exit codes "

@@ -1,8 +1,10 @@
 """Merges the shards of a run into one run directory: the one place that guarantees every row once, in order.
 
-<dir>/completions.parquet: every shard's rows sorted by global index, after checking each input index appears
-exactly once; <dir>/steps.parquet: every shard's steps with a `shard` column; <dir>/summary.json: totals over all
-shards, throughput over the wall time of the whole (first shard start to last shard end).
+<dir>/completions.parquet: every shard's rows sorted by global index, after checking that the shards split the input
+alike and that each input index appears exactly once; <dir>/steps.parquet: every shard's steps with a `shard`
+column; <dir>/summary.json: totals over all shards, throughput over the wall time of the whole (first shard start to
+last shard end) and over the generation phase (first engine loop start to last engine loop end);
+<dir>/results.jsonl when the shards wrote OpenAI Batch results.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from batchgen.io.atomic import write_atomically
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
 from batchgen.job import SUMMARY_FILE
 from batchgen.runners.errors import MergeError
+from batchgen.runners.merge_results import merge_results
 from batchgen.runners.shards import MARKER_FILE, SHARD_DIR_PATTERN, SHARDED_STEPS_SCHEMA, ShardMarker
-from batchgen.summary import step_medians, versions
+from batchgen.summary import generation_phase, step_medians, versions
 
 NAMED_AT_MOST = 20
 
@@ -73,6 +76,16 @@ def check_indices(indices: list[int], sample_indices: list[int], num_input_rows:
         raise MergeError(f"{where}: cannot merge {num_input_rows} input rows: {'; '.join(problems)}")
 
 
+def check_same_split(markers: dict[int, ShardMarker], where: Path) -> None:
+    """The shards assigned the rows alike: the same data.shard_by, and the same assignment of the same input."""
+    splits = {(marker.shard_by, marker.split_digest) for marker in markers.values()}
+    if len(splits) > 1:
+        described = "; ".join(f"shard {index}: shard_by={marker.shard_by}, assignment {marker.split_digest}"
+                              for index, marker in sorted(markers.items()))
+        raise MergeError(f"{where}: the shards split the rows differently ({described}); data.shard_by, the input "
+                         "or the max_tokens it estimates work from changed between them: rerun the odd shards")
+
+
 def _write_parquet(path: Path, table: pa.Table) -> None:
     write_atomically(path, lambda file: pq.write_table(table, file))
 
@@ -85,12 +98,14 @@ def merge_shards(root: Path) -> dict[str, Any]:
     input_rows = {marker.num_input_rows for marker in markers.values()}
     if len(input_rows) > 1:
         raise MergeError(f"{root}: the shards read inputs of different lengths {sorted(input_rows)}")
+    check_same_split(markers, root)
     completions = [pq.read_table(path / CompletionWriter.FILE_NAME) for path in shards.values()]
     merged = pa.concat_tables([table.cast(completions[0].schema) for table in completions])
     merged = merged.sort_by([("index", "ascending"), ("sample_index", "ascending")])
     check_indices(merged.column("index").to_pylist(), merged.column("sample_index").to_pylist(), input_rows.pop(),
                   root)
     _write_parquet(root / CompletionWriter.FILE_NAME, merged)
+    merge_results(root, shards)
 
     steps = []
     for index, path in shards.items():
@@ -118,6 +133,7 @@ def combine_summaries(completions: pa.Table, steps: pa.Table, summaries: dict[in
     last_attempt_steps = [row for row in steps.to_pylist() if row["attempt"] == summaries[row["shard"]]["attempt"]]
     reasons = completions.column("finish_reason").value_counts().to_pylist()
     first = summaries[min(summaries)]
+    phases = [s.get("generation") for s in summaries.values()]
     return {
         "rows": completions.num_rows,
         "finish_reasons": {r["values"]: r["counts"] for r in reasons},
@@ -129,9 +145,20 @@ def combine_summaries(completions: pa.Table, steps: pa.Table, summaries: dict[in
         "prompt_tokens_per_s": attempt_prompt / wall,
         "output_tokens_per_s": attempt_output / wall,
         "step_medians": step_medians(last_attempt_steps),
-        "shards": [{"shard": index, "rows": s["rows"], "attempt": s["attempt"], "wall_seconds": s["wall_seconds"],
-                    "output_tokens_per_s": s["output_tokens_per_s"]} for index, s in sorted(summaries.items())],
+        # The ranks' engine loops together: null when a shard did not record its own (written by an older version).
+        "generation": None if None in phases else generation_phase(
+            min(p["started_at"] for p in phases), max(p["finished_at"] for p in phases),
+            sum(p["output_tokens"] for p in phases)),
+        "shards": [_shard_entry(index, s) for index, s in sorted(summaries.items())],
         "engine": first.get("engine"),
         "versions": versions(),
         "config": first.get("config"),
     }
+
+
+def _shard_entry(index: int, summary: dict[str, Any]) -> dict[str, Any]:
+    times = summary.get("this_attempt", {}).get("time_seconds", {})
+    return {"shard": index, "rows": summary["rows"], "attempt": summary["attempt"],
+            "wall_seconds": summary["wall_seconds"], "output_tokens_per_s": summary["output_tokens_per_s"],
+            "engine_start_seconds": times.get("engine_start"), "wait_for_ranks_seconds": times.get("wait_for_ranks"),
+            "generation": summary.get("generation")}

@@ -2,7 +2,8 @@
 
 Under torchrun the ranks agree on one run directory (Hydra picks one per process from the clock, so rank 0's
 wins, broadcast over a gloo group), each runs its shard, and rank 0 merges once all have passed a barrier.
-Ranks started by `engine.data_parallel_size` get the directory from their parent, which merges itself.
+Ranks started by `engine.data_parallel_size` get the directory from their parent, which merges itself. Either way
+the ranks start generating together (start_barrier.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from batchgen.config import Config
 from batchgen.runners.local import run_local
 from batchgen.runners.merge import merge_shards
+from batchgen.runners.start_barrier import START_BARRIER_ENV, FileStartBarrier, GlooStartBarrier, StartBarrier
 
 PARENT_MERGES_ENV = "BATCHGEN_PARENT_MERGES"  # set by the data_parallel_size spawner for its children
 # Ranks wait for the slowest one at the end; a shard of a large job can take many hours.
@@ -50,17 +52,24 @@ def _agreed_run_dir(run_dir: Path) -> Path:
     return Path(chosen[0])
 
 
+def run_shard(config: Config, run_dir: Path, barrier: StartBarrier) -> dict[str, Any]:
+    summary = run_local(config, run_dir, barrier.wait)
+    barrier.wait()  # a rank that had nothing to generate has not passed it yet: the others wait for it
+    return summary
+
+
 def run_rank(config: Config, run_dir: Path, rank: Rank) -> dict[str, Any]:
     """Returns rank 0's merged summary under torchrun, else this rank's shard summary."""
     config = rank_config(config, rank)
     if config.engine.device != "cpu" and torch.cuda.is_available():
         torch.cuda.set_device(rank.local_rank)
     if os.environ.get(PARENT_MERGES_ENV) == "1":
-        return run_local(config, run_dir)
+        barrier = FileStartBarrier(Path(os.environ[START_BARRIER_ENV]), rank.rank, rank.world_size)
+        return run_shard(config, run_dir, barrier)
     dist.init_process_group("gloo", rank=rank.rank, world_size=rank.world_size, timeout=RANK_WAIT)
     try:
         run_dir = _agreed_run_dir(run_dir)
-        summary = run_local(config, run_dir)
+        summary = run_shard(config, run_dir, GlooStartBarrier())
         dist.barrier()
         return merge_shards(run_dir) if rank.rank == 0 else summary
     finally:

@@ -47,6 +47,7 @@ step peers 450 "$PY" -m benchmarks.peers --num-seqs 256 --time-limit "$cb_limit"
 step prefix_cache 240 "$PY" -m benchmarks.prefix_cache
 step bench_attention 60 "$PY" -m benchmarks.bench_attention
 step bench_linear 90 "$PY" -m benchmarks.bench_linear
+step bench_linear_shakespeare 60 "$PY" -m benchmarks.bench_linear --model shakespeare
 step main_job_cold 150 "$PY" -m benchmarks.main_job --fresh-triton-cache
 step main_job 120 "$PY" -m benchmarks.main_job
 step profile_prefill_host 90 "$PY" -m benchmarks.profile_prefill_host

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -72,6 +73,9 @@ def _main(cfg: DictConfig) -> float | None:
         config = to_config(cfg)
         from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
 
+        # The imported modules' objects (mostly torch's) live as long as the process: left out of every later
+        # collection, a full one (the engine's close, Python's own) takes microseconds instead of 0.2 s.
+        gc.freeze()
         summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)

@@ -3,7 +3,8 @@ eager and graph, with what the job's summary says of its parts: engine start (mo
 the engine loop (sum of step_ms) and the rest (imports, Hydra, reading, writing).
 
 --fresh-triton-cache points TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR at new empty directories for every run:
-a fresh machine's cold start. Without a GPU only eager runs (graph mode needs CUDA).
+a fresh machine's cold start; triton_compiles counts the entries Triton's cache holds after the run (one per kernel
+specialisation compiled). Without a GPU only eager runs (graph mode needs CUDA).
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from benchmarks.common import add_out_argument, cuda_available, environment, mar
 from benchmarks.process_timing import run_process
 
 MODES = {"eager": ["engine.enforce_eager=true"], "graph": ["engine.enforce_eager=false"]}
+
+
+def triton_compiles(cache_dir: Path) -> int:
+    """Entries of a Triton cache that started empty (none where nothing compiled, e.g. on CPU)."""
+    return len(list(cache_dir.iterdir())) if cache_dir.is_dir() else 0
 
 
 def run_job(run_dir: Path, mode: str, fresh_cache: bool, extra: list[str]) -> dict[str, Any]:
@@ -42,6 +48,7 @@ def run_job(run_dir: Path, mode: str, fresh_cache: bool, extra: list[str]) -> di
         "capture_s_per_size": engine.get("cuda_graph_capture_seconds_per_size"),
         "outside_job_s": run.seconds - summary["wall_seconds"], "steps": summary["steps"],
         "kv_blocks": engine.get("kv_blocks"), "output_tokens_per_s": summary["output_tokens_per_s"],
+        "triton_compiles": triton_compiles(run_dir / "triton_cache") if fresh_cache else None,
     }
 
 
@@ -60,7 +67,7 @@ def main() -> None:
                 results.append(run_job(Path(tmp) / f"{mode}{i}", mode, args.fresh_triton_cache, args.override))
     save_json(args.out, "main_job", {"environment": environment(), "results": results})
     headers = ["mode", "fresh_cache", "process_s", "job_s", "engine_loop_s", "load_s", "capture_s", "outside_job_s",
-               "steps", "kv_blocks"]
+               "steps", "kv_blocks", "triton_compiles"]
     print(markdown_table(headers, [[r[h] for h in headers] for r in results]))
 
 

@@ -21,6 +21,7 @@ from benchmarks.common import (
     cuda_available,
     environment,
     markdown_table,
+    median,
     qwen3_model_config,
     random_prompt,
     run_engine,
@@ -46,6 +47,17 @@ def warmup_requests() -> list[list[Request]]:
     return [unrelated, sharing[:1], sharing]
 
 
+def step_time(records: list) -> list[dict]:
+    """Per kind of step (and whether it cascaded): how many, their summed and median step ms, median forward ms."""
+    groups: dict[tuple[str, bool], list] = {}
+    for record in records:
+        groups.setdefault((record.kind, record.cascade_attention), []).append(record)
+    return [{"kind": kind, "cascade_attention": cascade, "steps": len(group),
+             "total_step_ms": sum(r.step_ms for r in group), "median_step_ms": median([r.step_ms for r in group]),
+             "median_forward_ms": median([r.forward_ms for r in group])}
+            for (kind, cascade), group in sorted(groups.items())]
+
+
 def run(args: argparse.Namespace, requests: list[Request], enable_prefix_caching: bool) -> dict:
     engine = build_engine(qwen3_model_config(args.small), enforce_eager=not cuda_available(),
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -68,6 +80,7 @@ def run(args: argparse.Namespace, requests: list[Request], enable_prefix_caching
         "wall_seconds": wall,
         "output_tok_s": output_tokens / wall,
         "steps_by_kind": step_counts(records),
+        "step_time": step_time(records),
         "cascade_decode_steps": sum(r.cascade_attention for r in records),
         "preemptions": sum(r.num_preempted for r in records),
         "token_ids": [o.token_ids for o in outputs],
@@ -111,6 +124,10 @@ def main() -> None:
     headers = ["enable_prefix_caching", "prompt_tokens", "prefill_tokens_computed", "cached_tokens", "hit_rate",
                "output_tokens", "wall_seconds", "output_tok_s", "preemptions"]
     print(markdown_table(headers, [[run_result[h] for h in headers] for run_result in (off, on)]))
+    time_headers = ["kind", "cascade_attention", "steps", "total_step_ms", "median_step_ms", "median_forward_ms"]
+    for run_result in (off, on):
+        print(f"\nenable_prefix_caching={run_result['enable_prefix_caching']}: steps by kind\n")
+        print(markdown_table(time_headers, [[row[h] for h in time_headers] for row in run_result["step_time"]]))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,17 @@ def test_version_is_batchgens_and_imports_no_torch():
     assert result.stdout.splitlines()[-1] == "False False", result.stdout + result.stderr
 
 
+def test_job_starts_with_the_imported_modules_frozen_out_of_garbage_collection(tmp_path):
+    """A full collection over torch's objects takes about 0.2 s, at the engine's close and in Python's own passes."""
+    probe = (f"import sys; sys.argv = ['batchgen', 'job=shakespeare', 'hydra.run.dir={tmp_path}']\n"
+             "import gc, batchgen.runners.launch as launch\n"
+             "launch.launch = lambda *args: print('frozen objects:', gc.get_freeze_count()) or sys.exit(0)\n"
+             "import batchgen.__main__")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    frozen = [line for line in result.stdout.splitlines() if line.startswith("frozen objects:")]
+    assert frozen and int(frozen[0].split(":")[1]) > 100_000, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [

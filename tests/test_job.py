@@ -52,6 +52,17 @@ def test_shakespeare_job_writes_three_files(tmp_path):
     assert "Done: 40 rows (0 errors)" in result.stdout + result.stderr
 
 
+def test_main_job_imports_no_transformers(tmp_path):
+    """transformers costs about a second of start-up; the main job's model and tokenizer need none of it."""
+    command = [sys.executable, "-X", "importtime", "-m", "batchgen", f"hydra.run.dir={tmp_path}", "engine.device=cpu",
+               "job.progress=false", "job=shakespeare", "data.limit=1"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "torch" in imported and "transformers" not in imported
+
+
 def test_summary_scopes_and_where_the_time_went(tmp_path):
     result = batchgen(tmp_path, "job=shakespeare", "preset=smoke_test", "data.limit=12", "engine.max_num_seqs=4")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -22,7 +22,6 @@ from triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 from batchgen.config import ModelConfig
 from batchgen.layers import fused, linear_triton
 from batchgen.layers.activation import silu_and_mul
-from batchgen.layers.compiled import use_triton_layers
 from batchgen.layers.linear import Linear
 from batchgen.layers.linear_triton import (
     MAX_M,
@@ -33,9 +32,16 @@ from batchgen.layers.linear_triton import (
     small_m_linear,
 )
 from batchgen.layers.norms import rms_norm
+from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model
 
 pytestmark = TRITON_MARKS
+
+
+@pytest.fixture(autouse=True)
+def tiny_weights_take_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers here are tiny, which the engine leaves to cuBLAS: they take the kernel as large ones would."""
+    monkeypatch.setattr(linear_triton, "MIN_WEIGHT_BYTES", 0)
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 # Relative to the output's magnitude: one rounding of the fp32 sum to the output dtype (the interpreter truncates

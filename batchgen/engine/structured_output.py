@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
 from batchgen.engine.request import PENDING_TOKEN, Request
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput
 from batchgen.sampling_params import GUIDED_FIELDS, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EXTRA_HINT = "structured output needs the guided extra: pip install 'batchgen[guided]' (llguidance)"
 _FORMATS = {"guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}  # llguidance's names

@@ -2,8 +2,9 @@
 
 `Linear` keeps nn.Linear's parameters (`weight`, `bias`), so weight loading and tied embeddings work unchanged. It
 runs F.linear until `use_triton()` switches it (the engine does so when CUDA graphs replay decode steps, through
-`compiled.use_triton_layers`); from then on CUDA inputs of the few rows where `linear_triton.beats_cublas` go through
-`linear_triton.small_m_linear`, which reads the weight at closer to full memory bandwidth than cuBLAS does there.
+`triton_layers.use_triton_layers`); from then on CUDA inputs of the few rows where `linear_triton.beats_cublas` go
+through `linear_triton.small_m_linear`, which reads the weight at closer to full memory bandwidth than cuBLAS does
+there.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class Linear(nn.Linear):
     def runs_triton(self, x: torch.Tensor) -> bool:
         """Whether a (rows, features) input x goes through the Triton GEMV."""
         return (self._kernels is not None and x.device.type == self._kernel_device_type and x.dim() == 2
-                and x.shape[0] > 0 and self._kernels.beats_cublas(x.shape[0], self.out_features))
+                and x.shape[0] > 0
+                and self._kernels.beats_cublas(x.shape[0], self.out_features, self.weight.nbytes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if self.runs_triton(x):

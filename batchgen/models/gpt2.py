@@ -8,10 +8,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.linear import Linear
+from batchgen.models.hf_config import HFConfig
 from batchgen.models.weights import WeightTarget, load_into
 
 ACTIVATIONS = {
@@ -27,7 +27,7 @@ def _is_conv1d_weight(name: str) -> bool:
     return name.endswith(".weight") and any(f".{layer}." in name for layer in CONV1D_LAYERS)
 
 
-def _check_supported(config: PretrainedConfig) -> None:
+def _check_supported(config: HFConfig) -> None:
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
         if getattr(config, flag, False):
             raise ValueError(f"GPT-2 with {flag}=True is not supported")
@@ -39,7 +39,7 @@ def _check_supported(config: PretrainedConfig) -> None:
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: HFConfig) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -55,7 +55,7 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: HFConfig) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.hidden_size
         self.c_fc = Linear(config.hidden_size, inner)
@@ -67,7 +67,7 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: HFConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.attn = GPT2Attention(config)
@@ -80,7 +80,7 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: HFConfig) -> None:
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
@@ -95,7 +95,7 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: HFConfig) -> None:
         super().__init__()
         _check_supported(config)
         self.config = config

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention, AttentionMetadata
@@ -20,15 +19,16 @@ from batchgen.layers.fused import norm_then_linear, silu_and_mul_then_linear
 from batchgen.layers.linear import Linear
 from batchgen.layers.norms import RMSNorm, rms_norm
 from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from batchgen.models.hf_config import HFConfig
 from batchgen.models.weights import WeightTarget, fused_rows, load_into
 
 
-def head_dim_of(config: PretrainedConfig) -> int:
+def head_dim_of(config: HFConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, config: HFConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
                  sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -83,7 +83,7 @@ def norm_and_rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: HFConfig) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
@@ -96,7 +96,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, config: HFConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
                  sliding_window: int | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, qkv_bias, qk_norm, sliding_window)
@@ -115,7 +115,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: HFConfig, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         theta, scaling = rope_parameters(config)
@@ -133,7 +133,7 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual)[0]
 
 
-def layer_sliding_windows(config: PretrainedConfig) -> list[int | None]:
+def layer_sliding_windows(config: HFConfig) -> list[int | None]:
     """Each layer's sliding window (None: full attention), as transformers decides it.
 
     Configs with `layer_types` (Qwen2/Qwen3: "sliding_attention" on layers >= max_window_layers when
@@ -156,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias_always = False  # Qwen2 has q/k/v biases whatever config.attention_bias says
     qk_norm = False  # Qwen3 RMS-normalizes each head of q and k before RoPE
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: HFConfig) -> None:
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias_always or getattr(config, "attention_bias", False)

@@ -6,14 +6,15 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
 
 from batchgen.config import ModelConfig
 from batchgen.layers.norms import RMSNorm
+from batchgen.models.hf_config import hf_config_from_dict, read_hf_config
 from batchgen.models.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,21 +22,34 @@ SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 
 
-def load_hf_config(model: ModelConfig) -> PretrainedConfig:
-    """config.json from model.path with model.hf_config applied on top, or a config built from model.hf_config alone."""
+def load_hf_config(model: ModelConfig) -> Any:
+    """config.json from model.path with model.hf_config applied on top, or a config built from model.hf_config alone.
+
+    An HFConfig for the model types batchgen implements (read without importing transformers), else transformers'
+    config (whose architecture the registry then names as unsupported).
+    """
     overrides = dict(model.hf_config or {})
     if model.path is not None:
-        config = AutoConfig.from_pretrained(model.path)
+        config = read_hf_config(model.path)
+        if config is None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model.path)
         overrides.pop("model_type", None)  # the config class is fixed by config.json
-        config.update(overrides)
+        config.update(overrides)  # after the derived values, as transformers' PretrainedConfig.update does
         return config
     if "model_type" not in overrides:
         raise ValueError("model.hf_config needs a model_type (e.g. llama) when model.path is not set")
-    model_type = overrides.pop("model_type")
-    return AutoConfig.for_model(model_type, **overrides)
+    config = hf_config_from_dict(overrides)
+    if config is None:
+        from transformers import AutoConfig
+
+        model_type = overrides.pop("model_type")
+        config = AutoConfig.for_model(model_type, **overrides)
+    return config
 
 
-def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     """"auto" is the checkpoint's dtype on CUDA (float32 if it names none) and float32 on CPU."""
     if name != "auto":
         return DTYPES[name]
@@ -91,7 +105,7 @@ def init_dummy_weights(model: nn.Module) -> None:
                     param.zero_()
 
 
-def load_model(model: ModelConfig, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Builds the model for hf_config's architecture on `device` in `dtype` and fills its weights."""
     cls = model_class(hf_config)
     files = [] if model.load_format == "dummy" else safetensors_files(model.path)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
 from batchgen.models.gpt2 import GPT2LMHeadModel
+from batchgen.models.hf_config import HFConfig
 from batchgen.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
@@ -24,7 +23,7 @@ DEFAULT_ARCHITECTURE = {
 }
 
 
-def model_class(hf_config: PretrainedConfig) -> type:
+def model_class(hf_config: HFConfig) -> type:
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures and hf_config.model_type in DEFAULT_ARCHITECTURE:
         architectures = [DEFAULT_ARCHITECTURE[hf_config.model_type]]

@@ -1,0 +1,115 @@
+"""A Hugging Face config.json read without transformers, for the model types our models implement.
+
+Importing transformers' config classes costs seconds of start-up (they pull in most of transformers); the models
+read only a few dozen fields. `HFConfig` holds every key of config.json as an attribute, with transformers' defaults
+(v5) for the fields our models read when the file leaves them out, its derived values (head_dim, num_key_value_heads,
+Qwen's layer_types) and GPT-2's aliases (hidden_size for n_embd, ...). tests/test_hf_config.py checks every field
+against transformers' own config classes. Other model types return None: the loader falls back to transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+
+_LLAMA_LIKE = {
+    "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "rope_parameters": None,
+}
+_QWEN = {
+    **_LLAMA_LIKE, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+    "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "layer_types": None,
+    "bos_token_id": None, "eos_token_id": None,
+}
+# Each model type's config class defaults, for the fields batchgen reads (transformers' configuration_<type>.py).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        **_LLAMA_LIKE, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+        "attention_bias": False, "mlp_bias": False,
+    },
+    "mistral": {
+        **_LLAMA_LIKE, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "qwen2": {key: value for key, value in _QWEN.items() if key != "head_dim"},
+    "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
+    "gpt2": {
+        "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
+        "bos_token_id": 50256, "eos_token_id": 50256, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True,
+    },
+}
+ALIASES = {  # model type: {the name our models read: the name config.json uses}
+    "gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
+             "num_hidden_layers": "n_layer"},
+}
+
+
+class HFConfig:
+    """config.json's values as attributes, as transformers' PretrainedConfig exposes them."""
+
+    def __init__(self, model_type: str, values: dict[str, Any]) -> None:
+        object.__setattr__(self, "_aliases", ALIASES.get(model_type, {}))
+        self.model_type = model_type
+        self.architectures = None
+        self.dtype = None
+        self.update(DEFAULTS[model_type])
+        self.update(values)
+        self._derive()
+
+    def _derive(self) -> None:
+        """What transformers' config classes compute in __post_init__."""
+        if self.model_type == "gpt2":
+            return
+        if self.model_type in ("llama", "mistral") and self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.model_type in ("qwen2", "qwen3"):
+            if not self.use_sliding_window:
+                self.sliding_window = None
+            if self.layer_types is None:
+                self.layer_types = [
+                    "sliding_attention" if self.sliding_window is not None and i >= self.max_window_layers
+                    else "full_attention" for i in range(self.num_hidden_layers)
+                ]
+
+    def update(self, values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            setattr(self, key, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, self._aliases.get(name, name), value)
+
+    def __getattr__(self, name: str) -> Any:  # only called for names not set: the aliases
+        aliases = object.__getattribute__(self, "_aliases")
+        if name in aliases:
+            return getattr(self, aliases[name])
+        raise AttributeError(f"{type(self).__name__} of model_type {self.model_type!r} has no {name!r}")
+
+    def __repr__(self) -> str:
+        fields = {key: value for key, value in vars(self).items() if not key.startswith("_")}
+        return f"HFConfig({fields})"
+
+
+def hf_config_from_dict(values: dict[str, Any]) -> HFConfig | None:
+    """The config of values (config.json's keys, model_type among them); None for a model type we do not read."""
+    model_type = values.get("model_type")
+    if model_type not in DEFAULTS:
+        return None
+    return HFConfig(model_type, {key: value for key, value in values.items() if key != "model_type"})
+
+
+def read_hf_config(directory: str) -> HFConfig | None:
+    """directory's config.json; None when there is none or transformers must read it."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    return hf_config_from_dict(json.loads(path.read_text(encoding="utf-8")))

@@ -422,8 +422,32 @@ def test_a_later_request_computes_only_what_the_cache_lacks():
     assert scheduler.block_manager.num_used_blocks == 0 and scheduler.block_manager.num_cached_blocks > 0
 
 
-def test_requests_admitted_together_do_not_hit_each_other():
+def test_a_request_waits_for_the_prompt_blocks_another_is_computing_and_then_shares_them():
     scheduler = make_scheduler(block_size=4)
+    sharing = [make_shared_request(i, prefix_len=8, suffix_len=2) for i in range(3)]
+    unrelated = make_request(9, prompt_len=6)
+    for request in [*sharing, unrelated]:
+        scheduler.add_request(request)
+    output, _ = run_step(scheduler)
+    # The requests behind the first wait for its two prefix blocks; the unrelated one goes ahead of them.
+    assert scheduled(output) == {0: 10, 9: 6} and list(scheduler.waiting) == sharing[1:]
+    output, _ = run_step(scheduler)  # committed: the prefix is cached, so the others compute only their suffixes
+    assert scheduled(output) == {1: 2, 2: 2} and output.num_cached_tokens == 16
+    assert sharing[1].block_ids[:2] == sharing[2].block_ids[:2] == sharing[0].block_ids[:2]
+
+
+def test_admission_looks_past_at_most_max_num_seqs_waiting_requests():
+    scheduler = make_scheduler(max_num_seqs=2, block_size=4)
+    sharing = [make_shared_request(i, prefix_len=8, suffix_len=2) for i in range(4)]
+    unrelated = make_request(9, prompt_len=6)
+    for request in [*sharing, unrelated]:
+        scheduler.add_request(request)
+    output, _ = run_step(scheduler)
+    assert scheduled(output) == {0: 10} and list(scheduler.waiting) == [*sharing[1:], unrelated]
+
+
+def test_without_prefix_caching_requests_sharing_a_prefix_are_admitted_together():
+    scheduler = Scheduler(SchedulerConfig(16, 64, 1024), BlockManager(100, 4, enable_prefix_caching=False))
     for i in range(2):
         scheduler.add_request(make_shared_request(i, prefix_len=8, suffix_len=2))
     output, _ = run_step(scheduler)
@@ -437,13 +461,13 @@ def test_async_a_block_is_cached_only_when_its_step_is_committed():
     prefill = scheduler.schedule()
     scheduler.advance(prefill)  # launched, not yet run
     scheduler.add_request(make_shared_request(1, prefix_len=8, suffix_len=1))
-    next_step = scheduler.schedule()
-    assert next_step.num_cached_tokens == 0 and scheduler.block_manager.num_cached_blocks == 0
+    next_step = scheduler.schedule()  # the second waits: the blocks it would share are computed, not yet cached
+    assert scheduled(next_step) == {0: 1} and scheduler.block_manager.num_cached_blocks == 0
     scheduler.advance(next_step)
     scheduler.commit(prefill, [1500])
     assert scheduler.block_manager.num_cached_blocks == 2
     scheduler.add_request(make_shared_request(2, prefix_len=8, suffix_len=1))
-    assert scheduler.schedule().num_cached_tokens == 8
+    assert scheduler.schedule().num_cached_tokens == 2 * 8
 
 
 def test_preempted_request_resumes_from_its_cached_blocks():

@@ -81,6 +81,19 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def uncached_prompt_blocks(self, request: Request) -> set[bytes]:
+        """The hashes of the request's full prompt blocks that are not in the cache (yet)."""
+        if not self.enable_prefix_caching or not request.use_prefix_cache:
+            return set()
+        return {h for h in self._block_hashes(request, request.num_prompt_tokens) if h not in self._cached}
+
+    def next_block_in(self, request: Request, num_cached_blocks: int, hashes: set[bytes]) -> bool:
+        """Whether the first block the request would compute itself (after its cached ones) is among `hashes`."""
+        if not self.enable_prefix_caching or not request.use_prefix_cache:
+            return False
+        own = self._block_hashes(request, request.num_tokens - 1)
+        return num_cached_blocks < len(own) and own[num_cached_blocks] in hashes
+
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's blocks filled by its first `num_computed_tokens` tokens, whose KV is written."""
         if not self.enable_prefix_caching:

@@ -29,7 +29,10 @@ free, and not at all in a step that preempted, so freed memory goes to the runni
 
 Prefix caching (see block_manager.py): an admitted request (new or preempted) starts past its leading tokens found
 in the cache. A block enters the cache at `commit`, not at `advance`: only then has its step run and are all its
-tokens known. The other samples of a prompt (n > 1) wait aside until the first sample has committed its first
+tokens known. A waiting request whose next uncached block is a prompt block another request is computing (admitted
+in this step, or running but not yet committed) waits, and later requests go ahead of it: once that block is
+cached it shares it instead of computing a copy (many rows sharing a system prompt compute it once, not once per
+row admitted with the first). The other samples of a prompt (n > 1) wait aside until the first sample has committed its first
 token, so its prompt blocks are cached and they share them; then they join the front of the waiting queue.
 """
 
@@ -311,12 +314,20 @@ class Scheduler:
     def _admit_waiting(self, step: _StepBuilder) -> None:
         if step.preempted:
             return
+        in_flight = self._prompt_blocks_in_flight()
+        deferred: list[Request] = []
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached_blocks, num_new = self._admission_chunk(request, step.budget)
+            if in_flight and self.block_manager.next_block_in(request, len(cached_blocks), in_flight):
+                deferred.append(self.waiting.popleft())  # it will find that block in the cache instead
+                if len(deferred) >= self.config.max_num_seqs:
+                    break  # a long queue is not scanned whole at every step
+                continue
             if not self.block_manager.can_allocate(request, num_new, cached_blocks):
-                return
+                break
             self.waiting.popleft()
+            in_flight |= self.block_manager.uncached_prompt_blocks(request)
             self.block_manager.allocate(request, num_new, cached_blocks)
             request.num_computed_tokens = len(cached_blocks) * self.block_manager.block_size
             if request.num_preemptions == 0:
@@ -325,3 +336,12 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add(request, num_new, admitted=True)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _prompt_blocks_in_flight(self) -> set[bytes]:
+        """Prompt blocks that running requests compute but have not cached yet (their prompt is not committed)."""
+        in_flight: set[bytes] = set()
+        for request in self.running:
+            if request.first_token_time is None:
+                in_flight |= self.block_manager.uncached_prompt_blocks(request)
+        return in_flight

@@ -32,8 +32,8 @@ in the cache. A block enters the cache at `commit`, not at `advance`: only then 
 tokens known. A waiting request whose next uncached block is a prompt block another request is computing (admitted
 in this step, or running but not yet committed) waits, and later requests go ahead of it: once that block is
 cached it shares it instead of computing a copy (many rows sharing a system prompt compute it once, not once per
-row admitted with the first). The other samples of a prompt (n > 1) wait aside until the first sample has committed its first
-token, so its prompt blocks are cached and they share them; then they join the front of the waiting queue.
+row admitted with the first). The other samples of a prompt (n > 1) wait aside until the first sample has committed
+its first token, so its prompt blocks are cached and they share them; then they join the front of the waiting queue.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 
 Greedy, ignore_eos. Each engine first runs warm-up requests (8 new tokens: 16 unrelated, then 16 sharing another
 prefix), so that neither run pays for compilation or graph warm-up in its timing and the shared prefix is not cached
-before the timed run.
+before the timed run. Each setting then runs `--repeats` workloads (3), each with its own prefix; the wall time is
+their median.
 
-Usage: python -m benchmarks.prefix_cache [--num-requests 1024] [--small] [--out DIR]
+Usage: python -m benchmarks.prefix_cache [--num-requests 1024] [--repeats 3] [--small] [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from benchmarks.common import (
 )
 
 
-def shared_prefix_requests(num_requests: int, prefix_len: int, suffix_len: int, max_tokens: int) -> list[Request]:
-    prefix = random_prompt(prefix_len, seed=0)
-    rng = random.Random(1)
+def shared_prefix_requests(num_requests: int, prefix_len: int, suffix_len: int, max_tokens: int,
+                           seed: int = 0) -> list[Request]:
+    prefix = random_prompt(prefix_len, seed=seed)
+    rng = random.Random(seed + 1)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [(prefix + [rng.randrange(10000) for _ in range(suffix_len)], params) for _ in range(num_requests)]
 
@@ -58,16 +60,21 @@ def step_time(records: list) -> list[dict]:
             for (kind, cascade), group in sorted(groups.items())]
 
 
-def run(args: argparse.Namespace, requests: list[Request], enable_prefix_caching: bool) -> dict:
+def run(args: argparse.Namespace, workloads: list[list[Request]], enable_prefix_caching: bool) -> dict:
+    """Each workload (its own prefix, so none finds another's cached) on one warmed-up engine; wall seconds are their
+    median, the counts those of the first."""
     engine = build_engine(qwen3_model_config(args.small), enforce_eager=not cuda_available(),
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, enable_prefix_caching=enable_prefix_caching)
     try:
         for warmup in warmup_requests():
             run_engine(engine, warmup)
-        outputs, records, wall = run_engine(engine, requests)
+        runs = [run_engine(engine, requests) for requests in workloads]
     finally:
         engine.close()
+    outputs, records, _ = runs[0]
+    walls = [wall for _, _, wall in runs]
+    wall = median(walls)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(o.num_output_tokens for o in outputs)
     return {
@@ -78,12 +85,13 @@ def run(args: argparse.Namespace, requests: list[Request], enable_prefix_caching
         "hit_rate": sum(o.num_cached_tokens for o in outputs) / prompt_tokens,
         "output_tokens": output_tokens,
         "wall_seconds": wall,
+        "wall_seconds_per_repeat": walls,
         "output_tok_s": output_tokens / wall,
         "steps_by_kind": step_counts(records),
         "step_time": step_time(records),
         "cascade_decode_steps": sum(r.cascade_attention for r in records),
         "preemptions": sum(r.num_preempted for r in records),
-        "token_ids": [o.token_ids for o in outputs],
+        "token_ids": [[o.token_ids for o in run_outputs] for run_outputs, _, _ in runs],
     }
 
 
@@ -96,18 +104,21 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per setting, each with its own prefix")
     parser.add_argument("--small", action="store_true",
                         help="a CPU smoke check: a two-layer Qwen3, 64 requests, 200-token prefix, 8 new tokens")
     add_out_argument(parser)
     args = parser.parse_args()
     if args.small:
-        args.num_requests, args.prefix_len, args.suffix_len, args.max_tokens = 64, 200, 20, 8
+        args.num_requests, args.prefix_len, args.suffix_len, args.max_tokens, args.repeats = 64, 200, 20, 8, 1
         args.max_num_seqs, args.max_num_batched_tokens = 32, 1024
 
-    requests = shared_prefix_requests(args.num_requests, args.prefix_len, args.suffix_len, args.max_tokens)
-    off = run(args, requests, enable_prefix_caching=False)
-    on = run(args, requests, enable_prefix_caching=True)
-    same_tokens = sum(a == b for a, b in zip(on.pop("token_ids"), off.pop("token_ids"), strict=True))
+    workloads = [shared_prefix_requests(args.num_requests, args.prefix_len, args.suffix_len, args.max_tokens, seed)
+                 for seed in range(0, 2 * args.repeats, 2)]
+    off = run(args, workloads, enable_prefix_caching=False)
+    on = run(args, workloads, enable_prefix_caching=True)
+    same_tokens = sum(a == b for on_run, off_run in zip(on.pop("token_ids"), off.pop("token_ids"), strict=True)
+                      for a, b in zip(on_run, off_run, strict=True))
     comparison = {
         "prefill_tokens_drop": 1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"],
         "speedup": off["wall_seconds"] / on["wall_seconds"],
@@ -119,8 +130,9 @@ def main() -> None:
                                "caching_on": on, "comparison": comparison})
     print(f"\n## {name} ({environment()['device']}; {settings})\n")
     print(f"prefill tokens computed drop {comparison['prefill_tokens_drop']:.1%}, "
-          f"speedup {comparison['speedup']:.2f}x, greedy tokens identical for {same_tokens} of {len(requests)} "
-          "requests (bf16 logits may differ with the batch shape)\n")
+          f"speedup {comparison['speedup']:.2f}x (median of {args.repeats}), greedy tokens identical for "
+          f"{same_tokens} of {args.repeats * args.num_requests} requests (bf16 logits may differ with the batch "
+          "shape)\n")
     headers = ["enable_prefix_caching", "prompt_tokens", "prefill_tokens_computed", "cached_tokens", "hit_rate",
                "output_tokens", "wall_seconds", "output_tok_s", "preemptions"]
     print(markdown_table(headers, [[run_result[h] for h in headers] for run_result in (off, on)]))

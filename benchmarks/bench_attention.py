@@ -20,20 +20,27 @@ BATCHES = (1, 8, 64, 256)
 CONTEXTS = (512, 2048)
 
 
+def random_kv_cache(num_blocks: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) of num_blocks random blocks, laid out as the engine's."""
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, dtype=DTYPE, device=device), torch.randn(shape, dtype=DTYPE, device=device)
+
+
+def random_queries(batch: int, device: str = "cuda") -> torch.Tensor:
+    return torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+
+
 def _inputs(batch: int, ctx: int) -> tuple[torch.Tensor, ...]:
     """Every sequence at full context, its blocks scattered over the cache like a long-running engine's."""
     blocks_per_seq = -(-ctx // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
-    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    k_cache, v_cache = random_kv_cache(num_blocks)
     block_tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, blocks_per_seq)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    return q, k_cache, v_cache, block_tables, seq_lens
+    return random_queries(batch), k_cache, v_cache, block_tables, seq_lens
 
 
-def _ms(fn: functools.partial) -> float:
+def median_ms(fn: functools.partial) -> float:
     return do_bench(fn, return_mode="median")
 
 
@@ -50,7 +57,7 @@ def main() -> None:
             single_fn = functools.partial(attention_triton.decode_attention, *inputs, scale, num_splits=1)
             torch_fn = functools.partial(attention_torch.decode_attention, *inputs, scale)
             torch.testing.assert_close(triton_fn().float(), torch_fn().float(), atol=2e-2, rtol=2e-2)
-            torch_ms, triton_ms, single_ms = _ms(torch_fn), _ms(triton_fn), _ms(single_fn)
+            torch_ms, triton_ms, single_ms = median_ms(torch_fn), median_ms(triton_fn), median_ms(single_fn)
             kv_gb = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize / 1e9
             splits = attention_triton._default_num_splits(batch, NUM_KV_HEADS, inputs[0].device)
             rows.append(

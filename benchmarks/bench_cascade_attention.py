@@ -14,12 +14,19 @@ import functools
 import sys
 
 import torch
-from triton.testing import do_bench
 
 from batchgen.layers import attention_triton
 from batchgen.layers.shared_prefix import shared_prefix_len
-
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
+from benchmarks.bench_attention import (
+    BLOCK_SIZE,
+    DTYPE,
+    HEAD_DIM,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    median_ms,
+    random_kv_cache,
+    random_queries,
+)
 
 
 def _inputs(batch: int, prefix_len: int, suffix_len: int) -> tuple[torch.Tensor, ...]:
@@ -29,19 +36,12 @@ def _inputs(batch: int, prefix_len: int, suffix_len: int) -> tuple[torch.Tensor,
     blocks_per_seq = -(-ctx // BLOCK_SIZE)
     own_blocks = blocks_per_seq - shared_blocks
     num_blocks = shared_blocks + batch * own_blocks
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
-    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    k_cache, v_cache = random_kv_cache(num_blocks)
     ids = torch.randperm(num_blocks, device="cuda").to(torch.int32)
     shared = ids[:shared_blocks].expand(batch, shared_blocks)
     block_tables = torch.cat([shared, ids[shared_blocks:].view(batch, own_blocks)], dim=1).contiguous()
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    return q, k_cache, v_cache, block_tables, seq_lens
-
-
-def _ms(fn: functools.partial) -> float:
-    return do_bench(fn, return_mode="median")
+    return random_queries(batch), k_cache, v_cache, block_tables, seq_lens
 
 
 def main() -> None:
@@ -63,8 +63,8 @@ def main() -> None:
         plain_fn = functools.partial(attention_triton.decode_attention, *inputs, scale)
         cascade_fn = functools.partial(attention_triton.decode_attention, *inputs, scale, shared_prefix_len=shared)
         torch.testing.assert_close(cascade_fn().float(), plain_fn().float(), atol=2e-2, rtol=2e-2)
-        plain_ms, cascade_ms = _ms(plain_fn), _ms(cascade_fn)
-        shared_ms = _ms(functools.partial(shared_prefix_len, inputs[3], inputs[4], BLOCK_SIZE))
+        plain_ms, cascade_ms = median_ms(plain_fn), median_ms(cascade_fn)
+        shared_ms = median_ms(functools.partial(shared_prefix_len, inputs[3], inputs[4], BLOCK_SIZE))
         ctx = args.prefix_len + args.suffix_len
         shared_len = int(shared.item())
         plain_gb = batch * ctx * token_bytes / 1e9

@@ -16,9 +16,15 @@ import torch
 from triton.testing import do_bench
 
 from batchgen.layers import attention_triton as at
+from benchmarks.bench_attention import (
+    BLOCK_SIZE,
+    DTYPE,
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    random_kv_cache,
+    random_queries,
+)
 from benchmarks.common import add_out_argument, environment, save_json
-
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
 
 
 def ragged_inputs(batch: int, lo: int, hi: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -26,12 +32,9 @@ def ragged_inputs(batch: int, lo: int, hi: int, seed: int = 0) -> tuple[torch.Te
     lens = torch.randint(lo, hi + 1, (batch,), generator=gen)
     width = -(-hi // BLOCK_SIZE)
     num_blocks = batch * width
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
-    v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    k_cache, v_cache = random_kv_cache(num_blocks)
     block_tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, width)
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    return q, k_cache, v_cache, block_tables, lens.to(torch.int32).cuda()
+    return random_queries(batch), k_cache, v_cache, block_tables, lens.to(torch.int32).cuda()
 
 
 def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, block_n, warps, stages):

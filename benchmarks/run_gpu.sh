@@ -32,7 +32,7 @@ step() {  # step NAME CAP_SECONDS COMMAND...
     fi
 }
 
-step pytest_gpu 180 "$PY" -m pytest -m gpu -q
+step pytest_gpu 180 "$PY" -m benchmarks.pytest_gpu
 step seed_table 150 "$PY" -m benchmarks.seed_table
 step sampled_decode 150 "$PY" -m benchmarks.sampled_decode
 step b1_latency 180 "$PY" -m benchmarks.b1_latency

@@ -31,3 +31,15 @@ def test_profile_prefill_host_times_every_part_of_both_step_kinds(tmp_path):
         # Every part ran at least once per step, so none reads as the missing-part zero.
         assert all(row[part] > 0 for part in ("schedule", "build_step_inputs", "sampling_tensors", "to_device",
                                               "forward_launch", "sample_launch", "commit"))
+
+
+def test_pytest_gpu_deals_every_file_once_into_balanced_groups():
+    from collections import Counter
+
+    from benchmarks.pytest_gpu import deal
+
+    counts = Counter({"a.py": 150, "b.py": 40, "c.py": 30, "d.py": 20, "e.py": 10, "f.py": 5})
+    groups = deal(counts, 3)
+    assert sorted(f for group in groups for f in group) == sorted(counts)
+    assert sorted(sum(counts[f] for f in group) for group in groups) == [50, 55, 150]
+    assert deal(Counter({"a.py": 1}), 3) == [["a.py"]]

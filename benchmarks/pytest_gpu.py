@@ -49,7 +49,9 @@ def main() -> None:
     for files, log, code in zip(groups, logs, codes, strict=True):
         lines = Path(log).read_text().strip().splitlines()
         print(f"group of {len(files)} files, exit {code}: {lines[-1] if lines else '(no output)'}")
-        print("\n".join(line for line in lines if line.startswith(("FAILED", "ERROR"))))
+        for line in lines:
+            if line.startswith(("FAILED", "ERROR")):
+                print(line)
     sys.exit(max(codes))
 
 

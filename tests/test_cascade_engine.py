@@ -97,6 +97,30 @@ def test_decode_steps_of_rows_sharing_a_prefix_pass_its_length(tiny_model_dir, s
     assert ops.shared.count(64) == len(cascaded) * num_layers
 
 
+def test_the_samples_of_one_prompt_cascade_over_its_shared_blocks(tiny_model_dir, short_prefixes_cascade):
+    llm = LLM(str(tiny_model_dir("Qwen3ForCausalLM")), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+              max_num_seqs=16)
+    ops = RecordingOps()
+    llm.engine.runner.cascade_attention = True
+    for layer in llm.engine.runner.attention_layers:
+        layer.ops = ops
+    engine, records = llm.engine, []
+    try:
+        prompt = shared_prefix_prompts(1)[0]
+        engine.add_request(0, None, prompt, SamplingParams(n=10, temperature=1.0, seed=0, max_tokens=4,
+                                                           ignore_eos=True))
+        while engine.has_unfinished_requests:
+            _, record = engine.step()
+            records += [record] if record is not None else []
+    finally:
+        llm.close()
+    cascaded = [r for r in records if r.cascade_attention]
+    # The samples share the prompt's full blocks by reference (the partial last block is each sample's own); the
+    # first sample runs a token ahead of the other nine, alone at first (too few rows) and done one step early.
+    assert [r.num_seqs for r in cascaded][:-1] == [10] * (len(cascaded) - 1) and cascaded[-1].num_seqs == 9
+    assert {s for s in ops.shared if s is not None} == {len(prompt) // BLOCK_SIZE * BLOCK_SIZE}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "LlamaForCausalLM", "GPT2LMHeadModel"])

@@ -8,8 +8,9 @@ max_tokens randint(100, 1024), temperature 0.6, ignore_eos), Qwen3-0.6B shape wi
 first rank's engine loop start to the last rank's loop end (the ranks pass a start barrier once every engine is
 ready, so their loops overlap; no imports, load, compilation or capture); `job` is the summary's wall time (first
 rank start to last rank end, engine start included); `process` is the whole `python -m batchgen` command. Each rank's
-engine start and barrier wait are listed too. A short warm-up job first fills the Triton and inductor caches on
-disk, so neither run pays for compilation the other does not.
+engine start, barrier wait and engine loop are listed too. A short warm-up job on all the GPUs first fills the
+compile caches, so neither run pays for compilation the other does not (after a warm-up on GPU 0 alone, rank 1's
+graph capture took three times rank 0's, and its engine loop had about 1.2 s of outlier steps).
 
 Usage: python -m benchmarks.data_parallel [--num-seqs 512] [--gpus 2] [--tiny] [--max-tokens N] [--out DIR]
 """
@@ -82,7 +83,8 @@ def row(gpus: int, run: dict[str, Any], baseline: dict[str, Any] | None) -> dict
               "process_s": run["process_seconds"],
               "process_output_tok_s": summary["output_tokens"] / run["process_seconds"],
               "rank_engine_start_s": _rank_seconds(run, "engine_start"),
-              "rank_wait_for_ranks_s": _rank_seconds(run, "wait_for_ranks")}
+              "rank_wait_for_ranks_s": _rank_seconds(run, "wait_for_ranks"),
+              "rank_engine_loop_s": _rank_seconds(run, "steps")}
     if baseline is not None:
         for name in SPEEDUPS:
             result[f"{name}_speedup"] = result[f"{name}_output_tok_s"] / baseline[f"{name}_output_tok_s"]
@@ -102,7 +104,7 @@ def main() -> None:
         directory = Path(tmp)
         prompts = write_prompts(directory / "prompts.jsonl", nanovllm_requests(args.num_seqs, total=args.num_seqs),
                                 args.max_tokens)
-        run_job(prompts, directory / "warmup", 1, args.tiny, limit=16)
+        run_job(prompts, directory / "warmup", args.gpus, args.tiny, limit=16 * args.gpus)
         single = run_job(prompts, directory / "gpus1", 1, args.tiny)
         parallel = run_job(prompts, directory / f"gpus{args.gpus}", args.gpus, args.tiny)
     baseline = row(1, single, None)
@@ -110,8 +112,8 @@ def main() -> None:
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     save_json(args.out, "data_parallel", {"environment": environment(), "settings": settings, "rows": rows,
                                           "summaries": {"gpus1": single, f"gpus{args.gpus}": parallel}})
-    headers = ["gpus", "rank_output_tokens", "rank_engine_start_s", "rank_wait_for_ranks_s", "generation_s",
-               "generation_output_tok_s", "generation_speedup", "job_output_tok_s", "job_speedup",
+    headers = ["gpus", "rank_output_tokens", "rank_engine_start_s", "rank_wait_for_ranks_s", "rank_engine_loop_s",
+               "generation_s", "generation_output_tok_s", "generation_speedup", "job_output_tok_s", "job_speedup",
                "process_output_tok_s", "process_speedup"]
     print(f"\n## data_parallel ({environment()['device']}; {settings})\n")
     print(markdown_table(headers, [[r.get(h) for h in headers] for r in rows]))

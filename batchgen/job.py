@@ -17,23 +17,22 @@ from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, iter_prompts
-from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic, write_kernels
+from batchgen.io.writers import CompletionWriter, write_kernels
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
 from batchgen.resume_check import check_resume
+from batchgen.run_outputs import SUMMARY_FILE, RunOutputs
 from batchgen.runners.shards import ShardSplit
 from batchgen.sampling_params import SamplingParams
 from batchgen.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
-from batchgen.summary import AttemptStats, summarize, versions
+from batchgen.summary import AttemptStats
 
 if TYPE_CHECKING:
     from batchgen.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
-SUMMARY_FILE = "summary.json"
 KERNELS_FILE = "kernels.parquet"
-STEP_FLUSH_ROWS = 4096
 
 
 def completion_record(row: PromptRow, output: RequestOutput | None = None) -> dict[str, Any]:
@@ -86,22 +85,14 @@ class Job:
         self.finished_summary = self._finished_summary()
         if self.finished_summary is not None:
             return
-        metadata = {"config": asdict(config), "versions": versions()}
-        if self.forced is not None:
-            metadata["resume_forced"] = self.forced
-        self.metadata = metadata
-        self.completions = CompletionWriter(self.run_dir, metadata, config.job.flush_rows, config.job.flush_seconds)
-        # Steps come many per row and matter less than completions: they flush on time, or every STEP_FLUSH_ROWS.
-        self.steps = StepWriter(self.run_dir, metadata, STEP_FLUSH_ROWS, config.job.flush_seconds)
-        written = self.completions.finished_samples()
+        self.outputs = RunOutputs(config, self.run_dir, self.forced)
+        written = self.outputs.written
         # A row is done when all its samples are; a resumed row generates only the samples it lacks.
         self.num_samples = {row.index: self._num_samples(row) for row in self.rows}
         self.missing_samples = {row.index: [i for i in range(self.num_samples[row.index])
                                             if i not in written.get(row.index, ())] for row in self.rows}
         self.pending = [row for row in self.rows if self.missing_samples[row.index]]
-        # A killed attempt may have flushed no steps, so a resume counts as at least attempt 1.
-        self.stats = AttemptStats(max(self.steps.next_attempt(), 1 if written else 0),
-                                  read_input_seconds=read_seconds)
+        self.stats = AttemptStats(self.outputs.attempt, read_input_seconds=read_seconds)
         if written:
             log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.stats.number,
                      len(self.rows) - len(self.pending), len(self.rows))
@@ -150,7 +141,7 @@ class Job:
             return 1
 
     def _rows_done(self) -> int:
-        return len(self.completions.finished_indices(self.num_samples.__getitem__))
+        return len(self.outputs.completions.finished_indices(self.num_samples.__getitem__))
 
     def _finished_summary(self) -> dict[str, Any] | None:
         """The summary of a run that already finished (final files, no parts, a summary), which a resume keeps."""
@@ -205,17 +196,16 @@ class Job:
                 finished, step = engine.step()
                 if step is not None:
                     job_ms = (called - returned) * 1000 if returned is not None else 0.0
-                    self.steps.write({**asdict(step), "attempt": self.stats.number, "job_ms": job_ms})
+                    self.outputs.steps.write({**asdict(step), "attempt": self.stats.number, "job_ms": job_ms})
                 returned = time.perf_counter()
                 for output in finished:
-                    self.completions.write(completion_record(rows_by_index[output.request_id], output))
+                    self.outputs.completions.write(completion_record(rows_by_index[output.request_id], output))
                     self._count(output)
                 self.progress.update(finished)
             clock = self._lap("engine_loop_seconds", clock)
             self.stats.generation_finished_at = time.time()
         except BaseException as exc:
-            self.completions.flush()
-            self.steps.flush()
+            self.outputs.flush()
             if isinstance(exc, StopRequested):
                 raise JobStopped(exc.signum, self._rows_done(), len(self.rows)) from None
             log.error("Job stopped; finished rows are in %s (resume with job.resume=true)", self.run_dir)
@@ -224,20 +214,14 @@ class Job:
             self.progress.close()
             if engine is not None:
                 if engine.profiler is not None:
-                    write_kernels(self.run_dir / KERNELS_FILE, engine.profiler.rows, self.metadata)
+                    write_kernels(self.run_dir / KERNELS_FILE, engine.profiler.rows, self.outputs.metadata)
                 engine.close()
         if signals.received is not None:
-            self.completions.flush()
-            self.steps.flush()
+            self.outputs.flush()
             raise JobStopped(signals.received, self._rows_done(), len(self.rows))
-        completions_path, steps_path = self.completions.close(), self.steps.close()
+        files = self.outputs.close()
         self._lap("finish_seconds", clock)
-        summary = summarize(completions_path, steps_path, self.stats, engine.info, asdict(self.config))
-        if self.forced is not None:
-            summary["resume_forced"] = self.forced
-        write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
-        if self.openai_results:
-            write_openai_results(self.config, self.run_dir)
+        summary = self.outputs.write_summary(files, self.stats, engine.info)
         log.info("Done: %d rows (%d errors) in %.1f s -> %s", summary["rows"], summary["job"]["error_rows"],
                  self.stats.wall_seconds, self.run_dir)
         return summary
@@ -265,7 +249,7 @@ class Job:
         self.stats.output_tokens += len(output.token_ids)
 
     def _write_error_row(self, row: PromptRow) -> None:
-        self.completions.write(completion_record(row))
+        self.outputs.completions.write(completion_record(row))
         self.stats.rows += 1
         self.progress.update([], errors=1)
 

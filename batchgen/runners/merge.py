@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from batchgen.io.atomic import write_atomically
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
-from batchgen.job import SUMMARY_FILE
+from batchgen.run_outputs import SUMMARY_FILE
 from batchgen.runners.errors import MergeError
 from batchgen.runners.merge_results import merge_results
 from batchgen.runners.shards import MARKER_FILE, SHARD_DIR_PATTERN, SHARDED_STEPS_SCHEMA, ShardMarker

@@ -18,7 +18,6 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import closing
-from dataclasses import asdict
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -30,16 +29,16 @@ from batchgen.config import Config
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
-from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, iter_prompts
-from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
-from batchgen.job import STEP_FLUSH_ROWS, SUMMARY_FILE, check_run_dir, completion_record
+from batchgen.io.writers import CompletionWriter
+from batchgen.job import check_run_dir, completion_record
 from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
+from batchgen.run_outputs import RunOutputs
 from batchgen.runners.ray_actor import INFO, OUTPUT, STEP, EngineActor
 from batchgen.runners.shards import SHARDED_STEPS_SCHEMA
 from batchgen.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
-from batchgen.summary import AttemptStats, summarize, versions
+from batchgen.summary import AttemptStats
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +114,7 @@ class RayDriver:
         self.first_window = next(self.windows, [])  # problems with the input or its config surface here
         if not self.first_window and config.data.on_empty == "fail":
             raise InputError(f"{config.data.path}: no rows to generate (data.on_empty=fail)")
-        self.forced = check_run_dir(config, run_dir)
-        metadata: dict[str, Any] = {"config": asdict(config), "versions": versions()}
-        if self.forced is not None:
-            metadata["resume_forced"] = self.forced
-        self.completions = CompletionWriter(run_dir, metadata, config.job.flush_rows, config.job.flush_seconds)
-        self.steps = StepWriter(run_dir, metadata, STEP_FLUSH_ROWS, config.job.flush_seconds, SHARDED_STEPS_SCHEMA)
-        self.written = self.completions.finished_samples()
-        self.attempt = max(self.steps.next_attempt(), 1 if self.written else 0)
+        self.outputs = RunOutputs(config, run_dir, check_run_dir(config, run_dir), SHARDED_STEPS_SCHEMA)
         self.progress = Progress(0, 0, config.job)
         self.num_samples: dict[int, int] = {}  # by row index, for the rows read so far
         self.engine_info: dict[str, Any] = {}
@@ -137,8 +129,7 @@ class RayDriver:
                 if signals.received is not None:
                     break
         except BaseException as exc:
-            self.completions.flush()
-            self.steps.flush()
+            self.outputs.flush()
             if isinstance(exc, StopRequested):
                 raise self._stopped(exc.signum) from None
             log.error("Job stopped; finished rows are in %s (resume with job.resume=true)", self.run_dir)
@@ -146,20 +137,13 @@ class RayDriver:
         finally:
             self.progress.close()
         if signals.received is not None:
-            self.completions.flush()
-            self.steps.flush()
+            self.outputs.flush()
             raise self._stopped(signals.received)
         wall = time.perf_counter() - start
-        stats = AttemptStats(self.attempt, rows=self.progress.done - already_done,
+        stats = AttemptStats(self.outputs.attempt, rows=self.progress.done - already_done,
                              prompt_tokens=self.progress.prompt_tokens, output_tokens=self.progress.output_tokens,
                              engine_loop_seconds=wall)
-        summary = summarize(self.completions.close(), self.steps.close(), stats, self.engine_info,
-                            asdict(self.config))
-        if self.forced is not None:
-            summary["resume_forced"] = self.forced
-        write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
-        if openai_results_wanted(self.config):
-            write_openai_results(self.config, self.run_dir)
+        summary = self.outputs.write_summary(self.outputs.close(), stats, self.engine_info)
         log.info("Done: %d rows through Ray actors in %.1f s -> %s", len(self.num_samples), wall, self.run_dir)
         return summary
 
@@ -167,15 +151,16 @@ class RayDriver:
         """Generates the window's missing samples; returns how many of its samples an earlier attempt wrote.
         Signals are deferred only while rows are written, so a part file is never cut and waiting on Ray (actors
         loading their models) stops at once."""
-        missing = _missing_samples(window, self.config, self.written)
+        written = self.outputs.written
+        missing = _missing_samples(window, self.config, written)
         for row in window:
-            self.num_samples[row.index] = len(self.written.get(row.index, ())) + len(missing[row.index])
+            self.num_samples[row.index] = len(written.get(row.index, ())) + len(missing[row.index])
         total = sum(self.num_samples[row.index] for row in window)
         done = total - sum(len(samples) for samples in missing.values())
         self.progress.add_rows(total, done)
         pending = [row for row in window if missing[row.index]]
         signals.deferred = True
-        requests = _request_rows(pending, missing, self.completions, self.progress)
+        requests = _request_rows(pending, missing, self.outputs.completions, self.progress)
         signals.deferred = False
         if not requests or signals.received is not None:
             return done
@@ -206,17 +191,17 @@ class RayDriver:
             record = json.loads(line)
             if kind == OUTPUT:
                 output = RequestOutput(**record)
-                self.completions.write(completion_record(rows_by_index[output.request_id], output))
+                self.outputs.completions.write(completion_record(rows_by_index[output.request_id], output))
                 self.progress.update([output])
             elif kind == STEP:
                 shard = actor_numbers.setdefault(str(actor), len(actor_numbers))
-                self.steps.write({**record, "attempt": self.attempt, "shard": shard})
+                self.outputs.steps.write({**record, "attempt": self.outputs.attempt, "shard": shard})
             elif kind == INFO and not self.engine_info:
                 self.engine_info = {**record, "runner": "ray", "num_replicas": self.config.runner.num_replicas}
 
     def _stopped(self, signum: int) -> JobStopped:
         """JobStopped counting the rows read so far (the input streams, so its length is not known)."""
-        finished = self.completions.finished_indices(lambda index: self.num_samples.get(index, 1))
+        finished = self.outputs.completions.finished_indices(lambda index: self.num_samples.get(index, 1))
         return JobStopped(signum, len(finished & self.num_samples.keys()), len(self.num_samples))
 
 

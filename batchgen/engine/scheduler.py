@@ -312,8 +312,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, step: _StepBuilder) -> None:
-        if step.preempted:
-            return
+        if step.preempted or not self.waiting:
+            return  # mixed scheduling calls this at every step
         in_flight = self._prompt_blocks_in_flight()
         deferred: list[Request] = []
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:

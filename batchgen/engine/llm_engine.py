@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from batchgen.config import EngineConfig, ModelConfig
-from batchgen.engine import cascade
 from batchgen.engine.bad_words import bad_words_token_ids
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cuda_graph import default_capture_sizes
@@ -134,10 +133,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
                                   engine_config.max_num_seqs, attention_ops(backend))
         self.runner.logprobs_mode = engine_config.logprobs_mode
-        # Only the Triton kernels cascade, only layers without a sliding window (Mistral windows every layer), and
-        # only where a context can outgrow the shortest prefix worth sharing.
+        # Only the Triton kernels cascade, and only layers without a sliding window (Mistral windows every layer).
+        # A job whose rows never share a long prefix never captures a cascade graph (shares_long_prefix).
         self.runner.cascade_attention = (engine_config.cascade_attention and backend == "triton"
-                                         and self.max_model_len > cascade.CASCADE_MIN_SHARED_TOKENS
                                          and any(a.sliding_window is None for a in self.runner.attention_layers))
         self._token_text = token_texts(self.detokenizer)
         kv_choice = self._num_kv_blocks(kv_demand)

@@ -81,11 +81,11 @@ class Job:
                 raise InputError(f"{config.data.path}: no rows to generate (data.on_empty=fail)")
             log.warning("%s has no rows: writing empty outputs (data.on_empty=fail makes this an error)",
                         config.data.path)
-        self.forced = check_run_dir(config, self.run_dir)
+        forced = check_run_dir(config, self.run_dir)
         self.finished_summary = self._finished_summary()
         if self.finished_summary is not None:
             return
-        self.outputs = RunOutputs(config, self.run_dir, self.forced)
+        self.outputs = RunOutputs(config, self.run_dir, forced)
         written = self.outputs.written
         # A row is done when all its samples are; a resumed row generates only the samples it lacks.
         self.num_samples = {row.index: self._num_samples(row) for row in self.rows}

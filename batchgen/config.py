@@ -60,7 +60,9 @@ class EngineConfig:
     mixed_prefill_decode: bool = False  # False: a step is all prefill or all decode (decode steps replay graphs)
     async_scheduling: bool = True  # schedule and stage step N+1 while the device runs step N
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
-    torch_compile: bool = True  # on CUDA, fuse the small elementwise layers (norms, rotary, activation)
+    # On CUDA, torch.compile the small elementwise layers (norms, rotary, activation) instead of running their Triton
+    # kernels: opt-in, for comparison; compiling costs seconds of every fresh process.
+    torch_compile: bool = False
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM v1's default)
     # Triton decode steps whose rows all start with the same KV blocks read that shared prefix once for the batch
     cascade_attention: bool = True

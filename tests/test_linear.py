@@ -17,8 +17,8 @@ from paged_helpers import PagedTestCache
 from torch import nn
 
 from batchgen.config import ModelConfig
-from batchgen.layers.compiled import use_triton_layers
 from batchgen.layers.linear import Linear
+from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -22,7 +22,6 @@ from triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 from batchgen.config import ModelConfig
 from batchgen.layers import fused, linear_triton
 from batchgen.layers.activation import silu_and_mul
-from batchgen.layers.compiled import use_triton_layers
 from batchgen.layers.linear import Linear
 from batchgen.layers.linear_triton import (
     MAX_M,
@@ -33,6 +32,7 @@ from batchgen.layers.linear_triton import (
     small_m_linear,
 )
 from batchgen.layers.norms import rms_norm
+from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model
 
 pytestmark = TRITON_MARKS

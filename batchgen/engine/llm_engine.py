@@ -23,7 +23,8 @@ from batchgen.engine.request_logprobs import attach_logprobs, token_texts
 from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from batchgen.engine.step_profiler import StepProfiler
 from batchgen.engine.structured_output import StructuredOutputManager, guided_spec
-from batchgen.layers.compiled import compile_small_layers, use_triton_layers
+from batchgen.layers.compiled import compile_small_layers
+from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -124,11 +125,12 @@ class LLMEngine:
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, self.device)
         self.max_model_len = self._max_model_len(hf_config)
-        if self.device.type == "cuda" and engine_config.torch_compile:
+        compile_layers = self.device.type == "cuda" and engine_config.torch_compile
+        if compile_layers:
             compile_small_layers(model)  # compiles lazily, at the memory-profiling run below
         backend = resolve_attention_backend(engine_config.attention_backend, self.device)
         if backend == "triton":
-            use_triton_layers(model, gemv=not engine_config.enforce_eager)
+            use_triton_layers(model, gemv=not engine_config.enforce_eager, elementwise=not compile_layers)
         self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start}
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
                                   engine_config.max_num_seqs, attention_ops(backend))

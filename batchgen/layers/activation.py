@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,9 +22,19 @@ class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._fn = silu_and_mul
+        self._kernels: ModuleType | None = None  # batchgen.layers.elementwise_triton, once use_triton() is called
+        self._kernel_device_type = "cuda"
 
     def use_compiled(self) -> None:
         self._fn = compiled(silu_and_mul)
 
+    def use_triton(self, device_type: str = "cuda") -> None:
+        """Inputs on device_type take one Triton kernel ("cpu" only for tests under TRITON_INTERPRET=1)."""
+        from batchgen.layers import elementwise_triton  # Triton only once asked for
+
+        self._kernels, self._kernel_device_type = elementwise_triton, device_type
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._kernels is not None and gate_up.device.type == self._kernel_device_type:
+            return self._kernels.silu_and_mul(gate_up)
         return self._fn(gate_up)

@@ -2,8 +2,9 @@
 
 `Linear` keeps nn.Linear's parameters (`weight`, `bias`), so weight loading and tied embeddings work unchanged. It
 runs F.linear until `use_triton()` switches it (the engine does so when CUDA graphs replay decode steps, through
-`compiled.use_triton_layers`); from then on CUDA inputs of the few rows where `linear_triton.beats_cublas` go through
-`linear_triton.small_m_linear`, which reads the weight at closer to full memory bandwidth than cuBLAS does there.
+`triton_layers.use_triton_layers`); from then on CUDA inputs of the few rows where `linear_triton.beats_cublas` go
+through `linear_triton.small_m_linear`, which reads the weight at closer to full memory bandwidth than cuBLAS does
+there.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -31,12 +33,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self._norm, self._add_norm = rms_norm, add_rms_norm
+        self._kernels: ModuleType | None = None  # batchgen.layers.elementwise_triton, once use_triton() is called
+        self._kernel_device_type = "cuda"
 
     def use_compiled(self) -> None:
         self._norm, self._add_norm = compiled(rms_norm), compiled(add_rms_norm)
 
+    def use_triton(self, device_type: str = "cuda") -> None:
+        """Inputs on device_type take one Triton kernel ("cpu" only for tests under TRITON_INTERPRET=1)."""
+        from batchgen.layers import elementwise_triton  # Triton only once asked for
+
+        self._kernels, self._kernel_device_type = elementwise_triton, device_type
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """rms_norm(x), or with a residual: (rms_norm(x + residual), x + residual)."""
+        if self._kernels is not None and x.device.type == self._kernel_device_type:
+            normed, summed = self._kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return normed if residual is None else (normed, summed)
         if residual is None:
             return self._norm(x, self.weight, self.eps)
         return self._add_norm(x, residual, self.weight, self.eps)

@@ -1,12 +1,14 @@
 """bench_linear: the Triton small-M linear kernel vs cuBLAS (F.linear) on the Qwen3-0.6B projections (CUDA only).
 
-For each layer shape (qkv, o, gate_up, down, lm_head; bf16) and M in 1, 2, 4, 8 tokens: one CUDA graph holds
+For each layer shape (qkv, o, gate_up, down, lm_head; bf16; or with --model shakespeare the main job's tiny GPT-2
+projections, c_attn, attn/mlp c_proj, c_fc, lm_head, in float32) and M in 1, 2, 4, 8 tokens: one CUDA graph holds
 --calls back-to-back calls, as a decode step's graph does, each on the next of several copies of the weight, so that
 (like 28 layers in a row) no call finds its weight in L2. Time per call = median over --replays replays (CUDA events)
 / calls. GB/s = (weight + x + output bytes) / time. The decode-step sum is the 113 linears of one decode step at M=1
 (28 layers x 4 projections + lm_head). --sweep times alternatives to default_config's (BLOCK_N, BLOCK_K, num_warps).
 
-Usage: python -m benchmarks.bench_linear [--ms 1 2 4 8] [--calls 100] [--replays 10] [--sweep] [--out DIR]
+Usage: python -m benchmarks.bench_linear [--model qwen3|shakespeare] [--ms 1 2 4 8] [--calls 100] [--replays 10]
+       [--sweep] [--out DIR]
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import torch.nn.functional as F
 import triton
 
 from batchgen.layers.linear_triton import MAX_M, LinearConfig, beats_cublas, default_config, small_m_linear
+from batchgen.models.hf_config import read_hf_config
 from benchmarks.common import (
     QWEN3,
+    SHAKESPEARE,
     add_out_argument,
     copy_bandwidth_gbs,
     environment,
@@ -46,6 +50,23 @@ def qwen3_linears() -> dict[str, tuple[int, int, int]]:
         "down_proj": (hidden, c["intermediate_size"], layers),
         "lm_head": (c["vocab_size"], hidden, 1),
     }
+
+
+def shakespeare_linears() -> dict[str, tuple[int, int, int]]:
+    """name: (N, K, calls per decode step) of every linear layer of the main job's GPT-2."""
+    c = read_hf_config(load_model_config(SHAKESPEARE).path)
+    hidden, layers = c.hidden_size, c.num_hidden_layers
+    inner = c.n_inner or 4 * hidden
+    return {
+        "c_attn": (3 * hidden, hidden, layers),
+        "attn.c_proj": (hidden, hidden, layers),
+        "c_fc": (inner, hidden, layers),
+        "mlp.c_proj": (hidden, inner, layers),
+        "lm_head": (c.vocab_size, hidden, 1),
+    }
+
+
+MODELS = {"qwen3": (qwen3_linears, "bfloat16"), "shakespeare": (shakespeare_linears, "float32")}
 
 
 def weight_copies(n: int, k: int, dtype: torch.dtype, rotate_bytes: int) -> list[torch.Tensor]:
@@ -135,7 +156,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", type=int, nargs="*", default=[1, 2, 4, 8], help=f"token counts, 1..{MAX_M}")
     parser.add_argument("--layers", nargs="*", default=None, help="layer names (default: all of Qwen3-0.6B's)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--model", choices=list(MODELS), default="qwen3", help="whose layer shapes")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                        help="default: the model's (qwen3 bfloat16, shakespeare float32)")
     parser.add_argument("--calls", type=int, default=100, help="back-to-back calls in one CUDA graph")
     parser.add_argument("--replays", type=int, default=10, help="timed graph replays (median)")
     parser.add_argument("--rotate-mib", type=int, default=512, help="total size of the weight copies per layer")
@@ -148,8 +171,10 @@ def main() -> None:
         sys.exit("bench_linear needs a CUDA device")
     if not all(1 <= m <= MAX_M for m in [*args.ms, *args.sweep_ms]):
         sys.exit(f"token counts must be in 1..{MAX_M}")
+    shapes_of, default_dtype = MODELS[args.model]
+    args.dtype = args.dtype or default_dtype
     dtype = getattr(torch, args.dtype)
-    shapes = qwen3_linears()
+    shapes = shapes_of()
     shapes = {name: shape for name, shape in shapes.items() if args.layers is None or name in args.layers}
     torch.manual_seed(0)
     bandwidth = copy_bandwidth_gbs()
@@ -167,7 +192,7 @@ def main() -> None:
             results.append({"layer": name, "n": n, "k": k, "m": m, "per_step": per_step, "config": config._asdict(),
                             "cublas_ms": cublas_ms, "triton_ms": triton_ms, "cublas_gbs": gb / cublas_ms * 1e3,
                             "triton_gbs": gb / triton_ms * 1e3,
-                            "engine_path": "triton" if beats_cublas(m, n) else "cuBLAS"})
+                            "engine_path": "triton" if beats_cublas(m, n, n * k * dtype.itemsize) else "cuBLAS"})
             print(f"done {name} m={m}", file=sys.stderr, flush=True)
         del weights
         torch.cuda.empty_cache()
@@ -178,10 +203,10 @@ def main() -> None:
     sweep = run_sweep(shapes, args, dtype) if args.sweep else []
 
     env = environment()
-    save_json(args.out, "bench_linear", {
-        "environment": env, "dtype": args.dtype, "calls_per_graph": args.calls, "replays": args.replays,
-        "rotate_bytes": args.rotate_mib * 2**20, "copy_bandwidth_gbs": bandwidth, "results": results,
-        "decode_step_m1": decode_step, "sweep": sweep,
+    save_json(args.out, "bench_linear" if args.model == "qwen3" else f"bench_linear_{args.model}", {
+        "environment": env, "model": args.model, "dtype": args.dtype, "calls_per_graph": args.calls,
+        "replays": args.replays, "rotate_bytes": args.rotate_mib * 2**20, "copy_bandwidth_gbs": bandwidth,
+        "results": results, "decode_step_m1": decode_step, "sweep": sweep,
         "notes": "ms per call inside a CUDA graph of back-to-back calls over weight copies that do not fit in L2; "
                  "GB/s counts weight + x + output bytes; copy bandwidth counts bytes read + written",
     })

@@ -31,6 +31,7 @@ from batchgen.summary import TIME_COLUMNS
 REPO = Path(__file__).resolve().parents[1]
 Request = tuple[list[int], SamplingParams]
 QWEN3 = "qwen3_0_6b"
+SHAKESPEARE = "shakespeare"  # the main job's model
 # A Qwen3 small enough for a CPU smoke test; the vocabulary still holds the benchmarks' prompt ids (< 10001).
 TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=10240, max_position_embeddings=4096,

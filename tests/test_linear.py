@@ -72,6 +72,16 @@ def test_models_build_their_projections_from_linear(
 def test_gemv_takes_single_rows_and_small_launches_only() -> None:
     from batchgen.layers.linear_triton import MAX_M, beats_cublas
 
-    assert beats_cublas(1, 151936) and not beats_cublas(2, 151936)  # lm_head: only a single row
-    assert beats_cublas(MAX_M, 1024) and not beats_cublas(MAX_M + 1, 16)
-    assert beats_cublas(2, 6144) and not beats_cublas(4, 6144)
+    mib = 2**20
+    assert beats_cublas(1, 151936, 300 * mib) and not beats_cublas(2, 151936, 300 * mib)  # lm_head: a single row only
+    assert beats_cublas(MAX_M, 1024, 2 * mib) and not beats_cublas(MAX_M + 1, 1024, 2 * mib)
+    assert beats_cublas(2, 1536, 3 * mib) and not beats_cublas(2, 4096, 8 * mib)  # every M > 1 takes MAX_M rows
+    # The main job's 128-wide GPT-2: every weight is tiny, cuBLAS reads it as fast and nothing compiles.
+    assert not beats_cublas(1, 512, 512 * 128 * 4) and not beats_cublas(1, 66, 66 * 128 * 4)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the row tile lives beside the Triton kernel")
+def test_gemv_compiles_one_row_tile_for_all_batches_above_one() -> None:
+    from batchgen.layers.linear_triton import MAX_M, block_m
+
+    assert block_m(1) == 1 and {block_m(m) for m in range(2, MAX_M + 1)} == {MAX_M}

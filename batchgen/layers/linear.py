@@ -35,7 +35,8 @@ class Linear(nn.Linear):
     def runs_triton(self, x: torch.Tensor) -> bool:
         """Whether a (rows, features) input x goes through the Triton GEMV."""
         return (self._kernels is not None and x.device.type == self._kernel_device_type and x.dim() == 2
-                and x.shape[0] > 0 and self._kernels.beats_cublas(x.shape[0], self.out_features))
+                and x.shape[0] > 0
+                and self._kernels.beats_cublas(x.shape[0], self.out_features, self.weight.nbytes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if self.runs_triton(x):

@@ -15,14 +15,26 @@ import triton
 import triton.language as tl
 
 MAX_M = 8  # the most rows of x one launch takes: all of them sit in registers next to the weight tile
-# Above M = 1 the kernel's time grows with M * N (every row of x meets every weight row in registers) while cuBLAS's
-# stays flat: on an H200 (benchmarks/bench_linear.py) it is ahead up to about this many outputs per launch.
+# Above M = 1 the kernel's time grows with BLOCK_M * N (every row of the tile meets every weight row in registers)
+# while cuBLAS's stays flat: on an H200 (benchmarks/bench_linear.py) it is ahead up to about this many outputs.
 MAX_OUTPUTS = 12288
+# A weight this small is read in a couple of microseconds by cuBLAS too (the launch dominates): the kernel would only
+# add a compile per shape to a fresh process (the main job's 128-wide GPT-2 has no weight above 256 KB).
+MIN_WEIGHT_BYTES = 1 << 20
 
 
-def beats_cublas(m: int, n: int) -> bool:
-    """Whether an (m, n)-output launch should take this kernel rather than cuBLAS: at M = 1 always, else if small."""
-    return m == 1 or (m <= MAX_M and m * n <= MAX_OUTPUTS)
+def block_m(m: int) -> int:
+    """The row tile of an m-row launch: 1, or MAX_M for every m > 1, so that a weight shape compiles at most twice
+    (once per tile) however many batch sizes the CUDA graphs capture."""
+    return 1 if m == 1 else MAX_M
+
+
+def beats_cublas(m: int, n: int, weight_bytes: int) -> bool:
+    """Whether an m-row launch on an (n, k) weight of weight_bytes should take this kernel rather than cuBLAS: for
+    weights that are not tiny, at M = 1 always, else if the launch's row tile times N is small."""
+    if weight_bytes < MIN_WEIGHT_BYTES or m > MAX_M:
+        return False
+    return m == 1 or block_m(m) * n <= MAX_OUTPUTS
 
 
 class LinearConfig(NamedTuple):
@@ -209,7 +221,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         *x.stride(), *weight.stride(), out.stride(0),
         0 if residual is None else residual.stride(0), 0 if residual_out is None else residual_out.stride(0),
         K=k, HAS_BIAS=bias is not None, X_OP=x_op.value, HAS_RESIDUAL=residual is not None,
-        BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps,
     )  # fmt: skip
     return out

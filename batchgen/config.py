@@ -55,7 +55,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # fixes the number of KV blocks (tests force a small cache)
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space_gib: float = 1.0  # the KV-cache budget on CPU
-    cpu_threads: int | None = None  # torch intra-op threads on CPU (process-wide); None: torch's default
+    cpu_threads: int | None = None  # torch intra-op threads; None: 1 with a GPU, else torch's default over local ranks
     enforce_eager: bool = False
     mixed_prefill_decode: bool = False  # False: a step is all prefill or all decode (decode steps replay graphs)
     async_scheduling: bool = True  # schedule and stage step N+1 while the device runs step N

@@ -16,6 +16,7 @@ from batchgen.engine.bad_words import bad_words_token_ids
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.cuda_graph import default_capture_sizes
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.host_threads import intra_op_threads
 from batchgen.engine.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit
 from batchgen.engine.model_runner import LaunchedStep, ModelRunner
 from batchgen.engine.request import Request
@@ -114,8 +115,8 @@ class LLMEngine:
         """kv_demand: the job's rows (prompt lengths and max_tokens), when known: the KV cache is sized to them."""
         self.config = engine_config
         self.device = resolve_device(engine_config.device)
-        if self.device.type == "cpu" and engine_config.cpu_threads is not None:
-            torch.set_num_threads(engine_config.cpu_threads)
+        if (threads := intra_op_threads(engine_config.cpu_threads, self.device)) is not None:
+            torch.set_num_threads(threads)
         hf_config = load_hf_config(model_config)
         self.hf_config = hf_config
         self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)

@@ -6,6 +6,9 @@ text = early_exit(sys.argv[1:])
 if text is not None:
     print(text)
 else:
+    from batchgen.bytecode_cache import use_bytecode_cache
+
+    use_bytecode_cache()  # before Hydra and torch are imported
     from batchgen.cli import main
 
     main()

@@ -2,9 +2,10 @@
 eager and graph, with what the job's summary says of its parts: engine start (model load, KV cache, graph capture),
 the engine loop (sum of step_ms) and the rest (imports, Hydra, reading, writing).
 
---fresh-triton-cache points TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR at new empty directories for every run:
-a fresh machine's cold start; triton_compiles counts the entries Triton's cache holds after the run (one per kernel
-specialisation compiled). Without a GPU only eager runs (graph mode needs CUDA).
+--fresh-caches points TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR and BATCHGEN_BYTECODE_CACHE (used where Python may not
+write bytecode beside the sources) at new empty directories for every run: a fresh machine's cold start;
+triton_compiles counts the entries Triton's cache holds after the run (one per kernel specialisation compiled).
+Without a GPU only eager runs (graph mode needs CUDA).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def triton_compiles(cache_dir: Path) -> int:
 def run_job(run_dir: Path, mode: str, fresh_cache: bool, extra: list[str]) -> dict[str, Any]:
     env = {}
     if fresh_cache:
-        env = {"TRITON_CACHE_DIR": str(run_dir / "triton_cache"), "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor")}
+        env = {"TRITON_CACHE_DIR": str(run_dir / "triton_cache"), "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor"),
+               "BATCHGEN_BYTECODE_CACHE": str(run_dir / "bytecode")}
     args = ["-m", "batchgen", "job=shakespeare", f"hydra.run.dir={run_dir}", "job.progress=false", *MODES[mode],
             *extra]
     run = run_process(args, env)
@@ -55,7 +57,7 @@ def run_job(run_dir: Path, mode: str, fresh_cache: bool, extra: list[str]) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode (rows are per run)")
-    parser.add_argument("--fresh-triton-cache", action="store_true", help="every run with empty compile caches")
+    parser.add_argument("--fresh-caches", action="store_true", help="every run with empty compile caches")
     parser.add_argument("--override", action="append", default=[], help="extra Hydra override, e.g. data.limit=64")
     add_out_argument(parser)
     args = parser.parse_args()
@@ -64,7 +66,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
             for i in range(args.repeats):
-                results.append(run_job(Path(tmp) / f"{mode}{i}", mode, args.fresh_triton_cache, args.override))
+                results.append(run_job(Path(tmp) / f"{mode}{i}", mode, args.fresh_caches, args.override))
     save_json(args.out, "main_job", {"environment": environment(), "results": results})
     headers = ["mode", "fresh_cache", "process_s", "job_s", "engine_loop_s", "load_s", "capture_s", "outside_job_s",
                "steps", "kv_blocks", "triton_compiles"]

@@ -49,7 +49,7 @@ step bench_attention 60 "$PY" -m benchmarks.bench_attention
 step sweep_decode_attention 200 "$PY" -m benchmarks.sweep_decode_attention
 step bench_cascade_attention 60 "$PY" -m benchmarks.bench_cascade_attention
 step bench_linear 90 "$PY" -m benchmarks.bench_linear
-step main_job_cold 150 "$PY" -m benchmarks.main_job --fresh-triton-cache
+step main_job_cold 150 "$PY" -m benchmarks.main_job --fresh-caches
 step main_job 120 "$PY" -m benchmarks.main_job
 step profile_prefill_host 90 "$PY" -m benchmarks.profile_prefill_host
 step startup 90 "$PY" -m benchmarks.startup

@@ -45,7 +45,7 @@ def run_job(run_dir: Path, mode: str, fresh_cache: bool, extra: list[str]) -> di
     loop_s = sum(steps) / 1000
     return {
         "mode": mode, "fresh_cache": fresh_cache, "process_s": run.seconds, "job_s": summary["wall_seconds"],
-        "engine_loop_s": loop_s, "load_s": engine.get("load_seconds"),
+        "engine_loop_s": loop_s, "load_s": engine.get("load_seconds"), "kv_sizing_s": engine.get("kv_sizing_seconds"),
         "capture_s": engine.get("cuda_graph_capture_seconds"),
         "capture_s_per_size": engine.get("cuda_graph_capture_seconds_per_size"),
         "outside_job_s": run.seconds - summary["wall_seconds"], "steps": summary["steps"],
@@ -68,8 +68,8 @@ def main() -> None:
             for i in range(args.repeats):
                 results.append(run_job(Path(tmp) / f"{mode}{i}", mode, args.fresh_caches, args.override))
     save_json(args.out, "main_job", {"environment": environment(), "results": results})
-    headers = ["mode", "fresh_cache", "process_s", "job_s", "engine_loop_s", "load_s", "capture_s", "outside_job_s",
-               "steps", "kv_blocks", "triton_compiles"]
+    headers = ["mode", "fresh_cache", "process_s", "job_s", "engine_loop_s", "load_s", "kv_sizing_s", "capture_s",
+               "outside_job_s", "steps", "kv_blocks", "triton_compiles"]
     print(markdown_table(headers, [[r[h] for h in headers] for r in results]))
 
 

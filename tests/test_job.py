@@ -47,6 +47,8 @@ def test_shakespeare_job_writes_three_files(tmp_path):
     # 40 rows of 4 + 8 tokens, one 16-token block each, all running at once: the cache holds just that.
     assert summary["engine"]["kv_blocks"] == 40
     assert "40 largest of the job's 40 rows" in summary["engine"]["kv_blocks_reason"]
+    engine_start = summary["this_attempt"]["time_seconds"]["engine_start"]
+    assert 0 < summary["engine"]["load_seconds"] + summary["engine"]["kv_sizing_seconds"] <= engine_start
     assert read_metadata(tmp_path / "completions.parquet")["config"]["job"]["name"] == "shakespeare"
     assert not (tmp_path / "completions.parts").exists()
     assert "Done: 40 rows (0 errors)" in result.stdout + result.stderr

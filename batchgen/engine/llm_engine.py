@@ -141,10 +141,12 @@ class LLMEngine:
         self.runner.cascade_attention = (engine_config.cascade_attention and backend == "triton"
                                          and any(a.sliding_window is None for a in self.runner.attention_layers))
         self._token_text = token_texts(self.detokenizer)
-        kv_choice = self._num_kv_blocks(kv_demand)
+        start = time.perf_counter()
+        kv_choice = self._num_kv_blocks(kv_demand)  # on CUDA, a forward that measures the activations' peak
         num_blocks = kv_choice.num_blocks
         self.runner.allocate_kv_cache(num_blocks)
         self.info.update(
+            kv_sizing_seconds=time.perf_counter() - start,
             device=str(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else "cpu",
             dtype=str(self.dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,

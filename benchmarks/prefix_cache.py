@@ -49,6 +49,10 @@ def warmup_requests() -> list[list[Request]]:
     return [unrelated, sharing[:1], sharing]
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def step_time(records: list) -> list[dict]:
     """Per kind of step (and whether it cascaded): how many, their summed and median step ms, median forward ms."""
     groups: dict[tuple[str, bool], list] = {}
@@ -117,12 +121,17 @@ def main() -> None:
                  for seed in range(0, 2 * args.repeats, 2)]
     off = run(args, workloads, enable_prefix_caching=False)
     on = run(args, workloads, enable_prefix_caching=True)
-    same_tokens = sum(a == b for on_run, off_run in zip(on.pop("token_ids"), off.pop("token_ids"), strict=True)
-                      for a, b in zip(on_run, off_run, strict=True))
+    pairs = [(a, b) for on_run, off_run in zip(on.pop("token_ids"), off.pop("token_ids"), strict=True)
+             for a, b in zip(on_run, off_run, strict=True)]
+    diverged_at = [first_difference(a, b) for a, b in pairs if a != b]
+    same_tokens = len(pairs) - len(diverged_at)
     comparison = {
         "prefill_tokens_drop": 1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"],
         "speedup": off["wall_seconds"] / on["wall_seconds"],
         "requests_with_identical_tokens": same_tokens,
+        # Where differing requests part: at token 0 the prefill's logits differ, later a decode step's.
+        "differing_at_first_token": sum(position == 0 for position in diverged_at),
+        "median_first_differing_token": median(diverged_at) if diverged_at else None,
     }
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     name = "prefix_cache_small" if args.small else "prefix_cache"
@@ -132,7 +141,8 @@ def main() -> None:
     print(f"prefill tokens computed drop {comparison['prefill_tokens_drop']:.1%}, "
           f"speedup {comparison['speedup']:.2f}x (median of {args.repeats}), greedy tokens identical for "
           f"{same_tokens} of {args.repeats * args.num_requests} requests (bf16 logits may differ with the batch "
-          "shape)\n")
+          f"shape; of the others, {comparison['differing_at_first_token']} differ from the first token, the median "
+          f"first differing token is {comparison['median_first_differing_token']})\n")
     headers = ["enable_prefix_caching", "prompt_tokens", "prefill_tokens_computed", "cached_tokens", "hit_rate",
                "output_tokens", "wall_seconds", "output_tok_s", "preemptions"]
     print(markdown_table(headers, [[run_result[h] for h in headers] for run_result in (off, on)]))

@@ -50,6 +50,7 @@ def run_job(run_dir: Path, mode: str, fresh_cache: bool, extra: list[str]) -> di
         "capture_s_per_size": engine.get("cuda_graph_capture_seconds_per_size"),
         "outside_job_s": run.seconds - summary["wall_seconds"], "steps": summary["steps"],
         "kv_blocks": engine.get("kv_blocks"), "output_tokens_per_s": summary["output_tokens_per_s"],
+        "step_medians": summary.get("step_medians"),
         "triton_compiles": triton_compiles(run_dir / "triton_cache") if fresh_cache else None,
     }
 

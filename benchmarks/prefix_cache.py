@@ -50,7 +50,7 @@ def warmup_requests() -> list[list[Request]]:
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def step_time(records: list) -> list[dict]:

@@ -62,10 +62,12 @@ def penalized_params(rows: int) -> list[SamplingParams]:
     return params
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["decode_logits", "staged_eager_logits"])
 @pytest.mark.parametrize("penalties", [False, True], ids=["plain", "penalized"])
-def test_static_buffer_path_equals_eager(penalties):
-    """The path a graphed decode step takes (static buffers padded to the bucket) gives the eager step's tokens;
-    on CPU it runs without capture, which the GPU tests add."""
+def test_static_buffer_path_equals_eager(penalties, staged):
+    """The path a graphed decode step takes (static buffers padded to the bucket) gives the eager step's tokens, as
+    does that of an eager forward's logits staged into the sampler's own buffer; on CPU it runs without capture,
+    which the GPU tests add."""
     rows, size = 11, 16
     params = penalized_params(rows) if penalties else mixed_params(rows)
     results = []
@@ -80,7 +82,8 @@ def test_static_buffer_path_equals_eager(penalties):
             logits = torch.zeros(size, VOCAB)
             logits[:rows] = logits_for(rows, seed=step)
             if graphed:
-                ids = graphs.run(sampling.packed, sampling.bitmask, size, logits, state).token_ids.clone()
+                static = graphs.stage_logits(logits[:rows]) if staged else logits
+                ids = graphs.run(sampling.packed, sampling.bitmask, size, static, state).token_ids.clone()
                 assert torch.equal(last_sampled[:rows], ids)
             else:
                 ids = run_sampler(logits[:rows], sampling.tensors(torch.device("cpu"), state, None)).token_ids

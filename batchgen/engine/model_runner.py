@@ -185,7 +185,7 @@ class ModelRunner:
             timer.mark()
             self._add_bitmask(sampling, sample_requests)
             last_tokens = input_ids[sample_token_index] if sampling.bad_words is not None else None
-            output = self._eager_sample(sampling, logits, last_tokens)
+            output = self._sample_eager_logits(sampling, logits, last_tokens)
         num_samples = len(inputs.sample_rows)
         sampled = torch.empty(num_samples, dtype=torch.int64, pin_memory=self._pinned)
         logprobs = None
@@ -218,6 +218,18 @@ class ModelRunner:
             return self._eager_sample(sampling, logits, None)
         return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, self.graphs.static_logits(),
                                        self.sampling_state)
+
+    def _sample_eager_logits(self, sampling: StepSampling, logits: torch.Tensor,
+                             last_tokens: torch.Tensor | None) -> SamplerOutput:
+        """An eager forward's logits, by their bucket's sampler graph where one applies (not for bad words, whose
+        candidates vary in number)."""
+        size = None
+        if self.sampler_graphs is not None and len(logits) and sampling.packed.features.any and last_tokens is None:
+            size = self.graphs.padded_size(len(logits))
+        if size is None:
+            return self._eager_sample(sampling, logits, last_tokens)
+        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size,
+                                       self.sampler_graphs.stage_logits(logits), self.sampling_state)
 
     def _eager_sample(self, sampling: StepSampling, logits: torch.Tensor,
                       last_tokens: torch.Tensor | None) -> SamplerOutput:

@@ -5,6 +5,10 @@ from static buffers (one packed copy of floats and one of ints per step, plus th
 writes the sampled ids into `last_sampled`, where the next step's graph finds them, and into the requests' output
 counts. A separate graph per feature set keeps each step to the stages its rows use: an unpenalized step never reads
 the penalty state. Graphs are captured on first use (once per bucket and feature set), not at start-up.
+
+An eager forward's logits (prefill and mixed steps) are staged into one more static buffer and sampled by the same
+graphs, which replaces the eager pipeline's dozens of small launches (0.6 ms of host time per prefill step of the
+main job).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from batchgen.layers.sampler import (
 class SamplerGraphs:
     def __init__(self, max_size: int, vocab_size: int, last_sampled: torch.Tensor, device: torch.device):
         self.device = device
+        self.max_size = max_size
         self.capture_graphs = device.type == "cuda"  # on CPU the same static-buffer path runs eagerly (tests)
         self.floats = torch.zeros(len(FLOAT_FIELDS), max_size, dtype=torch.float32, device=device)
         self.ints = torch.zeros(len(INT_FIELDS), max_size, dtype=torch.int64, device=device)
@@ -36,6 +41,17 @@ class SamplerGraphs:
         self.last_sampled = last_sampled
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
+        self._staged_logits: torch.Tensor | None = None
+
+    def stage_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """An eager forward's logits (n <= max_size rows) in the static buffer that graphs of eager steps read. Rows
+        past n keep earlier (finite) values: padding rows sample them greedily and nothing reads their ids."""
+        staged = self._staged_logits
+        if staged is None or staged.dtype != logits.dtype or staged.shape[1] != logits.shape[1]:
+            staged = self._staged_logits = torch.zeros(self.max_size, logits.shape[1], dtype=logits.dtype,
+                                                       device=self.device)
+        staged[:len(logits)].copy_(logits)
+        return staged
 
     def run(self, packed: PackedSampling, bitmask: torch.Tensor | None, size: int, logits: torch.Tensor,
             state: SamplingState | None) -> SamplerOutput:

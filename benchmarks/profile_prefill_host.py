@@ -90,6 +90,7 @@ def instrument(engine, clock: HostClock) -> None:
     model_runner.build_step_sampling = clock.wrap("sampling_tensors", model_runner.build_step_sampling)
     runner._graph_sample = clock.wrap("sample_launch", runner._graph_sample)
     runner._eager_sample = clock.wrap("sample_launch", runner._eager_sample)
+    runner._sample_eager_logits = clock.wrap("sample_launch", runner._sample_eager_logits)
     runner._to_device = clock.wrap("to_device", runner._to_device)
     runner._eager_forward = clock.wrap("forward_launch", runner._eager_forward)
     if runner.graphs is not None:

@@ -83,6 +83,50 @@ def store_kv(
     )  # fmt: skip
 
 
+@triton.jit
+def _load_kv_tile(
+    block_table, kc_head, vc_head, pos, valid, d, d_mask,
+    stride_kc_blk, stride_kc_off, stride_kc_d,
+    stride_vc_blk, stride_vc_off, stride_vc_d,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """The K and V rows of cache positions `pos` (zeros where not `valid`) of one kv head, through a block table."""
+    blk = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    off = pos % BLOCK_SIZE
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(kc_head + (blk * stride_kc_blk + off * stride_kc_off)[:, None] + d[None, :] * stride_kc_d,
+                mask=kv_mask, other=0.0)
+    v = tl.load(vc_head + (blk * stride_vc_blk + off * stride_vc_off)[:, None] + d[None, :] * stride_vc_d,
+                mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_kv_range(
+    q, m_i, l_i, acc, lo, hi, block_table, kc_head, vc_head, d, d_mask, qk_scale,
+    stride_kc_blk, stride_kc_off, stride_kc_d,
+    stride_vc_blk, stride_vc_off, stride_vc_d,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of the queries q (rows, BLOCK_D) over cache positions [lo, hi) of one kv head, read through
+    `block_table` in tiles of BLOCK_N; returns the updated running max, sum and accumulator (log2 units)."""
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        valid = pos < hi
+        k, v = _load_kv_tile(block_table, kc_head, vc_head, pos, valid, d, d_mask,
+                             stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
+                             BLOCK_SIZE)  # (BLOCK_N, BLOCK_D) each
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
 # a second) whenever that width first changes divisibility. The split count is chosen per batch-size bucket: as a
 # plain (unspecialized) argument, one compile serves every bucket's CUDA graph.
@@ -135,30 +179,11 @@ def _decode_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     kc_head = k_cache_ptr + kvh * stride_kc_h
     vc_head = v_cache_ptr + kvh * stride_vc_h
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        valid = pos < hi
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            kc_head + (blk * stride_kc_blk + off * stride_kc_off)[:, None] + d[None, :] * stride_kc_d,
-            mask=kv_mask,
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_D)
-        v = tl.load(
-            vc_head + (blk * stride_vc_blk + off * stride_vc_off)[:, None] + d[None, :] * stride_vc_d,
-            mask=kv_mask,
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N), log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = _attend_kv_range(
+        q, m_i, l_i, acc, lo, hi, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
+        stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
 
     # Empty ranges (padding rows, splits past the context) leave l_i == 0 and acc == 0: they output zeros.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -218,30 +243,11 @@ def _shared_prefix_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kc_head = k_cache_ptr + kvh * stride_kc_h
     vc_head = v_cache_ptr + kvh * stride_vc_h
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        valid = pos < hi
-        blk = tl.load(block_tables_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            kc_head + (blk * stride_kc_blk + off * stride_kc_off)[:, None] + d[None, :] * stride_kc_d,
-            mask=kv_mask,
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_D)
-        v = tl.load(
-            vc_head + (blk * stride_vc_blk + off * stride_vc_off)[:, None] + d[None, :] * stride_vc_d,
-            mask=kv_mask,
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = _attend_kv_range(
+        q, m_i, l_i, acc, lo, hi, block_tables_ptr, kc_head, vc_head, d, d_mask, qk_scale,
+        stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
 
     done = live & (l_i > 0)
     l_safe = tl.where(done, l_i, 1.0)
@@ -422,19 +428,9 @@ def _prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         valid = pos < hi
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            kc_head + (blk * stride_kc_blk + off * stride_kc_off)[:, None] + d[None, :] * stride_kc_d,
-            mask=kv_mask,
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_D)
-        v = tl.load(
-            vc_head + (blk * stride_vc_blk + off * stride_vc_off)[:, None] + d[None, :] * stride_vc_d,
-            mask=kv_mask,
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_D)
+        k, v = _load_kv_tile(bt_row, kc_head, vc_head, pos, valid, d, d_mask,
+                             stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
+                             BLOCK_SIZE)  # (BLOCK_N, BLOCK_D) each
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         in_window = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(valid[None, :] & in_window, s, float("-inf"))

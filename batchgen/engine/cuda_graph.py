@@ -116,7 +116,6 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self._pool = None
-        self._replayed: tuple[int, bool] | None = None
 
     def _forward(self, size: int, cascade: bool = False) -> torch.Tensor:
         b = self.buffers
@@ -174,14 +173,10 @@ class CudaGraphRunner:
         return padded_size(self.sizes, n)
 
     def replay(self, inputs: StepInputs, size: int, cascade: bool = False) -> torch.Tensor:
-        """Logits (n, vocab) of a pure-decode step of n <= size requests. cascade: the rows share a KV prefix, so
-        the bucket's cascade variant runs (captured now if this is its first use)."""
+        """The graph's whole static logits (size, vocab), of which the first n rows are those of the pure-decode
+        step's n <= size requests (the sampler graphs read the whole buffer). cascade: the rows share a KV prefix,
+        so the bucket's cascade variant runs (captured now if this is its first use)."""
         cascade = cascade and self.cascade and self._capture_cascade(size)
         self.buffers.load(inputs, size)
         self.graphs[(size, cascade)].replay()
-        self._replayed = (size, cascade)
-        return self.logits[(size, cascade)][: inputs.num_tokens]
-
-    def static_logits(self) -> torch.Tensor:
-        """(size, vocab): the whole static logits of the latest replay, which the sampler graphs read."""
-        return self.logits[self._replayed]
+        return self.logits[(size, cascade)]

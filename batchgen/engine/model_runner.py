@@ -171,11 +171,12 @@ class ModelRunner:
         if graph_size:
             prepare_ms = (time.perf_counter() - start) * 1000
             timer.mark()
-            logits = self.graphs.replay(inputs, graph_size, cascade)
+            static_logits = self.graphs.replay(inputs, graph_size, cascade)
+            logits = static_logits[:inputs.num_tokens]
             cascade = cascade and self.graphs.cascade  # off for good where a cascade capture ran out of memory
             timer.mark()
             self._add_bitmask(sampling, sample_requests)
-            output = self._graph_sample(sampling, graph_size, logits)
+            output = self._graph_sample(sampling, graph_size, static_logits, logits)
         else:
             input_ids, positions, meta, sample_token_index = self._to_device(inputs, cascade)
             prepare_ms = (time.perf_counter() - start) * 1000
@@ -212,12 +213,13 @@ class ModelRunner:
         if self.bitmask_provider is not None and requests:
             sampling.add_bitmask(self.bitmask_provider(requests), self.vocab_size, self._pinned)
 
-    def _graph_sample(self, sampling: StepSampling, size: int, logits: torch.Tensor) -> SamplerOutput:
-        """Inside the sampler graph when any stage beyond argmax runs; the ids land in last_sampled."""
+    def _graph_sample(self, sampling: StepSampling, size: int, static_logits: torch.Tensor,
+                      logits: torch.Tensor) -> SamplerOutput:
+        """Inside the sampler graph when any stage beyond argmax runs; the ids land in last_sampled.
+        static_logits: the forward graph's whole (size, vocab) buffer, whose first rows are the step's `logits`."""
         if not sampling.packed.features.any:
             return self._eager_sample(sampling, logits, None)
-        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, self.graphs.static_logits(),
-                                       self.sampling_state)
+        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, static_logits, self.sampling_state)
 
     def _sample_eager_logits(self, sampling: StepSampling, logits: torch.Tensor,
                              last_tokens: torch.Tensor | None) -> SamplerOutput:

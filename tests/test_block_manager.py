@@ -32,6 +32,15 @@ def test_blocks_needed_rounds_up():
     assert [manager.blocks_needed(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
 
 
+def test_holds_exactly_when_no_block_is_missing():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    request = make_request(prompt_len=6)
+    compute(manager, request)  # 6 tokens in 2 blocks of 4
+    for num_new in range(0, 6):
+        assert manager.holds(request, num_new) == (manager.num_missing_blocks(request, num_new) == 0)
+    assert manager.holds(request, 2) and not manager.holds(request, 3)
+
+
 def test_allocate_and_free_accounting():
     manager = BlockManager(num_blocks=8, block_size=4)
     request = make_request()

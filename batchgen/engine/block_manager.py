@@ -130,6 +130,10 @@ class BlockManager:
                      - len(computed_blocks))
         return needed + sum(1 for block_id in computed_blocks if self.blocks[block_id].ref_count == 0)
 
+    def holds(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's blocks already have room for `num_new_tokens` more tokens."""
+        return request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size
+
     def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         return self.num_missing_blocks(request, num_new_tokens, computed_blocks) <= len(self._free)
 

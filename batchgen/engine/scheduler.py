@@ -295,6 +295,8 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
         """Allocates blocks for the request's next tokens, preempting the latest admitted requests until they fit."""
+        if self.block_manager.holds(request, num_new):
+            return True  # most decode steps: the token fits the request's last block
         while not self.block_manager.can_allocate(request, num_new):
             victim = self.running.pop()
             self._preempt(victim)

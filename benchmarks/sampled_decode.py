@@ -39,9 +39,9 @@ SETUPS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_mode(mode: str, prompts: list[str], repeats: int) -> dict[str, dict[str, Any]]:
+def run_mode(mode: str, prompts: list[str], repeats: int, cpu_threads: int | None) -> dict[str, dict[str, Any]]:
     engine = build_engine(load_model_config("shakespeare"), enforce_eager=mode == "eager", max_num_seqs=64,
-                          max_num_batched_tokens=2048, cpu_threads=None if cuda_available() else 1)
+                          max_num_batched_tokens=2048, cpu_threads=cpu_threads)
     token_ids = [engine.detokenizer.encode(p) for p in prompts]
     results = {}
     try:
@@ -64,12 +64,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts (a CPU smoke run)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="engine.cpu_threads (default: the engine's, 1 with a GPU; 1 on CPU, as the main job)")
     add_out_argument(parser)
     args = parser.parse_args()
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()][:args.limit]
     modes = ["graph", "eager"] if cuda_available() else ["eager"]
-    results = {mode: run_mode(mode, prompts, args.repeats) for mode in modes}
-    save_json(args.out, "sampled_decode", {"environment": environment(), "results": results})
+    threads = args.cpu_threads if args.cpu_threads is not None or cuda_available() else 1
+    results = {mode: run_mode(mode, prompts, args.repeats, threads) for mode in modes}
+    save_json(args.out, "sampled_decode", {"environment": environment(), "cpu_threads": threads, "results": results})
     rows = []
     for mode, by_setup in results.items():
         greedy = by_setup["greedy"]["decode_step_ms"]

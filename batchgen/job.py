@@ -112,13 +112,20 @@ class Job:
         self.split_digest = split.digest
         return own
 
+    def _row_params(self, row: PromptRow) -> SamplingParams | None:
+        """The row's sampling parameters; None for a row that is an error or whose overrides are invalid (it becomes
+        an error row when it is added)."""
+        if row.error is not None:
+            return None
+        try:
+            return self.config.sampling.with_overrides(row.overrides)
+        except ValueError:
+            return None
+
     def _estimated_work(self, row: PromptRow) -> int:
         """What the row can cost: its prompt tokens plus max_tokens for each sample (0 for a row that fails)."""
-        if row.error is not None:
-            return 0
-        try:
-            params = self.config.sampling.with_overrides(row.overrides)
-        except ValueError:
+        params = self._row_params(row)
+        if params is None:
             return 0
         return self._num_prompt_tokens(row, params) + params.n * params.max_tokens
 
@@ -133,12 +140,8 @@ class Job:
 
     def _num_samples(self, row: PromptRow) -> int:
         """Completion rows the input row yields: sampling.n, or 1 for a row that is an error."""
-        if row.error is not None:
-            return 1
-        try:
-            return self.config.sampling.with_overrides(row.overrides).n
-        except ValueError:
-            return 1
+        params = self._row_params(row)
+        return 1 if params is None else params.n
 
     def _rows_done(self) -> int:
         return len(self.outputs.completions.finished_indices(self.num_samples.__getitem__))
@@ -230,9 +233,8 @@ class Job:
         """The rows' prompt lengths and max_tokens, so that the KV cache is sized to the job."""
         demand = []
         for row in rows:
-            try:
-                params = self.config.sampling.with_overrides(row.overrides)
-            except ValueError:
+            params = self._row_params(row)
+            if params is None:
                 continue  # the row fails when it is added
             num_prompt_tokens = self._num_prompt_tokens(row, params)
             demand.extend([(num_prompt_tokens, params.max_tokens)] * params.n)  # each sample holds its own blocks

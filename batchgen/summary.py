@@ -107,8 +107,7 @@ def summarize(completions_path: Path, steps_path: Path, stats: AttemptStats, eng
               config: dict[str, Any]) -> dict[str, Any]:
     """The top-level keys keep their first meaning: rows, finish_reasons and token totals are the whole job's;
     attempt, wall_seconds, steps, tok/s, step_medians and generation (the engine loop's span and tok/s) are this
-    attempt's. `job` and `this_attempt` repeat
-    them under names that say so, with the figures of the other scope."""
+    attempt's. `job` and `this_attempt` repeat them under names that say so, with the figures of the other scope."""
     completions = pq.read_table(completions_path, columns=["finish_reason", "num_prompt_tokens", "num_output_tokens",
                                                            "num_cached_tokens"])
     steps = pq.read_table(steps_path)

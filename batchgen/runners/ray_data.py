@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
@@ -176,13 +177,17 @@ class RayDriver:
         actor_numbers: dict[str, int] = {}  # a window's actors are shards 0 .. num_replicas - 1
         # Closed explicitly: a stop's traceback keeps this frame, and with it an unclosed iterator whose executor
         # would hold the actors (and their CPUs or GPUs) until garbage collection, starving a resume in-process.
-        with closing(iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))) as batches:
-            for batch in batches:
-                signals.deferred = True
-                self._write_batch(batch, rows_by_index, actor_numbers)
-                signals.deferred = False
-                if signals.received is not None:
-                    break
+        try:
+            with closing(iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))) as batches:
+                for batch in batches:
+                    signals.deferred = True
+                    self._write_batch(batch, rows_by_index, actor_numbers)
+                    signals.deferred = False
+                    if signals.received is not None:
+                        break
+        except BaseException:
+            _shut_down_execution(dataset)
+            raise
         return done
 
     def _write_batch(self, batch: dict[str, Any], rows_by_index: dict[int, PromptRow],
@@ -203,6 +208,20 @@ class RayDriver:
         """JobStopped counting the rows read so far (the input streams, so its length is not known)."""
         finished = self.outputs.completions.finished_indices(lambda index: self.num_samples.get(index, 1))
         return JobStopped(signum, len(finished & self.num_samples.keys()), len(self.num_samples))
+
+
+def _shut_down_execution(dataset: ray.data.Dataset) -> None:
+    """Shuts down the dataset's running executor, which a stop can leave behind without its iterator's cleanup.
+
+    Ray (2.60) starts the execution and waits for its first output before the iterator's cleanup is armed, and that
+    wait is where a stop lands while actors load their models: the executor would go on holding the actors, and
+    their CPUs or GPUs, and a resume in the same process would wait for them forever. Ray names the executor's
+    thread after the execution; shutting it down twice is harmless.
+    """
+    name = f"StreamingExecutor-{dataset.get_dataset_id()}"
+    for thread in threading.enumerate():
+        if thread.name == name and callable(getattr(thread, "shutdown", None)):
+            thread.shutdown(force=True)
 
 
 def run_ray(config: Config, run_dir: Path) -> dict[str, Any]:

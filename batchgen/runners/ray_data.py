@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
@@ -37,6 +36,7 @@ from batchgen.outputs import RequestOutput
 from batchgen.progress import Progress
 from batchgen.run_outputs import RunOutputs
 from batchgen.runners.ray_actor import INFO, OUTPUT, STEP, EngineActor
+from batchgen.runners.ray_batches import iter_batches
 from batchgen.runners.shards import SHARDED_STEPS_SCHEMA
 from batchgen.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.summary import AttemptStats
@@ -175,19 +175,13 @@ class RayDriver:
             num_cpus=0 if self.gpu else 1)
         rows_by_index = {row.index: row for row in pending}
         actor_numbers: dict[str, int] = {}  # a window's actors are shards 0 .. num_replicas - 1
-        # Closed explicitly: a stop's traceback keeps this frame, and with it an unclosed iterator whose executor
-        # would hold the actors (and their CPUs or GPUs) until garbage collection, starving a resume in-process.
-        try:
-            with closing(iter(dataset.iter_batches(batch_size=None, batch_format="numpy"))) as batches:
-                for batch in batches:
-                    signals.deferred = True
-                    self._write_batch(batch, rows_by_index, actor_numbers)
-                    signals.deferred = False
-                    if signals.received is not None:
-                        break
-        except BaseException:
-            _shut_down_execution(dataset)
-            raise
+        with closing(iter_batches(dataset)) as batches:
+            for batch in batches:
+                signals.deferred = True
+                self._write_batch(batch, rows_by_index, actor_numbers)
+                signals.deferred = False
+                if signals.received is not None:
+                    break
         return done
 
     def _write_batch(self, batch: dict[str, Any], rows_by_index: dict[int, PromptRow],
@@ -208,20 +202,6 @@ class RayDriver:
         """JobStopped counting the rows read so far (the input streams, so its length is not known)."""
         finished = self.outputs.completions.finished_indices(lambda index: self.num_samples.get(index, 1))
         return JobStopped(signum, len(finished & self.num_samples.keys()), len(self.num_samples))
-
-
-def _shut_down_execution(dataset: ray.data.Dataset) -> None:
-    """Shuts down the dataset's running executor, which a stop can leave behind without its iterator's cleanup.
-
-    Ray (2.60) starts the execution and waits for its first output before the iterator's cleanup is armed, and that
-    wait is where a stop lands while actors load their models: the executor would go on holding the actors, and
-    their CPUs or GPUs, and a resume in the same process would wait for them forever. Ray names the executor's
-    thread after the execution; shutting it down twice is harmless.
-    """
-    name = f"StreamingExecutor-{dataset.get_dataset_id()}"
-    for thread in threading.enumerate():
-        if thread.name == name and callable(getattr(thread, "shutdown", None)):
-            thread.shutdown(force=True)
 
 
 def run_ray(config: Config, run_dir: Path) -> dict[str, Any]:

@@ -199,7 +199,7 @@ class Job:
                 finished, step = engine.step()
                 if step is not None:
                     job_ms = (called - returned) * 1000 if returned is not None else 0.0
-                    self.outputs.steps.write({**asdict(step), "attempt": self.stats.number, "job_ms": job_ms})
+                    self.outputs.steps.write({**vars(step), "attempt": self.stats.number, "job_ms": job_ms})
                 returned = time.perf_counter()
                 for output in finished:
                     self.outputs.completions.write(completion_record(rows_by_index[output.request_id], output))

@@ -10,7 +10,7 @@ import torch
 from batchgen.engine.request import Request
 from batchgen.engine.sampler_graph import SamplerGraphs
 from batchgen.engine.sampling_state import SamplingState
-from batchgen.engine.step_sampling import build_step_sampling
+from batchgen.engine.step_sampling import LastPacked, build_step_sampling
 from batchgen.layers.penalties import PenaltyTensors, SamplingStateRows, apply_penalties
 from batchgen.layers.sampler import SamplingTensors, run_sampler, sample
 from batchgen.layers.token_bitmask import apply_token_bitmask
@@ -175,3 +175,20 @@ def test_rows_override_the_new_fields():
     assert params.allowed_token_ids == [1, 2] and params.repetition_penalty == 1.2
     with pytest.raises(RowError, match="logit_bias="):
         parse_overrides({"logit_bias": {"a": 1}})
+
+
+def test_a_repeated_step_reuses_its_packed_rows_with_the_new_positions():
+    requests = make_requests(mixed_params(9))
+    last = LastPacked()
+    reused_floats = build_step_sampling(requests, None, pinned=False, last=last).packed.floats
+    for request in requests:
+        request.output_token_ids.append(11)  # the next decode step: every position moves on
+    for step in (requests, requests[::-1], requests[:5]):  # the same rows, then other orders and subsets
+        packed = build_step_sampling(step, None, pinned=False, last=last).packed
+        fresh = build_step_sampling(step, None, pinned=False).packed
+        assert packed.features == fresh.features
+        assert np.array_equal(packed.floats, fresh.floats) and np.array_equal(packed.ints, fresh.ints)
+    previous = last.packed
+    again = build_step_sampling(requests[:5], None, pinned=False, last=last).packed
+    assert again.floats is previous.floats and again.ints is not previous.ints  # shared parameters, new positions
+    assert previous.floats is not reused_floats  # other requests, or another order: packed afresh

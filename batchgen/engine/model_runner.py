@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from itertools import pairwise
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -19,7 +20,7 @@ from batchgen.engine.sampler_graph import SamplerGraphs
 from batchgen.engine.sampling_state import SamplingState
 from batchgen.engine.scheduler import SchedulerOutput
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs
-from batchgen.engine.step_sampling import BitmaskProvider, StepSampling, build_step_sampling
+from batchgen.engine.step_sampling import BitmaskProvider, LastPacked, StepSampling, build_step_sampling
 from batchgen.layers import attention_torch
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.logprobs import compute_logprobs
@@ -98,6 +99,7 @@ class ModelRunner:
         self._pinned = device.type == "cuda"
         self.vocab_size = model.lm_head.weight.shape[0]
         self.sampling_state: SamplingState | None = None  # allocated when a request first uses penalties
+        self._last_packed = LastPacked()
         self.sampler_graphs: SamplerGraphs | None = None
         self.bitmask_provider: BitmaskProvider | None = None  # set by the engine for structured output
         self.logprobs_mode = "raw_logprobs"  # raw_logprobs | processed_logprobs
@@ -206,7 +208,7 @@ class ModelRunner:
     def _step_sampling(self, requests: list[Request]) -> StepSampling:
         if self.sampling_state is None and any(r.sampling_params.uses_penalty_state for r in requests):
             self.sampling_state = SamplingState(self.vocab_size, self.device)
-        return build_step_sampling(requests, self.sampling_state, self._pinned)
+        return build_step_sampling(requests, self.sampling_state, self._pinned, self._last_packed)
 
     def _add_bitmask(self, sampling: StepSampling, requests: list[Request]) -> None:
         """Filled on the host after the forward is queued, so on a GPU it overlaps the forward."""
@@ -283,25 +285,42 @@ class ModelRunner:
 
     def _to_device(self, inputs: StepInputs,
                    cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        def put(array) -> torch.Tensor:
-            host = torch.from_numpy(array)
-            return (host.pin_memory() if self._pinned else host).to(self.device, non_blocking=True)
-
-        seq_lens, block_tables = put(inputs.seq_lens), put(inputs.block_tables)
+        input_ids, positions, slot_mapping, pending_source, sample_token_index = self._upload(
+            torch.int64, inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.pending_source,
+            inputs.sample_token_index)
+        seq_lens, query_start_loc, block_tables = self._upload(
+            torch.int32, inputs.seq_lens, inputs.query_start_loc, inputs.block_tables)
         meta = AttentionMetadata(
-            slot_mapping=put(inputs.slot_mapping),
+            slot_mapping=slot_mapping,
             seq_lens=seq_lens,
             block_tables=block_tables,
-            query_start_loc=put(inputs.query_start_loc),
+            query_start_loc=query_start_loc,
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             is_decode=inputs.is_decode,
             shared_prefix_len=shared_prefix_len(block_tables, seq_lens, self.block_size) if cascade else None,
         )
-        input_ids = put(inputs.input_ids)
         if inputs.has_pending_tokens:
-            input_ids = fill_pending_tokens(input_ids, put(inputs.pending_source), self.last_sampled)
-        return input_ids, put(inputs.positions), meta, put(inputs.sample_token_index)
+            input_ids = fill_pending_tokens(input_ids, pending_source, self.last_sampled)
+        return input_ids, positions, meta, sample_token_index
+
+    def _upload(self, dtype: torch.dtype, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """The arrays on the device, through one staged (pinned on CUDA) buffer and one copy: each copy costs the
+        host several microseconds. Each starts at a multiple of 16 elements, so every pointer a Triton kernel gets
+        is 16-byte aligned (Triton specializes on that, and would compile a second variant for odd offsets).
+        On CPU the arrays are used where they are."""
+        if not self._pinned:
+            return [torch.from_numpy(array) for array in arrays]
+        offsets = [0]
+        for array in arrays:
+            offsets.append(offsets[-1] + -(-array.size // 16) * 16)
+        staged = torch.empty(offsets[-1], dtype=dtype, pin_memory=self._pinned)
+        flat = staged.numpy()
+        for array, offset in zip(arrays, offsets, strict=False):
+            flat[offset:offset + array.size] = array.reshape(-1)
+        device = staged.to(self.device, non_blocking=True)
+        return [device[offset:offset + array.size].view(array.shape)
+                for array, offset in zip(arrays, offsets, strict=False)]
 
     def _eager_forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata, sample_token_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,5 +349,7 @@ class ModelRunner:
 
 def _is_pure_decode(step: SchedulerOutput) -> bool:
     """Every request computes exactly its one missing token, so every row samples: the shape a graph replays."""
+    if not step.num_prefill_tokens:  # the scheduler's decodes are exactly that
+        return True
     return all(n == 1 and r.num_computed_tokens + 1 == r.num_tokens
                for r, n in zip(step.requests, step.num_scheduled_tokens, strict=True))

@@ -72,7 +72,8 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         """Only the last sampled token is missing from the cache: the next step is a decode."""
-        return self.num_output_tokens > 0 and self.num_computed_tokens == self.num_tokens - 1
+        outputs = self.output_token_ids  # read directly: the scheduler asks this of every running request per step
+        return bool(outputs) and self.num_computed_tokens == len(self.prompt_token_ids) + len(outputs) - 1
 
     def drop_pending_tokens(self) -> None:
         """Forget the slots of steps launched after the request finished: their tokens are discarded."""

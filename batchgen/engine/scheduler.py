@@ -112,9 +112,10 @@ class _StepBuilder:
     preempted: list[Request] = field(default_factory=list)
     num_cached_tokens: int = 0
 
-    def add(self, request: Request, num_tokens: int, admitted: bool = False) -> None:
-        # An admission is prefill even when the cache holds all but its last token.
-        (self.decodes if request.is_decoding and not admitted else self.prefills).append((request, num_tokens))
+    def add(self, request: Request, num_tokens: int, decode: bool) -> None:
+        """decode: the request is_decoding and was not admitted in this step (an admission is prefill even when
+        the cache holds all but its last token)."""
+        (self.decodes if decode else self.prefills).append((request, num_tokens))
         self.budget -= num_tokens
 
     def build(self) -> SchedulerOutput:
@@ -284,14 +285,15 @@ class Scheduler:
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
             index += 1
-            if not (decodes if request.is_decoding else prefills):
+            decoding = request.is_decoding
+            if not (decodes if decoding else prefills):
                 continue
             if self._reaches_length(request, request.num_output_tokens):
                 continue  # its pending token ends it, whatever the token is
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            num_new = 1 if decoding else min(request.num_tokens - request.num_computed_tokens, step.budget)
             if not self._allocate_or_preempt(request, num_new, step):
                 return  # it preempted itself: it was the last running request
-            step.add(request, num_new)
+            step.add(request, num_new, decode=decoding)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
         """Allocates blocks for the request's next tokens, preempting the latest admitted requests until they fit."""
@@ -337,7 +339,7 @@ class Scheduler:
             step.num_cached_tokens += request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            step.add(request, num_new, admitted=True)
+            step.add(request, num_new, decode=False)
         self.waiting.extendleft(reversed(deferred))
 
     def _prompt_blocks_in_flight(self) -> set[bytes]:

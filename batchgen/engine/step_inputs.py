@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -51,25 +52,22 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
     block_tables = tables.table[rows, :width]
     if all(count == 1 for count in counts):
         return _one_token_each(requests, block_size, block_tables, previous_sample_rows)
-    num_tokens = sum(counts)
-    input_ids = np.empty(num_tokens, dtype=np.int64)
-    positions = np.empty(num_tokens, dtype=np.int64)
-    seq_lens = np.empty(len(requests), dtype=np.int32)
-    query_start_loc = np.zeros(len(requests) + 1, dtype=np.int32)
-    sample_rows: list[int] = []
-    start = 0
-    for row, (request, count) in enumerate(zip(requests, counts, strict=True)):
-        begin = request.num_computed_tokens
-        end = begin + count
-        input_ids[start:start + count] = request.token_ids(begin, end)
-        positions[start:start + count] = np.arange(begin, end)
-        seq_lens[row] = end
-        start += count
-        query_start_loc[row + 1] = start
-        if end == request.num_tokens:
-            sample_rows.append(row)
-    return _finish(requests, input_ids, positions, seq_lens, query_start_loc, block_tables, sample_rows, block_size,
-                   np.repeat(np.arange(len(requests)), counts), max(counts), previous_sample_rows)
+    n = len(requests)
+    num_scheduled = np.array(counts, dtype=np.int64)
+    begins = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
+    ends = begins + num_scheduled
+    query_start_loc = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(num_scheduled, out=query_start_loc[1:])
+    token_rows = np.repeat(np.arange(n), num_scheduled)
+    num_tokens = int(query_start_loc[-1])
+    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(begins - query_start_loc[:-1], num_scheduled)
+    input_ids = np.fromiter(chain.from_iterable(r.token_ids(b, e) for r, b, e in zip(requests, begins.tolist(),
+                                                                                         ends.tolist(), strict=True)),
+                            dtype=np.int64, count=num_tokens)
+    lengths = np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=n)
+    sample_rows = np.flatnonzero(ends == lengths).tolist()
+    return _finish(requests, input_ids, positions, ends.astype(np.int32), query_start_loc, block_tables, sample_rows,
+                   block_size, token_rows, max(counts), previous_sample_rows)
 
 
 def _one_token_each(requests: list[Request], block_size: int, block_tables: np.ndarray,

@@ -290,6 +290,8 @@ def check_invariants(scheduler: Scheduler, output: SchedulerOutput, mixed: bool)
         assert request.status == RequestStatus.RUNNING and num_tokens > 0
         assert request.num_computed_tokens + num_tokens <= request.num_tokens
         assert len(request.block_ids) >= manager.blocks_needed(request.num_computed_tokens + num_tokens)
+        # The model runner replays a decode graph for a step without prefill tokens, without re-checking its rows.
+        assert output.num_prefill_tokens or (num_tokens == 1 and request.num_computed_tokens + 1 == request.num_tokens)
     owned = Counter(block for r in scheduler.running for block in r.block_ids)
     assert all(manager.blocks[block].ref_count == count for block, count in owned.items()), "a wrong ref count"
     assert len(owned) == manager.num_used_blocks

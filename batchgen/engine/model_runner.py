@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -285,42 +284,25 @@ class ModelRunner:
 
     def _to_device(self, inputs: StepInputs,
                    cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        input_ids, positions, slot_mapping, pending_source, sample_token_index = self._upload(
-            torch.int64, inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.pending_source,
-            inputs.sample_token_index)
-        seq_lens, query_start_loc, block_tables = self._upload(
-            torch.int32, inputs.seq_lens, inputs.query_start_loc, inputs.block_tables)
+        def put(array) -> torch.Tensor:
+            host = torch.from_numpy(array)
+            return (host.pin_memory() if self._pinned else host).to(self.device, non_blocking=True)
+
+        seq_lens, block_tables = put(inputs.seq_lens), put(inputs.block_tables)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=put(inputs.slot_mapping),
             seq_lens=seq_lens,
             block_tables=block_tables,
-            query_start_loc=query_start_loc,
+            query_start_loc=put(inputs.query_start_loc),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             is_decode=inputs.is_decode,
             shared_prefix_len=shared_prefix_len(block_tables, seq_lens, self.block_size) if cascade else None,
         )
+        input_ids = put(inputs.input_ids)
         if inputs.has_pending_tokens:
-            input_ids = fill_pending_tokens(input_ids, pending_source, self.last_sampled)
-        return input_ids, positions, meta, sample_token_index
-
-    def _upload(self, dtype: torch.dtype, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """The arrays on the device, through one staged (pinned on CUDA) buffer and one copy: each copy costs the
-        host several microseconds. Each starts at a multiple of 16 elements, so every pointer a Triton kernel gets
-        is 16-byte aligned (Triton specializes on that, and would compile a second variant for odd offsets).
-        On CPU the arrays are used where they are."""
-        if not self._pinned:
-            return [torch.from_numpy(array) for array in arrays]
-        offsets = [0]
-        for array in arrays:
-            offsets.append(offsets[-1] + -(-array.size // 16) * 16)
-        staged = torch.empty(offsets[-1], dtype=dtype, pin_memory=self._pinned)
-        flat = staged.numpy()
-        for array, offset in zip(arrays, offsets, strict=False):
-            flat[offset:offset + array.size] = array.reshape(-1)
-        device = staged.to(self.device, non_blocking=True)
-        return [device[offset:offset + array.size].view(array.shape)
-                for array, offset in zip(arrays, offsets, strict=False)]
+            input_ids = fill_pending_tokens(input_ids, put(inputs.pending_source), self.last_sampled)
+        return input_ids, put(inputs.positions), meta, put(inputs.sample_token_index)
 
     def _eager_forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata, sample_token_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,14 +44,16 @@ class StepInputs:
 def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTables,
                       block_table_width: int | None = None,
                       previous_sample_rows: dict[int, int] | None = None) -> StepInputs:
-    """block_table_width: a fixed width (the CUDA-graph buffers' width) or None for the widest request's.
+    """step: as scheduled, before `Scheduler.advance` moves its requests on (its `samples` name the sampling rows).
+    block_table_width: a fixed width (the CUDA-graph buffers' width) or None for the widest request's.
     previous_sample_rows: id(request) -> its row among the previous step's samples, for tokens still pending."""
     requests, counts = step.requests, step.num_scheduled_tokens
     width = block_table_width or max(len(r.block_ids) for r in requests)
     rows = tables.rows(requests)  # before reading tables.table: it may grow
     block_tables = tables.table[rows, :width]
+    sample_rows = [row for row, samples in enumerate(step.samples) if samples]
     if all(count == 1 for count in counts):
-        return _one_token_each(requests, block_size, block_tables, previous_sample_rows)
+        return _one_token_each(requests, block_size, block_tables, sample_rows, previous_sample_rows)
     n = len(requests)
     num_scheduled = np.array(counts, dtype=np.int64)
     begins = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
@@ -64,19 +66,16 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
     input_ids = np.fromiter(chain.from_iterable(r.token_ids(b, e) for r, b, e in zip(requests, begins.tolist(),
                                                                                          ends.tolist(), strict=True)),
                             dtype=np.int64, count=num_tokens)
-    lengths = np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=n)
-    sample_rows = np.flatnonzero(ends == lengths).tolist()
     return _finish(requests, input_ids, positions, ends.astype(np.int32), query_start_loc, block_tables, sample_rows,
                    block_size, token_rows, max(counts), previous_sample_rows)
 
 
-def _one_token_each(requests: list[Request], block_size: int, block_tables: np.ndarray,
+def _one_token_each(requests: list[Request], block_size: int, block_tables: np.ndarray, sample_rows: list[int],
                     previous_sample_rows: dict[int, int] | None) -> StepInputs:
     """The decode-shaped step, vectorized: no per-request numpy calls."""
     n = len(requests)
     positions = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
     input_ids = np.fromiter((r.token_id(r.num_computed_tokens) for r in requests), dtype=np.int64, count=n)
-    sample_rows = [i for i, r in enumerate(requests) if r.num_computed_tokens + 1 == r.num_tokens]
     return _finish(requests, input_ids, positions, (positions + 1).astype(np.int32),
                    np.arange(n + 1, dtype=np.int32), block_tables, sample_rows, block_size, np.arange(n), 1,
                    previous_sample_rows)

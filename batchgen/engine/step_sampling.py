@@ -62,7 +62,7 @@ class StepSampling:
 
 class LastPacked:
     """The previous step's packed rows and their requests. A step of the same requests in the same order (most
-    decode steps) shares its parameters and only moves the positions: about 40 µs less host time at batch 64."""
+    decode steps) shares its parameters and only moves the positions (52 -> 17 µs of host time at batch 64)."""
 
     def __init__(self) -> None:
         self.requests: list[Request] = []

@@ -62,8 +62,12 @@ def _produce(dataset: ray.data.Dataset, batches: queue.Queue, stop: threading.Ev
 def _shut_down_execution(dataset: ray.data.Dataset) -> None:
     """Shuts down the dataset's running execution (its operators, actors included); the consumer waiting for its
     next output then sees the end of the stream. Ray names the execution's thread after it; a shutdown of an
-    execution that is already shut down, or not yet started, does nothing."""
-    name = f"StreamingExecutor-{dataset.get_dataset_id()}"
+    execution that is already shut down, or not yet started, does nothing. Where a Ray version names neither, a stop
+    waits for the execution's next output instead (the helper then stops iterating, which shuts it down)."""
+    dataset_id = getattr(dataset, "get_dataset_id", None)
+    if dataset_id is None:
+        return
+    name = f"StreamingExecutor-{dataset_id()}"
     for thread in threading.enumerate():
         if thread.name == name and callable(getattr(thread, "shutdown", None)):
             thread.shutdown(force=True)

@@ -20,6 +20,7 @@ from batchgen.engine.sampling_state import SamplingState
 from batchgen.engine.scheduler import SchedulerOutput
 from batchgen.engine.step_inputs import StepInputs, build_step_inputs
 from batchgen.engine.step_sampling import BitmaskProvider, LastPacked, StepSampling, build_step_sampling
+from batchgen.engine.upload import upload_packed
 from batchgen.layers import attention_torch
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.logprobs import compute_logprobs
@@ -284,25 +285,26 @@ class ModelRunner:
 
     def _to_device(self, inputs: StepInputs,
                    cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        def put(array) -> torch.Tensor:
-            host = torch.from_numpy(array)
-            return (host.pin_memory() if self._pinned else host).to(self.device, non_blocking=True)
-
-        seq_lens, block_tables = put(inputs.seq_lens), put(inputs.block_tables)
+        """The step's arrays in two copies, one per dtype (eight separate ones cost a prefill step 0.3 ms of host)."""
+        pending = inputs.has_pending_tokens
+        int64 = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.sample_token_index]
+        input_ids, positions, slot_mapping, sample_token_index, *pending_source = upload_packed(
+            int64 + [inputs.pending_source] if pending else int64, self.device, self._pinned)
+        seq_lens, query_start_loc, block_tables = upload_packed(
+            [inputs.seq_lens, inputs.query_start_loc, inputs.block_tables], self.device, self._pinned)
         meta = AttentionMetadata(
-            slot_mapping=put(inputs.slot_mapping),
+            slot_mapping=slot_mapping,
             seq_lens=seq_lens,
             block_tables=block_tables,
-            query_start_loc=put(inputs.query_start_loc),
+            query_start_loc=query_start_loc,
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             is_decode=inputs.is_decode,
             shared_prefix_len=shared_prefix_len(block_tables, seq_lens, self.block_size) if cascade else None,
         )
-        input_ids = put(inputs.input_ids)
-        if inputs.has_pending_tokens:
-            input_ids = fill_pending_tokens(input_ids, put(inputs.pending_source), self.last_sampled)
-        return input_ids, put(inputs.positions), meta, put(inputs.sample_token_index)
+        if pending:
+            input_ids = fill_pending_tokens(input_ids, pending_source[0], self.last_sampled)
+        return input_ids, positions, meta, sample_token_index
 
     def _eager_forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata, sample_token_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,9 @@ without async scheduling (graph_sync) and graph; then the graph engine at batch 
 The weight-read floor of a decode step is weight bytes / measured device-to-device copy bandwidth: no step can read
 all weights faster.
 
-Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 8 64 256] [--tiny] [--unfused] [--out DIR]
-(--unfused turns off the norm and SiLU fusions into the GEMV, batchgen/layers/fused.py, to compare.)
+Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 8 64 256] [--tiny] [--unfused] [--no-pdl] [--out DIR]
+(--unfused turns off the norm and SiLU fusions into the GEMV, batchgen/layers/fused.py, and --no-pdl the
+programmatic dependent launches, batchgen/layers/pdl.py, to compare.)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from batchgen.config import ModelConfig
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.layers import fused
+from batchgen.layers import fused, pdl
 from batchgen.sampling_params import SamplingParams
 from benchmarks.common import (
     Request,
@@ -79,10 +80,12 @@ def main() -> None:
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth-test copy")
     parser.add_argument("--tiny", action="store_true", help="a two-layer Qwen3 instead of the 0.6B shape (CPU test)")
     parser.add_argument("--unfused", action="store_true", help="no add+RMSNorm / SiLU-and-mul fusion into the GEMV")
+    parser.add_argument("--no-pdl", action="store_true", help="launch every kernel without PDL")
     add_out_argument(parser)
     args = parser.parse_args()
     if args.unfused:
         fused.FUSE_ADD_RMS_NORM = fused.FUSE_SILU_AND_MUL = False
+    pdl.ENABLED = not args.no_pdl
 
     model_config = qwen3_model_config(args.tiny)
     bandwidth = copy_bandwidth_gbs(args.copy_mib * 2**20)
@@ -97,8 +100,11 @@ def main() -> None:
     results = [r for run in runs.values() for r in run["results"]]
     for r in results:
         r["floor_fraction"] = floor_ms / r["decode_forward_ms"] if r["decode_forward_ms"] else None
-    save_json(args.out, "b1_latency" + ("_tiny" if args.tiny else "") + ("_unfused" if args.unfused else ""), {
-        "environment": environment(), "gemv_fusions": not args.unfused, "model": model_config.hf_config,
+    suffix = "".join(name for name, on in (("_tiny", args.tiny), ("_unfused", args.unfused), ("_no_pdl", args.no_pdl))
+                     if on)
+    save_json(args.out, "b1_latency" + suffix, {
+        "environment": environment(), "gemv_fusions": not args.unfused, "pdl": not args.no_pdl,
+        "model": model_config.hf_config,
         "dtype": model_config.dtype,
         "weight_bytes": weights, "copy_bandwidth_gbs": bandwidth, "copy_bytes": args.copy_mib * 2**20,
         "weight_floor_ms": floor_ms, "results": results,

@@ -50,13 +50,13 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, block_n, 
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
             splits, splits,
             GROUP=num_heads // NUM_KV_HEADS, HEAD_DIM=head_dim, BLOCK_SIZE=BLOCK_SIZE,
-            BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n, DOT_PRECISION="tf32", CASCADE=False,
+            BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n, DOT_PRECISION="tf32", CASCADE=False, PDL=False,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
         if splits > 1:
             at._decode_reduce_kernel[(batch, num_heads)](
                 mid_o, mid_lse, out, *out.stride(), splits,
-                HEAD_DIM=head_dim, BLOCK_D=head_dim, MAX_SLOTS=at._MAX_SPLITS, num_warps=4,
+                HEAD_DIM=head_dim, BLOCK_D=head_dim, MAX_SLOTS=at._MAX_SPLITS, PDL=False, num_warps=4,
             )  # fmt: skip
         return out
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.layers.pdl import launch_options, wait_for_previous
+
 _MAX_SPLITS = 16  # of each sequence's own KV range, and (cascade) of the shared prefix
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2), with log2(e) folded into the softmax scale
 _NO_WINDOW = 1 << 30  # longer than any context, and p - _NO_WINDOW stays inside int32
@@ -142,7 +144,7 @@ def _decode_kernel(
     num_splits, num_slots,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CASCADE: tl.constexpr,
+    CASCADE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, kv head, split): all GROUP query heads share each K/V tile load.
 
@@ -151,6 +153,7 @@ def _decode_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    wait_for_previous(PDL)
     seq_len = tl.load(seq_lens_ptr + b)
 
     g = tl.arange(0, BLOCK_G)
@@ -210,6 +213,7 @@ def _shared_prefix_kernel(
     num_rows, first_slot, num_splits, num_slots,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (tile of BLOCK_M query rows, kv head, prefix split). The rows are the (sequence, group head)
     pairs of the kv head, so each K/V tile of the shared prefix (read through row 0's block table) serves BLOCK_M
@@ -218,6 +222,7 @@ def _shared_prefix_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    wait_for_previous(PDL)
     shared_len = tl.load(shared_len_ptr)
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
@@ -262,11 +267,12 @@ def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr,
     stride_ob, stride_oh, stride_od,
     num_slots,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SLOTS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SLOTS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, query head): merges the partial softmaxes of every split (and prefix split)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    wait_for_previous(PDL)
     row = b * tl.num_programs(1) + h
     s = tl.arange(0, MAX_SLOTS)
     s_mask = s < num_slots
@@ -346,6 +352,7 @@ def decode_attention(
     else:  # unused by the single-pass kernel, but fp32 like the split one's: one compile serves both
         mid_o = mid_lse = torch.empty(1, dtype=torch.float32, device=q.device)
     dot_precision = _dot_precision(q.dtype)
+    pdl = launch_options(q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, shared_prefix_len if cascade else seq_lens, out, mid_o, mid_lse,
         scale * _LOG2E, sliding_window or _NO_WINDOW,
@@ -356,7 +363,7 @@ def decode_attention(
         DOT_PRECISION=dot_precision, CASCADE=cascade,
         # A third stage keeps one more K/V tile in flight: 3-10% faster on bf16 at batch 64-256 on the H200
         # (benchmarks/sweep_decode_attention.py); the fp32 tiles stay at two for their shared memory.
-        num_warps=4, num_stages=2 if wide else 3,
+        num_warps=4, num_stages=2 if wide else 3, **pdl,
     )  # fmt: skip
     if cascade:
         _shared_prefix_kernel[(prefix_tiles, num_kv_heads, num_prefix_splits)](
@@ -366,7 +373,7 @@ def decode_attention(
             batch * group, num_splits, num_prefix_splits, num_slots,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_M=prefix_block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
-            num_warps=4, num_stages=2 if wide else 3,
+            num_warps=4, num_stages=2 if wide else 3, **pdl,
         )  # fmt: skip
     if num_slots > 1:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -374,7 +381,7 @@ def decode_attention(
             num_slots,
             # Without cascade the same compile as before; cascade's extra slots need the wider one.
             HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SLOTS=2 * _MAX_SPLITS if cascade else _MAX_SPLITS,
-            num_warps=4,
+            num_warps=4, **pdl,
         )  # fmt: skip
     return out
 

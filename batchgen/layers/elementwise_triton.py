@@ -11,18 +11,21 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.layers.pdl import launch_options, wait_for_previous
+
 
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, weight_ptr, out_ptr, res_out_ptr, eps,
     stride_x, stride_res, stride_out, stride_res_out,
-    DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per row: out = weight * rms_norm(x + residual), res_out = x + residual (the sum in x's dtype)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < DIM
     dtype = x_ptr.dtype.element_ty
+    wait_for_previous(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
@@ -38,13 +41,14 @@ def _add_rms_norm_kernel(
 @triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr, out_ptr, stride_in, stride_out,
-    DIM: tl.constexpr, BLOCK: tl.constexpr,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Programs over (row, BLOCK columns): out = silu(gate) * up, gate and up the two halves of a row."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < DIM
     dtype = out_ptr.dtype.element_ty
+    wait_for_previous(PDL)
     gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + DIM + offs, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -76,6 +80,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             rows, res, weight, out, summed, eps,
             rows.stride(0), res.stride(0), out.stride(0), summed.stride(0),
             DIM=dim, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block),
+            **launch_options(x.device),
         )  # fmt: skip
     return out.view(shape), (x if residual is None else summed.view(shape))
 
@@ -88,5 +93,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (..., 2 * I) -> (...
         block = min(triton.next_power_of_2(dim), 1024)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(dim, block))](
             rows, out, rows.stride(0), out.stride(0), DIM=dim, BLOCK=block, num_warps=_num_warps(block),
+            **launch_options(gate_up.device),
         )  # fmt: skip
     return out.view(*gate_up.shape[:-1], dim)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.layers.pdl import launch_options, wait_for_previous
+
 MAX_M = 8  # the most rows of x one launch takes: all of them sit in registers next to the weight tile
 # Above M = 1 the kernel's time grows with BLOCK_M * N (every row of the tile meets every weight row in registers)
 # while cuBLAS's stays flat: on an H200 (benchmarks/bench_linear.py) it is ahead up to about this many outputs.
@@ -56,7 +58,7 @@ def _small_m_linear_kernel(
     M, N,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_rm, stride_rom,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, X_OP: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past N re-read row N - 1, so every weight load is in bounds and unmasked; only the store is masked.
@@ -67,8 +69,10 @@ def _small_m_linear_kernel(
     # shared memory, and a single reduction (one cross-warp exchange) covers every (m, n).
     w_rows = w_ptr + rows[None, :, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None, None] * stride_xm
-    # The first weight chunk is requested before anything else: the norm's pass over x runs while it is in flight.
+    # The first weight chunk is requested before anything else: the norm's pass over x runs while it is in flight,
+    # and with PDL so does the end of the kernel that writes x.
     w_first = _load_weight(w_rows, stride_wk, 0, K, BLOCK_K)
+    wait_for_previous(PDL)
     if X_OP == ADD_RMS_NORM:
         res_rows = res_ptr + offs_m[:, None, None] * stride_rm
         sum_sq = tl.zeros((BLOCK_M, 1, 1), dtype=tl.float32)
@@ -222,6 +226,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         0 if residual is None else residual.stride(0), 0 if residual_out is None else residual_out.stride(0),
         K=k, HAS_BIAS=bias is not None, X_OP=x_op.value, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **launch_options(x.device),
     )  # fmt: skip
     return out

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.layers.pdl import launch_options, wait_for_previous
+
 
 @triton.jit
 def _rms_normed(x1, x2, weight_ptr, i, i_mask, eps, dtype: tl.constexpr, HALF: tl.constexpr,
@@ -33,13 +35,14 @@ def _rotate_and_store_kernel(
     stride_qkv_t, stride_cos_p, stride_qo_t, stride_qo_h,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_vc_blk, stride_vc_off, stride_vc_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, q head) and per (token, kv head): small programs, so a decode step's few tokens
     still spread over many SMs."""
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dtype = q_out_ptr.dtype.element_ty
+    wait_for_previous(PDL)
     pos = tl.load(positions_ptr + t)
     i = tl.arange(0, BLOCK_HALF)[None, :]  # (1, BLOCK_HALF): each head is rotated as two halves
     i_mask = i < HALF
@@ -104,6 +107,6 @@ def rotate_and_store(
         v_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1], QK_NORM=qk_norm is not None,
-        num_warps=1,
+        num_warps=1, **launch_options(qkv.device),
     )  # fmt: skip
     return q

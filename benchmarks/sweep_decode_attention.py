@@ -13,6 +13,7 @@ import itertools
 import sys
 
 import torch
+import triton
 from triton.testing import do_bench
 
 from batchgen.layers import attention_triton as at
@@ -43,21 +44,19 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, block_n, 
     mid_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
 
-    def run():
+    arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=q.device)
+
+    def run():  # as the engine launches it: the last split to finish merges the partials
         at._decode_kernel[(batch, NUM_KV_HEADS, splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, seq_lens, out, mid_o, mid_lse,
+            q, k_cache, v_cache, block_tables, seq_lens, seq_lens, out, mid_o, mid_lse, arrivals,
             scale * at._LOG2E, at._NO_WINDOW,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
             splits, splits,
             GROUP=num_heads // NUM_KV_HEADS, HEAD_DIM=head_dim, BLOCK_SIZE=BLOCK_SIZE,
-            BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n, DOT_PRECISION="tf32", CASCADE=False, PDL=False,
+            BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n, DOT_PRECISION="tf32", CASCADE=False, MERGE=True,
+            GROUP_ROWS=triton.next_power_of_2(num_heads // NUM_KV_HEADS), MAX_SLOTS=at._MAX_SPLITS, PDL=False,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
-        if splits > 1:
-            at._decode_reduce_kernel[(batch, num_heads)](
-                mid_o, mid_lse, out, *out.stride(), splits,
-                HEAD_DIM=head_dim, BLOCK_D=head_dim, MAX_SLOTS=at._MAX_SPLITS, PDL=False, num_warps=4,
-            )  # fmt: skip
         return out
 
     return run

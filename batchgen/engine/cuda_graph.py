@@ -50,7 +50,8 @@ def fill_pending_tokens(input_ids: torch.Tensor, pending_source: torch.Tensor,
 class GraphCaptureBuffers:
     """Static device inputs sized for the largest bucket; every graph reads views of their first rows."""
 
-    def __init__(self, max_size: int, block_table_width: int, block_size: int, device: torch.device):
+    def __init__(self, max_size: int, block_table_width: int, block_size: int, device: torch.device,
+                 split_arrivals: torch.Tensor | None = None):
         self.pinned = device.type == "cuda"
         # Ids, positions, slots, context lengths and pending sources share one (5, max_size) buffer: one copy.
         self.packed = torch.zeros(5, max_size, dtype=torch.int64, device=device)
@@ -59,6 +60,7 @@ class GraphCaptureBuffers:
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
         self.block_table_width = block_table_width
         self.block_size = block_size
+        self.split_arrivals = split_arrivals
 
     def metadata(self, size: int, cascade: bool = False) -> AttentionMetadata:
         block_tables, seq_lens = self.block_tables[:size], self.seq_lens[:size]
@@ -71,6 +73,7 @@ class GraphCaptureBuffers:
             max_seq_len=self.block_table_width,
             is_decode=True,
             shared_prefix_len=shared_prefix_len(block_tables, seq_lens, self.block_size) if cascade else None,
+            split_arrivals=self.split_arrivals,
         )
 
     def load(self, inputs: StepInputs, size: int) -> None:

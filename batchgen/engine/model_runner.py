@@ -104,6 +104,9 @@ class ModelRunner:
         self.bitmask_provider: BitmaskProvider | None = None  # set by the engine for structured output
         self.logprobs_mode = "raw_logprobs"  # raw_logprobs | processed_logprobs
         self.cascade_attention = False  # set by the engine: only the Triton decode kernels cascade
+        # The Triton decode attention's per-(sequence, kv head) counters, shared by every layer, step and graph.
+        self._num_kv_heads = max((layer.num_kv_heads for layer in self.attention_layers), default=0)
+        self.split_arrivals = self._zeroed_arrivals(max_num_seqs)
 
     # -- KV cache -------------------------------------------------------------------------------------------
 
@@ -147,8 +150,14 @@ class ModelRunner:
 
     # -- CUDA graphs ----------------------------------------------------------------------------------------
 
+    def _zeroed_arrivals(self, num_seqs: int) -> torch.Tensor:
+        return torch.zeros(num_seqs * self._num_kv_heads, dtype=torch.int32, device=self.device)
+
     def capture_graphs(self, sizes: list[int]) -> CaptureStats:
-        buffers = GraphCaptureBuffers(max(sizes), self.block_table_width, self.block_size, self.device)
+        if self.split_arrivals.numel() < max(sizes) * self._num_kv_heads:  # buckets above max_num_seqs
+            self.split_arrivals = self._zeroed_arrivals(max(sizes))
+        buffers = GraphCaptureBuffers(max(sizes), self.block_table_width, self.block_size, self.device,
+                                      self.split_arrivals)
         self.graphs = CudaGraphRunner(self.model, buffers, sizes, self.last_sampled, self.cascade_attention)
         self.sampler_graphs = SamplerGraphs(max(sizes), self.vocab_size, self.last_sampled, self.device)
         with torch.inference_mode():
@@ -301,6 +310,7 @@ class ModelRunner:
             max_seq_len=inputs.max_seq_len,
             is_decode=inputs.is_decode,
             shared_prefix_len=shared_prefix_len(block_tables, seq_lens, self.block_size) if cascade else None,
+            split_arrivals=self.split_arrivals,
         )
         if pending:
             input_ids = fill_pending_tokens(input_ids, pending_source[0], self.last_sampled)
@@ -328,6 +338,7 @@ class ModelRunner:
         self._unbind_kv_cache()
         self.attention_layers = []
         self.last_sampled = None
+        self.split_arrivals = None
         self._last_sample_rows = {}
 
 

@@ -27,6 +27,9 @@ class AttentionMetadata:
     # (1,) int32 on the device: leading positions every decode row reads from the same blocks (cascade attention);
     # None: no cascade this step
     shared_prefix_len: torch.Tensor | None = None
+    # (>= B * KVH,) int32 zeros on the device, left zero by every decode attention launch (its count of finished KV
+    # splits); the model runner keeps one for every layer and step. None: each launch allocates its own.
+    split_arrivals: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -73,7 +76,8 @@ class Attention(nn.Module):
             # A window cuts the shared prefix differently for every row: windowed layers never cascade.
             shared = meta.shared_prefix_len if self.sliding_window is None else None
             out = self.ops.decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                            sliding_window=self.sliding_window, shared_prefix_len=shared)
+                                            sliding_window=self.sliding_window, shared_prefix_len=shared,
+                                            split_arrivals=meta.split_arrivals)
         else:
             out = self.ops.prefill_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,

@@ -68,10 +68,12 @@ def decode_attention(
     sliding_window: int | None = None,
     *,
     shared_prefix_len: torch.Tensor | None = None,
+    split_arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (B, H, D)
     """One query token per sequence, attending to its first seq_len cache positions (the last sliding_window of
     them with a window); vectorized for CUDA graphs. shared_prefix_len (cascade attention's hint that every row
-    starts with the same blocks) changes nothing here: the reference reads every row's blocks."""
+    starts with the same blocks) and split_arrivals (the Triton kernel's scratch counters) change nothing here: the
+    reference reads every row's blocks in one pass."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_positions = block_tables.shape[1] * block_size

@@ -14,7 +14,8 @@ Cascade decode: when every sequence of a decode batch starts with the same physi
 n > 1 samples of one prompt), `shared_prefix_len` (a 1-element device tensor, see `shared_prefix`) names how many
 leading positions they share. `_shared_prefix_kernel` then reads that prefix once for all sequences, as a
 tensor-core tile of (sequence, query head) rows, and `_decode_kernel` reads only each sequence's own rest; both write
-partial softmaxes that `_decode_reduce_kernel` merges. The prefix kernel ignores sliding windows: windowed layers do
+partial softmaxes that `_decode_reduce_kernel` merges. Without cascade, the splits of `_decode_kernel` merge their
+partials themselves: the last one to finish does. The prefix kernel ignores sliding windows: windowed layers do
 not cascade (a window would cut the prefix differently for every row).
 """
 
@@ -135,7 +136,7 @@ def _attend_kv_range(
 @triton.jit(do_not_specialize=["stride_bt", "window", "num_splits", "num_slots"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, shared_len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-    qk_scale, window,
+    arrivals_ptr, qk_scale, window,
     stride_qb, stride_qh, stride_qd,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
@@ -144,12 +145,17 @@ def _decode_kernel(
     num_splits, num_slots,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CASCADE: tl.constexpr, PDL: tl.constexpr,
+    CASCADE: tl.constexpr, MERGE: tl.constexpr, GROUP_ROWS: tl.constexpr, MAX_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, kv head, split): all GROUP query heads share each K/V tile load.
 
     Partial results go to slot `split` of num_slots per (sequence, head); with one slot the output is final.
-    CASCADE: the shared prefix [0, shared_len) is the prefix kernel's; this one reads from shared_len on."""
+    CASCADE: the shared prefix [0, shared_len) is the prefix kernel's; this one reads from shared_len on, and
+    `_decode_reduce_kernel` merges the partials.
+    MERGE (not with CASCADE): only the splits that hold a KV tile run, and the last of them to finish merges their
+    partials itself (`arrivals` counts them per (sequence, kv head)); a context of one tile, or a single split,
+    writes the output directly. A short context thus costs no second kernel, and a long one no extra launch."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -172,7 +178,14 @@ def _decode_kernel(
     if CASCADE:
         first = tl.maximum(first, tl.load(shared_len_ptr))
     # With one split this is [first, seq_len).
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), num_splits)
+    num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
+    final = num_slots == 1
+    if MERGE:
+        active = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)  # an empty context (padding row): split 0
+        if split >= active:
+            return
+        final = active == 1
     lo = first + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
@@ -191,15 +204,49 @@ def _decode_kernel(
     # Empty ranges (padding rows, splits past the context) leave l_i == 0 and acc == 0: they output zeros.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if num_slots == 1:
+    if final:
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # mid_o: (B, H, num_slots, HEAD_DIM) fp32, mid_lse: (B, H, num_slots) fp32 (log2 units), both contiguous.
-        row = (b * GROUP * tl.num_programs(1) + heads) * num_slots + split  # (BLOCK_G,)
+        first_row = b * GROUP * tl.num_programs(1) + kvh * GROUP
+        row = (first_row + g) * num_slots + split  # (BLOCK_G,)
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + d[None, :], acc / l_safe[:, None], mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+        if MERGE:
+            # Every thread's stores come before the count (acq_rel at GPU scope), and the last program's loads after.
+            tl.debug_barrier()
+            arrivals = arrivals_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(arrivals, 1) == active - 1:
+                tl.store(arrivals, 0)  # every program of this launch has counted: ready for the next launch
+                tl.debug_barrier()
+                rows = first_row + tl.arange(0, GROUP_ROWS)  # (GROUP_ROWS,), not padded for tl.dot
+                rows_mask = tl.arange(0, GROUP_ROWS) < GROUP
+                merged = _merged_partials(mid_o_ptr, mid_lse_ptr, rows, rows_mask, active, num_slots, d, d_mask,
+                                          HEAD_DIM, MAX_SLOTS)
+                o_ptrs = (out_ptr + b * stride_ob + (kvh * GROUP + tl.arange(0, GROUP_ROWS))[:, None] * stride_oh
+                          + d[None, :] * stride_od)
+                tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=rows_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _merged_partials(mid_o_ptr, mid_lse_ptr, rows, rows_mask, slots_used, num_slots, d, d_mask,
+                     HEAD_DIM: tl.constexpr, MAX_SLOTS: tl.constexpr):
+    """The partial softmaxes in slots [0, slots_used) of each (sequence, head) row, merged: (rows, BLOCK_D) fp32.
+    Loads go to L2 (.cg): other programs, on other SMs, wrote the partials during this launch."""
+    s = tl.arange(0, MAX_SLOTS)
+    mask = rows_mask[:, None] & (s < slots_used)[None, :]  # (rows, MAX_SLOTS)
+    slot = rows[:, None] * num_slots + s[None, :]
+    lse = tl.load(mid_lse_ptr + slot, mask=mask, other=float("-inf"), cache_modifier=".cg")
+    o = tl.load(mid_o_ptr + slot[:, :, None] * HEAD_DIM + d[None, None, :],
+                mask=mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+    lse_max = tl.max(lse, 1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max[:, None])  # 0 for empty splits
+    den = tl.sum(w, 1)
+    den = tl.where(den > 0, den, 1.0)
+    return tl.sum(o * w[:, :, None], 1) / den[:, None]
 
 
 # One compile serves every bucket's graph: the row count and split counts are plain arguments.
@@ -269,25 +316,17 @@ def _decode_reduce_kernel(
     num_slots,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SLOTS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program per (sequence, query head): merges the partial softmaxes of every split (and prefix split)."""
+    """One program per (sequence, query head): merges the partial softmaxes of every split and prefix split."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     wait_for_previous(PDL)
-    row = b * tl.num_programs(1) + h
-    s = tl.arange(0, MAX_SLOTS)
-    s_mask = s < num_slots
+    row = b * tl.num_programs(1) + h + tl.arange(0, 1)  # (1,)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    lse = tl.load(mid_lse_ptr + row * num_slots + s, mask=s_mask, other=float("-inf"))  # (MAX_SLOTS,)
-    o = tl.load(mid_o_ptr + (row * num_slots + s)[:, None] * HEAD_DIM + d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)  # (MAX_SLOTS,), 0 for empty splits
-    den = tl.sum(w, 0)
-    den = tl.where(den > 0, den, 1.0)
-    out = tl.sum(o * w[:, None], 0) / den  # (BLOCK_D,)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    out = _merged_partials(mid_o_ptr, mid_lse_ptr, row, row >= 0, num_slots, num_slots, d, d_mask, HEAD_DIM,
+                           MAX_SLOTS)  # (1, BLOCK_D)
+    o_ptrs = out_ptr + b * stride_ob + h * stride_oh + d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask[None, :])
 
 
 @functools.cache
@@ -323,6 +362,9 @@ def decode_attention(
     # no cascade. Not with a sliding window.
     shared_prefix_len: torch.Tensor | None = None,
     num_prefix_splits: int | None = None,  # splits of the shared prefix; None: chosen like num_splits
+    # (>= B * KVH,) int32 zeros on the device, which every launch leaves zero: each (sequence, kv head)'s count of
+    # finished splits. The engine keeps one for all layers and steps (graphs capture its address); None: a fresh one.
+    split_arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (B, H, D)
     out = torch.empty_like(q)
     batch, num_heads, head_dim = q.shape
@@ -351,16 +393,19 @@ def decode_attention(
         mid_lse = torch.empty(batch, num_heads, num_slots, dtype=torch.float32, device=q.device)
     else:  # unused by the single-pass kernel, but fp32 like the split one's: one compile serves both
         mid_o = mid_lse = torch.empty(1, dtype=torch.float32, device=q.device)
+    if not cascade and num_splits > 1 and (split_arrivals is None or split_arrivals.numel() < batch * num_kv_heads):
+        split_arrivals = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
     dot_precision = _dot_precision(q.dtype)
     pdl = launch_options(q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, shared_prefix_len if cascade else seq_lens, out, mid_o, mid_lse,
-        scale * _LOG2E, sliding_window or _NO_WINDOW,
+        seq_lens if split_arrivals is None else split_arrivals, scale * _LOG2E, sliding_window or _NO_WINDOW,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         num_splits, num_slots,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision, CASCADE=cascade,
+        DOT_PRECISION=dot_precision, CASCADE=cascade, MERGE=not cascade, GROUP_ROWS=triton.next_power_of_2(group),
+        MAX_SLOTS=_MAX_SPLITS,
         # A third stage keeps one more K/V tile in flight: 3-10% faster on bf16 at batch 64-256 on the H200
         # (benchmarks/sweep_decode_attention.py); the fp32 tiles stay at two for their shared memory.
         num_warps=4, num_stages=2 if wide else 3, **pdl,
@@ -375,12 +420,11 @@ def decode_attention(
             BLOCK_M=prefix_block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
             num_warps=4, num_stages=2 if wide else 3, **pdl,
         )  # fmt: skip
-    if num_slots > 1:
+    if cascade:
         _decode_reduce_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, *out.stride(),
             num_slots,
-            # Without cascade the same compile as before; cascade's extra slots need the wider one.
-            HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SLOTS=2 * _MAX_SPLITS if cascade else _MAX_SPLITS,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SLOTS=2 * _MAX_SPLITS,
             num_warps=4, **pdl,
         )  # fmt: skip
     return out

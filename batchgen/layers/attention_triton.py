@@ -153,9 +153,9 @@ def _decode_kernel(
     Partial results go to slot `split` of num_slots per (sequence, head); with one slot the output is final.
     CASCADE: the shared prefix [0, shared_len) is the prefix kernel's; this one reads from shared_len on, and
     `_decode_reduce_kernel` merges the partials.
-    MERGE (not with CASCADE): only the splits that hold a KV tile run, and the last of them to finish merges their
-    partials itself (`arrivals` counts them per (sequence, kv head)); a context of one tile, or a single split,
-    writes the output directly. A short context thus costs no second kernel, and a long one no extra launch."""
+    MERGE (several splits, no CASCADE): only the splits that hold a KV tile run, and the last of them to finish
+    merges their partials itself (`arrivals` counts them per (sequence, kv head)); a context of one tile writes the
+    output directly. A short context thus costs no second kernel, and a long one no extra launch."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -393,18 +393,21 @@ def decode_attention(
         mid_lse = torch.empty(batch, num_heads, num_slots, dtype=torch.float32, device=q.device)
     else:  # unused by the single-pass kernel, but fp32 like the split one's: one compile serves both
         mid_o = mid_lse = torch.empty(1, dtype=torch.float32, device=q.device)
-    if not cascade and num_splits > 1 and (split_arrivals is None or split_arrivals.numel() < batch * num_kv_heads):
+    # A separate compile for one split: the merge's registers would cost the single pass occupancy at large batch
+    # (b1_latency at batch 64: 1.76 -> 1.93 ms on the H200).
+    merge = not cascade and num_splits > 1
+    if merge and (split_arrivals is None or split_arrivals.numel() < batch * num_kv_heads):
         split_arrivals = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
     dot_precision = _dot_precision(q.dtype)
     pdl = launch_options(q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, shared_prefix_len if cascade else seq_lens, out, mid_o, mid_lse,
-        seq_lens if split_arrivals is None else split_arrivals, scale * _LOG2E, sliding_window or _NO_WINDOW,
+        split_arrivals if merge else seq_lens, scale * _LOG2E, sliding_window or _NO_WINDOW,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         num_splits, num_slots,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision, CASCADE=cascade, MERGE=not cascade, GROUP_ROWS=triton.next_power_of_2(group),
+        DOT_PRECISION=dot_precision, CASCADE=cascade, MERGE=merge, GROUP_ROWS=triton.next_power_of_2(group),
         MAX_SLOTS=_MAX_SPLITS,
         # A third stage keeps one more K/V tile in flight: 3-10% faster on bf16 at batch 64-256 on the H200
         # (benchmarks/sweep_decode_attention.py); the fp32 tiles stay at two for their shared memory.

@@ -206,10 +206,11 @@ class Scheduler:
         """The step's sampled ids arrived: fills the pending slots; returns the requests that finished."""
         now = time.perf_counter()
         finished = []
+        cache_full_blocks = self.block_manager.cache_full_blocks
         for request, samples, slot, computed_end, token_id in zip(
             output.requests, output.samples, output.output_slots, output.computed_ends, sampled_token_ids, strict=True
         ):
-            if request.is_finished:  # it ended at an earlier step: this token is discarded
+            if request.status is RequestStatus.FINISHED:  # it ended at an earlier step: this token is discarded
                 continue
             if samples and request.sampling_params.max_tokens == 0:  # scoring only: prompt logprobs are the result
                 self._mark_finished(request, "length", now)
@@ -218,12 +219,13 @@ class Scheduler:
             if samples:
                 request.output_token_ids[slot] = token_id
             # A request preempted since this step was launched has no blocks and num_computed_tokens 0.
-            self.block_manager.cache_full_blocks(request, min(computed_end, request.num_computed_tokens))
+            cache_full_blocks(request, min(computed_end, request.num_computed_tokens))
             if not samples:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
-                self._release_siblings(request)
+                if self._siblings:
+                    self._release_siblings(request)
             reason = self._stop_reason(request, token_id, slot + 1)
             if reason is not None:
                 self._mark_finished(request, reason, now)
@@ -240,12 +242,11 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token_id: int, num_output_tokens: int) -> str | None:
         params = request.sampling_params
-        if token_id == request.eos_token_id and not params.ignore_eos:
+        if (token_id == request.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
             return "stop"
-        if token_id in params.stop_token_ids:
-            return "stop"
-        if self._reaches_length(request, num_output_tokens):
-            return "length"
+        if (num_output_tokens >= params.max_tokens
+                or len(request.prompt_token_ids) + num_output_tokens >= self.config.max_model_len):
+            return "length"  # _reaches_length, inlined: this runs for every sampled token
         return None
 
     def _reaches_length(self, request: Request, num_output_tokens: int) -> bool:

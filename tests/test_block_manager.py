@@ -226,3 +226,13 @@ def test_blocks_filled_chunk_by_chunk_are_cached_as_they_fill():
     request.output_token_ids = [7, 8]  # decode-filled blocks are cached too
     compute(manager, request)
     assert manager.num_cached_blocks == 4
+
+
+def test_known_token_ids_stop_at_the_first_pending_slot():
+    request = make_request(prompt=[1, 2, 3])
+    assert request.known_token_ids(0, 3) == [1, 2, 3]
+    request.output_token_ids = [4, 5, PENDING_TOKEN, PENDING_TOKEN]
+    assert request.known_token_ids(1, 7) == [2, 3, 4, 5]
+    assert request.known_token_ids(3, 5) == [4, 5]
+    assert request.known_token_ids(5, 7) == []
+    assert request.known_token_ids(6, 7) == []

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from batchgen.engine.request import PENDING_TOKEN, Request
+from batchgen.engine.request import Request
 
 
 class PrefixLookup(NamedTuple):
@@ -138,9 +138,7 @@ class BlockManager:
         num_full = num_tokens // size
         if len(hashes) >= num_full:
             return num_full
-        token_ids = request.token_ids(len(hashes) * size, num_full * size)
-        if PENDING_TOKEN in token_ids:
-            token_ids = token_ids[:token_ids.index(PENDING_TOKEN)]
+        token_ids = request.known_token_ids(len(hashes) * size, num_full * size)
         hashes.extend(hash_blocks(hashes[-1] if hashes else None, token_ids, size))
         return len(hashes)
 

@@ -42,7 +42,7 @@ class BlockTables:
         return range(grown, 2 * grown)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     row: int
     written: int = 0  # blocks of the request already in the row

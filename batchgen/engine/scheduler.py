@@ -74,13 +74,12 @@ class SchedulerOutput:
     computed_ends: list[int] = field(init=False)  # each request's num_computed_tokens once the step has run
 
     def __post_init__(self) -> None:
-        self.samples = [
-            request.num_computed_tokens + num_tokens == request.num_tokens
-            for request, num_tokens in zip(self.requests, self.num_scheduled_tokens, strict=True)
-        ]
-        self.output_slots = [request.num_output_tokens for request in self.requests]
         self.computed_ends = [request.num_computed_tokens + num_tokens
                               for request, num_tokens in zip(self.requests, self.num_scheduled_tokens, strict=True)]
+        self.output_slots = [len(request.output_token_ids) for request in self.requests]
+        self.samples = [end == len(request.prompt_token_ids) + num_outputs  # the step reaches request.num_tokens
+                        for request, end, num_outputs in zip(self.requests, self.computed_ends, self.output_slots,
+                                                             strict=True)]
 
     @property
     def num_seqs(self) -> int:

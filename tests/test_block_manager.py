@@ -2,7 +2,7 @@
 
 import pytest
 
-from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.block_manager import BlockManager, PrefixLookup, hash_block, hash_blocks
 from batchgen.engine.request import PENDING_TOKEN, Request
 from batchgen.sampling_params import SamplingParams
 
@@ -88,6 +88,15 @@ def test_cannot_allocate_more_than_free():
     assert manager.num_free_blocks == 2 and request.block_ids == []
 
 
+def test_try_allocate_allocates_only_what_fits():
+    manager = BlockManager(num_blocks=2, block_size=4)
+    request = make_request()
+    assert not manager.try_allocate(request, 9)
+    assert manager.num_free_blocks == 2 and request.block_ids == []
+    assert manager.try_allocate(request, 8)
+    assert request.block_ids == [0, 1] and manager.num_free_blocks == 0
+
+
 @pytest.mark.parametrize("num_blocks, block_size", [(0, 4), (4, 0)])
 def test_rejects_empty_cache(num_blocks, block_size):
     with pytest.raises(ValueError):
@@ -118,6 +127,31 @@ def test_hash_chains_the_parent_block():
     # Same second block, different first block: no hit at all.
     assert manager.computed_blocks(make_request(1, prompt=[9, 9, 3, 4, 5])) == []
     assert len(manager.computed_blocks(make_request(2, prompt=[1, 2, 3, 4, 6]))) == 2
+
+
+def test_hash_blocks_chains_hash_block_over_the_full_blocks():
+    parent = hash_block(None, [7, 7])
+    first, second = hash_block(parent, [1, 2]), hash_block(hash_block(parent, [1, 2]), [3, 4])
+    assert hash_blocks(parent, [1, 2, 3, 4, 5], 2) == [first, second]  # the partial block [5] is left out
+    assert hash_blocks(None, [7, 7], 2) == [parent] and hash_blocks(None, [1], 2) == []
+
+
+def test_lookup_prefix_names_the_first_block_the_request_computes_itself():
+    manager = BlockManager(num_blocks=10, block_size=2)
+    compute(manager, make_request(0, prompt=[1, 2, 3, 4, 5]))
+    request = make_request(1, prompt=[1, 2, 3, 9, 5, 6, 7])
+    hits, next_hash = manager.lookup_prefix(request)
+    assert hits == [0] and next_hash == request.block_hashes[1] == hash_block(hash_block(None, [1, 2]), [3, 9])
+    assert manager.lookup_prefix(make_request(2, prompt=[1, 2, 3, 4, 5])) == PrefixLookup([0, 1], None)
+    assert manager.lookup_prefix(make_request(3, prompt=[1, 2, 3, 4])) == PrefixLookup([0], None)  # last token out
+
+
+def test_uncached_prompt_blocks_are_those_missing_from_the_cache():
+    manager = BlockManager(num_blocks=10, block_size=2)
+    compute(manager, make_request(0, prompt=[1, 2, 3, 4]))
+    request = make_request(1, prompt=[1, 2, 5, 6, 7, 8, 9])
+    assert manager.uncached_prompt_blocks(request) == set(request.block_hashes[1:3])
+    assert len(request.block_hashes) == 3
 
 
 def test_an_entirely_cached_prompt_still_computes_its_last_token():
@@ -192,3 +226,13 @@ def test_blocks_filled_chunk_by_chunk_are_cached_as_they_fill():
     request.output_token_ids = [7, 8]  # decode-filled blocks are cached too
     compute(manager, request)
     assert manager.num_cached_blocks == 4
+
+
+def test_known_token_ids_stop_at_the_first_pending_slot():
+    request = make_request(prompt=[1, 2, 3])
+    assert request.known_token_ids(0, 3) == [1, 2, 3]
+    request.output_token_ids = [4, 5, PENDING_TOKEN, PENDING_TOKEN]
+    assert request.known_token_ids(1, 7) == [2, 3, 4, 5]
+    assert request.known_token_ids(3, 5) == [4, 5]
+    assert request.known_token_ids(5, 7) == []
+    assert request.known_token_ids(6, 7) == []

@@ -56,3 +56,15 @@ def test_step_inputs_survive_the_table_growing_mid_step():
     inputs = build_step_inputs(step, block_size=2, tables=BlockTables(width=4, rows=2))
     assert inputs.block_tables[:, :2].tolist() == [[i, 100 + i] for i in range(5)]
     assert inputs.slot_mapping.tolist() == [(100 + i) * 2 for i in range(5)]
+
+
+def test_held_finds_only_requests_that_hold_a_row():
+    from batchgen.engine.request_rows import RequestRows
+
+    rows = RequestRows(lambda row: type("Entry", (), {"row": row})(), range(2))
+    a = request(0, [])
+    assert rows.held(a) is None
+    entry, taken = rows.entry(a, grow=lambda: range(2, 4))
+    assert taken and rows.held(a) is entry
+    rows.release([a])
+    assert rows.held(a) is None

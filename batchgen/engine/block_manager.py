@@ -18,8 +18,14 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from batchgen.engine.request import PENDING_TOKEN, Request
+from batchgen.engine.request import Request
+
+
+class PrefixLookup(NamedTuple):
+    block_ids: list[int]  # the cached blocks of the request's leading tokens
+    next_hash: bytes | None  # the hash of the first full block after them, which the request would compute itself
 
 
 @dataclass
@@ -32,6 +38,17 @@ class KVBlock:
 def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     """SHA-256 of the parent block's hash and this block's tokens: collisions are not a practical concern."""
     return hashlib.sha256((parent_hash or b"") + array("q", token_ids).tobytes()).digest()
+
+
+def hash_blocks(parent_hash: bytes | None, token_ids: list[int], block_size: int) -> list[bytes]:
+    """The chained hash_block of each full block of token_ids, the first chained to parent_hash; the tokens are
+    converted to bytes once for all the blocks."""
+    data, block_bytes = array("q", token_ids).tobytes(), 8 * block_size
+    hashes = []
+    for offset in range(0, len(data) - block_bytes + 1, block_bytes):
+        parent_hash = hashlib.sha256((parent_hash or b"") + data[offset:offset + block_bytes]).digest()
+        hashes.append(parent_hash)
+    return hashes
 
 
 class BlockManager:
@@ -71,28 +88,31 @@ class BlockManager:
         """The cached blocks that hold the request's leading tokens, for a request that holds no blocks yet.
 
         At least the last token is left out, so the step that computes the rest yields logits to sample from."""
+        return self.lookup_prefix(request).block_ids
+
+    def lookup_prefix(self, request: Request) -> PrefixLookup:
+        """computed_blocks, and the hash of the first full block the request would compute itself, in one pass over
+        its block hashes (the scheduler asks both of every request it tries to admit)."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
-            return []
+            return PrefixLookup([], None)
+        hashes = request.block_hashes
+        num_full = self._hash_full_blocks(request, request.num_tokens - 1)
+        cached = self._cached
         hits = []
-        for block_hash in self._block_hashes(request, request.num_tokens - 1):
-            block_id = self._cached.get(block_hash)
+        for index in range(num_full):
+            block_id = cached.get(hashes[index])
             if block_id is None:
-                break
+                return PrefixLookup(hits, hashes[index])
             hits.append(block_id)
-        return hits
+        return PrefixLookup(hits, None)
 
     def uncached_prompt_blocks(self, request: Request) -> set[bytes]:
         """The hashes of the request's full prompt blocks that are not in the cache (yet)."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
             return set()
-        return {h for h in self._block_hashes(request, request.num_prompt_tokens) if h not in self._cached}
-
-    def next_block_in(self, request: Request, num_cached_blocks: int, hashes: set[bytes]) -> bool:
-        """Whether the first block the request would compute itself (after its cached ones) is among `hashes`."""
-        if not self.enable_prefix_caching or not request.use_prefix_cache:
-            return False
-        own = self._block_hashes(request, request.num_tokens - 1)
-        return num_cached_blocks < len(own) and own[num_cached_blocks] in hashes
+        num_full = self._hash_full_blocks(request, request.num_prompt_tokens)
+        cached = self._cached
+        return {h for h in request.block_hashes[:num_full] if h not in cached}
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's blocks filled by its first `num_computed_tokens` tokens, whose KV is written."""
@@ -101,34 +121,33 @@ class BlockManager:
         num_full = min(num_computed_tokens // self.block_size, len(request.block_ids))
         if num_full <= request.num_hashed_blocks:
             return
-        hashes = self._block_hashes(request, num_full * self.block_size)
-        for index in range(request.num_hashed_blocks, len(hashes)):
+        num_hashed = self._hash_full_blocks(request, num_full * self.block_size)
+        hashes, cached = request.block_hashes, self._cached
+        for index in range(request.num_hashed_blocks, num_hashed):
             block = self.blocks[request.block_ids[index]]
             # A block recomputed next to a cached copy (a prompt whose last block was a hit) stays unhashed.
-            if block.block_hash is None and hashes[index] not in self._cached:
+            if block.block_hash is None and hashes[index] not in cached:
                 block.block_hash = hashes[index]
-                self._cached[hashes[index]] = block.block_id
-        request.num_hashed_blocks = max(request.num_hashed_blocks, len(hashes))
+                cached[hashes[index]] = block.block_id
+        request.num_hashed_blocks = max(request.num_hashed_blocks, num_hashed)
 
-    def _block_hashes(self, request: Request, num_tokens: int) -> list[bytes]:
-        """The hashes of the request's full blocks within its first num_tokens tokens (stops at a pending token)."""
+    def _hash_full_blocks(self, request: Request, num_tokens: int) -> int:
+        """Extends `request.block_hashes` over the full blocks within its first num_tokens tokens (up to a pending
+        token); returns how many of them are hashed. Each block is hashed once per request, at its first need."""
         hashes, size = request.block_hashes, self.block_size
-        while len(hashes) < num_tokens // size:
-            token_ids = request.token_ids(len(hashes) * size, (len(hashes) + 1) * size)
-            if PENDING_TOKEN in token_ids:
-                break
-            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids))
-        return hashes[:num_tokens // size]
+        num_full = num_tokens // size
+        if len(hashes) >= num_full:
+            return num_full
+        token_ids = request.known_token_ids(len(hashes) * size, num_full * size)
+        hashes.extend(hash_blocks(hashes[-1] if hashes else None, token_ids, size))
+        return len(hashes)
 
     # -- allocation -----------------------------------------------------------------------------------------
 
     def num_missing_blocks(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> int:
         """Free blocks the request needs to hold its computed tokens (or `computed_blocks`, taken from the cache)
         plus `num_new_tokens` more."""
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        needed = max(0, self.blocks_needed(num_computed + num_new_tokens) - len(request.block_ids)
-                     - len(computed_blocks))
-        return needed + sum(1 for block_id in computed_blocks if self.blocks[block_id].ref_count == 0)
+        return self._num_new_blocks(request, num_new_tokens, computed_blocks) + self._num_unreferenced(computed_blocks)
 
     def holds(self, request: Request, num_new_tokens: int) -> bool:
         """Whether the request's blocks already have room for `num_new_tokens` more tokens."""
@@ -140,18 +159,41 @@ class BlockManager:
     def allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> None:
         """Takes `computed_blocks` (cache hits) into the request's block list, then free blocks for its next
         `num_new_tokens` tokens; the caller moves `num_computed_tokens` past the hits."""
-        missing = self.num_missing_blocks(request, num_new_tokens, computed_blocks)
-        if missing > len(self._free):
+        if not self.try_allocate(request, num_new_tokens, computed_blocks):
+            missing = self.num_missing_blocks(request, num_new_tokens, computed_blocks)
             raise RuntimeError(
                 f"request {request.request_id} needs {missing} more KV blocks, only {len(self._free)} free"
             )
-        for block_id in computed_blocks:
+
+    def try_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """`allocate` if the free blocks suffice (`can_allocate`), counting them once; whether it allocated."""
+        num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
+        if computed_blocks:
+            if num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
+                return False
+            self._take_cached_blocks(request, computed_blocks)
+        elif num_new_blocks > len(self._free):
+            return False
+        request.block_ids.extend(self._take_free_blocks(num_new_blocks))
+        return True
+
+    def _take_cached_blocks(self, request: Request, block_ids: Sequence[int]) -> None:
+        """References cache hits and appends them to the request's blocks, as already hashed."""
+        for block_id in block_ids:
             self._reference(self.blocks[block_id])
-        request.block_ids.extend(computed_blocks)
-        request.num_hashed_blocks += len(computed_blocks)
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_new_blocks = max(0, self.blocks_needed(num_computed + num_new_tokens) - len(request.block_ids))
-        request.block_ids.extend(self._take_free_block() for _ in range(num_new_blocks))
+        request.block_ids.extend(block_ids)
+        request.num_hashed_blocks += len(block_ids)
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int:
+        """Blocks the request needs beyond its own and `computed_blocks`."""
+        num_held = len(request.block_ids) + len(computed_blocks)
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        return max(0, -(-num_tokens // self.block_size) - num_held)
+
+    def _num_unreferenced(self, block_ids: Sequence[int]) -> int:
+        """Those of the blocks in the free queue: referencing them takes free space."""
+        blocks = self.blocks
+        return sum(1 for block_id in block_ids if blocks[block_id].ref_count == 0)
 
     def free(self, request: Request) -> None:
         for block_id in reversed(request.block_ids):
@@ -169,11 +211,16 @@ class BlockManager:
             del self._free[block.block_id]
         block.ref_count += 1
 
-    def _take_free_block(self) -> int:
-        block_id, _ = self._free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None:  # evict: the space is needed, the cached KV goes
-            del self._cached[block.block_hash]
-            block.block_hash = None
-        block.ref_count = 1
-        return block_id
+    def _take_free_blocks(self, count: int) -> list[int]:
+        """The first `count` blocks of the free queue, referenced once; cached ones are evicted."""
+        free, blocks, cached = self._free, self.blocks, self._cached
+        taken = []
+        for _ in range(count):
+            block_id, _ = free.popitem(last=False)
+            block = blocks[block_id]
+            if block.block_hash is not None:  # evict: the space is needed, the cached KV goes
+                del cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            taken.append(block_id)
+        return taken

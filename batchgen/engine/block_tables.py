@@ -21,17 +21,17 @@ class BlockTables:
 
     def rows(self, requests: list[Request]) -> np.ndarray:
         """The table row of each request, its new blocks written first."""
-        rows = np.empty(len(requests), dtype=np.int64)
-        for i, request in enumerate(requests):
-            entry, _ = self._rows.entry(request, self._grow)
+        rows = []
+        for request in requests:
+            entry = self._rows.held(request) or self._rows.entry(request, self._grow)[0]
             if entry.preemptions != request.num_preemptions:  # recomputed into new blocks: rewrite the row
                 entry.written, entry.preemptions = 0, request.num_preemptions
             blocks = request.block_ids
             if len(blocks) > entry.written:
                 self.table[entry.row, entry.written:len(blocks)] = blocks[entry.written:]
                 entry.written = len(blocks)
-            rows[i] = entry.row
-        return rows
+            rows.append(entry.row)
+        return np.array(rows, dtype=np.int64)
 
     def release(self, requests: list[Request]) -> None:
         self._rows.release(requests)
@@ -42,7 +42,7 @@ class BlockTables:
         return range(grown, 2 * grown)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     row: int
     written: int = 0  # blocks of the request already in the row

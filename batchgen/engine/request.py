@@ -92,3 +92,12 @@ class Request:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len:end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+
+    def known_token_ids(self, start: int, end: int) -> list[int]:
+        """token_ids(start, end) up to the first pending token. Only the last output slots can be pending (steps
+        commit in order), so a prompt range or outputs not ending in a pending slot need no scan."""
+        token_ids, outputs = self.token_ids(start, end), self.output_token_ids
+        if end > len(self.prompt_token_ids) and outputs and outputs[-1] == PENDING_TOKEN:
+            first_pending = len(self.prompt_token_ids) + outputs.index(PENDING_TOKEN)
+            return token_ids[:max(0, first_pending - start)]
+        return token_ids

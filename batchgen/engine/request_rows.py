@@ -25,6 +25,11 @@ class RequestRows(Generic[EntryT]):
         self._free_rows = sorted(free_rows, reverse=True)  # popped lowest first
         self._entries: dict[int, tuple[Request, EntryT]] = {}
 
+    def held(self, request: Request) -> EntryT | None:
+        """The request's entry if it holds a row (the cheap lookup of a request seen at an earlier step)."""
+        held = self._entries.get(id(request))
+        return held[1] if held is not None else None
+
     def entry(self, request: Request, grow: Callable[[], Iterable[int]]) -> tuple[EntryT, bool]:
         """The request's entry, and whether its row was taken just now. grow enlarges the table when no row is free
         and returns the rows it added (passed per call, not kept: a bound method kept here would make its table a

@@ -74,13 +74,12 @@ class SchedulerOutput:
     computed_ends: list[int] = field(init=False)  # each request's num_computed_tokens once the step has run
 
     def __post_init__(self) -> None:
-        self.samples = [
-            request.num_computed_tokens + num_tokens == request.num_tokens
-            for request, num_tokens in zip(self.requests, self.num_scheduled_tokens, strict=True)
-        ]
-        self.output_slots = [request.num_output_tokens for request in self.requests]
         self.computed_ends = [request.num_computed_tokens + num_tokens
                               for request, num_tokens in zip(self.requests, self.num_scheduled_tokens, strict=True)]
+        self.output_slots = [len(request.output_token_ids) for request in self.requests]
+        self.samples = [end == len(request.prompt_token_ids) + num_outputs  # the step reaches request.num_tokens
+                        for request, end, num_outputs in zip(self.requests, self.computed_ends, self.output_slots,
+                                                             strict=True)]
 
     @property
     def num_seqs(self) -> int:
@@ -206,10 +205,11 @@ class Scheduler:
         """The step's sampled ids arrived: fills the pending slots; returns the requests that finished."""
         now = time.perf_counter()
         finished = []
+        cache_full_blocks = self.block_manager.cache_full_blocks
         for request, samples, slot, computed_end, token_id in zip(
             output.requests, output.samples, output.output_slots, output.computed_ends, sampled_token_ids, strict=True
         ):
-            if request.is_finished:  # it ended at an earlier step: this token is discarded
+            if request.status is RequestStatus.FINISHED:  # it ended at an earlier step: this token is discarded
                 continue
             if samples and request.sampling_params.max_tokens == 0:  # scoring only: prompt logprobs are the result
                 self._mark_finished(request, "length", now)
@@ -218,12 +218,13 @@ class Scheduler:
             if samples:
                 request.output_token_ids[slot] = token_id
             # A request preempted since this step was launched has no blocks and num_computed_tokens 0.
-            self.block_manager.cache_full_blocks(request, min(computed_end, request.num_computed_tokens))
+            cache_full_blocks(request, min(computed_end, request.num_computed_tokens))
             if not samples:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
-                self._release_siblings(request)
+                if self._siblings:
+                    self._release_siblings(request)
             reason = self._stop_reason(request, token_id, slot + 1)
             if reason is not None:
                 self._mark_finished(request, reason, now)
@@ -240,12 +241,11 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token_id: int, num_output_tokens: int) -> str | None:
         params = request.sampling_params
-        if token_id == request.eos_token_id and not params.ignore_eos:
+        if (token_id == request.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
             return "stop"
-        if token_id in params.stop_token_ids:
-            return "stop"
-        if self._reaches_length(request, num_output_tokens):
-            return "length"
+        if (num_output_tokens >= params.max_tokens
+                or len(request.prompt_token_ids) + num_output_tokens >= self.config.max_model_len):
+            return "length"  # _reaches_length, inlined: this runs for every sampled token
         return None
 
     def _reaches_length(self, request: Request, num_output_tokens: int) -> bool:
@@ -271,14 +271,13 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         head = self.waiting[0]
-        cached_blocks, num_new = self._admission_chunk(head, self.config.max_num_batched_tokens)
+        cached_blocks = self.block_manager.lookup_prefix(head).block_ids
+        num_new = self._admission_tokens(head, cached_blocks, self.config.max_num_batched_tokens)
         return self.block_manager.can_allocate(head, num_new, cached_blocks)
 
-    def _admission_chunk(self, request: Request, budget: int) -> tuple[list[int], int]:
-        """The cached blocks a waiting request starts from, and how many of its other tokens fit the budget."""
-        cached_blocks = self.block_manager.computed_blocks(request)
-        num_cached_tokens = len(cached_blocks) * self.block_manager.block_size
-        return cached_blocks, min(request.num_tokens - num_cached_tokens, budget)
+    def _admission_tokens(self, request: Request, cached_blocks: list[int], budget: int) -> int:
+        """How many of a waiting request's tokens after its cached blocks fit the budget."""
+        return min(request.num_tokens - len(cached_blocks) * self.block_manager.block_size, budget)
 
     def _schedule_running(self, step: _StepBuilder, decodes: bool, prefills: bool) -> None:
         index = 0
@@ -299,13 +298,12 @@ class Scheduler:
         """Allocates blocks for the request's next tokens, preempting the latest admitted requests until they fit."""
         if self.block_manager.holds(request, num_new):
             return True  # most decode steps: the token fits the request's last block
-        while not self.block_manager.can_allocate(request, num_new):
+        while not self.block_manager.try_allocate(request, num_new):
             victim = self.running.pop()
             self._preempt(victim)
             step.preempted.append(victim)
             if victim is request:
                 return False
-        self.block_manager.allocate(request, num_new)
         return True
 
     def _preempt(self, request: Request) -> None:
@@ -318,22 +316,26 @@ class Scheduler:
     def _admit_waiting(self, step: _StepBuilder) -> None:
         if step.preempted or not self.waiting:
             return  # mixed scheduling calls this at every step
+        block_manager, block_size, max_num_seqs = self.block_manager, self.block_manager.block_size, \
+            self.config.max_num_seqs
         in_flight = self._prompt_blocks_in_flight()
         deferred: list[Request] = []
-        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and step.budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
-            cached_blocks, num_new = self._admission_chunk(request, step.budget)
-            if in_flight and self.block_manager.next_block_in(request, len(cached_blocks), in_flight):
+            cached_blocks, next_hash = block_manager.lookup_prefix(request)
+            if next_hash is not None and next_hash in in_flight:
                 deferred.append(self.waiting.popleft())  # it will find that block in the cache instead
-                if len(deferred) >= self.config.max_num_seqs:
+                if len(deferred) >= max_num_seqs:
                     break  # a long queue is not scanned whole at every step
                 continue
-            if not self.block_manager.can_allocate(request, num_new, cached_blocks):
+            # Before allocating: the allocation may evict cached blocks, which would then count as uncached here.
+            uncached = block_manager.uncached_prompt_blocks(request)
+            num_new = self._admission_tokens(request, cached_blocks, step.budget)
+            if not block_manager.try_allocate(request, num_new, cached_blocks):
                 break
             self.waiting.popleft()
-            in_flight |= self.block_manager.uncached_prompt_blocks(request)
-            self.block_manager.allocate(request, num_new, cached_blocks)
-            request.num_computed_tokens = len(cached_blocks) * self.block_manager.block_size
+            in_flight |= uncached
+            request.num_computed_tokens = len(cached_blocks) * block_size
             if request.num_preemptions == 0:
                 request.num_cached_tokens = request.num_computed_tokens
             step.num_cached_tokens += request.num_computed_tokens

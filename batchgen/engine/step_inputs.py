@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 
@@ -52,22 +51,28 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
     rows = tables.rows(requests)  # before reading tables.table: it may grow
     block_tables = tables.table[rows, :width]
     sample_rows = [row for row, samples in enumerate(step.samples) if samples]
-    if all(count == 1 for count in counts):
+    if max(counts) == 1:
         return _one_token_each(requests, block_size, block_tables, sample_rows, previous_sample_rows)
-    n = len(requests)
+    return _chunks(step, block_size, block_tables, sample_rows, previous_sample_rows)
+
+
+def _chunks(step: SchedulerOutput, block_size: int, block_tables: np.ndarray, sample_rows: list[int],
+            previous_sample_rows: dict[int, int] | None) -> StepInputs:
+    """A step with multi-token chunks: per-request quantities from the step's lists in Python, per-token arrays in a
+    few numpy calls (each numpy call costs microseconds on a host whose caches the forward has just flushed)."""
+    requests, counts, ends = step.requests, step.num_scheduled_tokens, step.computed_ends
     num_scheduled = np.array(counts, dtype=np.int64)
-    begins = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
-    ends = begins + num_scheduled
-    query_start_loc = np.zeros(n + 1, dtype=np.int32)
+    query_start_loc = np.zeros(len(counts) + 1, dtype=np.int32)
     np.cumsum(num_scheduled, out=query_start_loc[1:])
-    token_rows = np.repeat(np.arange(n), num_scheduled)
-    num_tokens = int(query_start_loc[-1])
-    positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(begins - query_start_loc[:-1], num_scheduled)
-    input_ids = np.fromiter(chain.from_iterable(r.token_ids(b, e) for r, b, e in zip(requests, begins.tolist(),
-                                                                                         ends.tolist(), strict=True)),
-                            dtype=np.int64, count=num_tokens)
-    return _finish(requests, input_ids, positions, ends.astype(np.int32), query_start_loc, block_tables, sample_rows,
-                   block_size, token_rows, max(counts), previous_sample_rows)
+    seq_lens = np.array(ends, dtype=np.int32)
+    token_rows = np.repeat(np.arange(len(counts)), num_scheduled)
+    # Each token's position is its index in the step plus its request's (begin - query start) = (end - query end).
+    positions = np.repeat(seq_lens - query_start_loc[1:], num_scheduled) + np.arange(len(token_rows), dtype=np.int64)
+    token_ids: list[int] = []
+    for request, num_tokens, end in zip(requests, counts, ends, strict=True):
+        token_ids += request.token_ids(end - num_tokens, end)
+    return _finish(requests, np.array(token_ids, dtype=np.int64), positions, seq_lens, query_start_loc, block_tables,
+                   sample_rows, block_size, token_rows, max(counts), previous_sample_rows)
 
 
 def _one_token_each(requests: list[Request], block_size: int, block_tables: np.ndarray, sample_rows: list[int],

@@ -30,24 +30,31 @@ from batchgen.layers.shared_prefix import shared_prefix_len
 log = logging.getLogger(__name__)
 
 
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's current stream, asked for by device index. Without an index, torch finds the current device
+    through torch.cuda.is_available(), a cudaGetDeviceCount call: at each of a step's 4 event records."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.current_stream(index)
+
+
 class _Timer:
     """Device time between marks: CUDA events on GPU (read after the step's one sync), a host clock on CPU."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.stream = current_stream(device) if device.type == "cuda" else None
         self.marks: list = []
 
     def mark(self) -> None:
-        if self.cuda:
+        if self.stream is not None:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(self.stream)
             self.marks.append(event)
         else:
             self.marks.append(time.perf_counter())
 
     def intervals_ms(self) -> list[float]:
         pairs = pairwise(self.marks)
-        if self.cuda:
+        if self.stream is not None:
             return [a.elapsed_time(b) for a, b in pairs]
         return [(b - a) * 1000 for a, b in pairs]
 
@@ -209,7 +216,7 @@ class ModelRunner:
         timer.mark()
         done = torch.cuda.Event() if self._pinned else None
         if done is not None:
-            done.record()
+            done.record(timer.stream)
         self._last_sample_rows = {id(step.requests[row]): i for i, row in enumerate(inputs.sample_rows)}
         return LaunchedStep(step.num_seqs, inputs.sample_rows, sampled, done, timer, prepare_ms, graph_size, cascade,
                             logprobs)

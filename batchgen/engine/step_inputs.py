@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,65 +47,74 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
                       previous_sample_rows: dict[int, int] | None = None) -> StepInputs:
     """step: as scheduled, before `Scheduler.advance` moves its requests on (its `samples` name the sampling rows).
     block_table_width: a fixed width (the CUDA-graph buffers' width) or None for the widest request's.
-    previous_sample_rows: id(request) -> its row among the previous step's samples, for tokens still pending."""
-    requests, counts = step.requests, step.num_scheduled_tokens
+    previous_sample_rows: id(request) -> its row among the previous step's samples, for tokens still pending.
+
+    Per-request quantities are computed in Python from the step's lists, per-token ones in as few numpy calls as
+    possible: on a host whose caches the forward has just flushed, each numpy call costs microseconds."""
+    requests, counts, ends = step.requests, step.num_scheduled_tokens, step.computed_ends
     width = block_table_width or max(len(r.block_ids) for r in requests)
     rows = tables.rows(requests)  # before reading tables.table: it may grow
     block_tables = tables.table[rows, :width]
+    query_ends = list(accumulate(counts))
+    if query_ends[-1] == len(counts):  # one token each: the decode shape
+        tokens = _one_token_each(requests, ends, previous_sample_rows)
+    else:
+        tokens = _chunks(requests, counts, ends, query_ends, previous_sample_rows)
+    blocks = block_tables[tokens.rows, tokens.positions // block_size]
     sample_rows = [row for row, samples in enumerate(step.samples) if samples]
-    if max(counts) == 1:
-        return _one_token_each(requests, block_size, block_tables, sample_rows, previous_sample_rows)
-    return _chunks(step, block_size, block_tables, sample_rows, previous_sample_rows)
-
-
-def _chunks(step: SchedulerOutput, block_size: int, block_tables: np.ndarray, sample_rows: list[int],
-            previous_sample_rows: dict[int, int] | None) -> StepInputs:
-    """A step with multi-token chunks: per-request quantities from the step's lists in Python, per-token arrays in a
-    few numpy calls (each numpy call costs microseconds on a host whose caches the forward has just flushed)."""
-    requests, counts, ends = step.requests, step.num_scheduled_tokens, step.computed_ends
-    num_scheduled = np.array(counts, dtype=np.int64)
-    query_start_loc = np.zeros(len(counts) + 1, dtype=np.int32)
-    np.cumsum(num_scheduled, out=query_start_loc[1:])
-    seq_lens = np.array(ends, dtype=np.int32)
-    token_rows = np.repeat(np.arange(len(counts)), num_scheduled)
-    # Each token's position is its index in the step plus its request's (begin - query start) = (end - query end).
-    positions = np.repeat(seq_lens - query_start_loc[1:], num_scheduled) + np.arange(len(token_rows), dtype=np.int64)
-    token_ids: list[int] = []
-    for request, num_tokens, end in zip(requests, counts, ends, strict=True):
-        token_ids += request.token_ids(end - num_tokens, end)
-    return _finish(requests, np.array(token_ids, dtype=np.int64), positions, seq_lens, query_start_loc, block_tables,
-                   sample_rows, block_size, token_rows, max(counts), previous_sample_rows)
-
-
-def _one_token_each(requests: list[Request], block_size: int, block_tables: np.ndarray, sample_rows: list[int],
-                    previous_sample_rows: dict[int, int] | None) -> StepInputs:
-    """The decode-shaped step, vectorized: no per-request numpy calls."""
-    n = len(requests)
-    positions = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
-    input_ids = np.fromiter((r.token_id(r.num_computed_tokens) for r in requests), dtype=np.int64, count=n)
-    return _finish(requests, input_ids, positions, (positions + 1).astype(np.int32),
-                   np.arange(n + 1, dtype=np.int32), block_tables, sample_rows, block_size, np.arange(n), 1,
-                   previous_sample_rows)
-
-
-def _finish(requests: list[Request], input_ids: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray,
-            query_start_loc: np.ndarray, block_tables: np.ndarray, sample_rows: list[int], block_size: int,
-            token_rows: np.ndarray, max_query_len: int, previous_sample_rows: dict[int, int] | None) -> StepInputs:
-    blocks = block_tables[token_rows, positions // block_size]
-    pending_source = np.full(len(input_ids), -1, dtype=np.int64)
-    pending = np.flatnonzero(input_ids == PENDING_TOKEN)
-    if len(pending):  # only the previous step's tokens can still be pending: every earlier step is committed
-        pending_source[pending] = [previous_sample_rows[id(requests[row])] for row in token_rows[pending]]
     return StepInputs(
-        input_ids=input_ids,
-        positions=positions,
-        slot_mapping=blocks.astype(np.int64) * block_size + positions % block_size,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
+        input_ids=tokens.input_ids,
+        positions=tokens.positions,
+        slot_mapping=blocks.astype(np.int64) * block_size + tokens.positions % block_size,
+        seq_lens=np.array(ends, dtype=np.int32),
+        query_start_loc=np.array([0, *query_ends], dtype=np.int32),
         block_tables=block_tables,
         sample_rows=sample_rows,
-        sample_token_index=query_start_loc[1:][sample_rows].astype(np.int64) - 1,
-        max_query_len=max_query_len,
-        max_seq_len=int(seq_lens.max()),
-        pending_source=pending_source,
+        sample_token_index=np.array([query_ends[row] - 1 for row in sample_rows], dtype=np.int64),
+        max_query_len=max(counts),
+        max_seq_len=max(ends),
+        pending_source=tokens.pending_source,
     )
+
+
+class _Tokens(NamedTuple):
+    """The step's tokens, flattened in request order."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    rows: np.ndarray  # each token's index among the step's requests
+    pending_source: np.ndarray  # as StepInputs.pending_source
+
+
+def _one_token_each(requests: list[Request], ends: list[int], previous_sample_rows: dict[int, int] | None) -> _Tokens:
+    """The decode-shaped step: each request's token at position end - 1."""
+    token_ids = [request.token_id(end - 1) for request, end in zip(requests, ends, strict=True)]
+    if PENDING_TOKEN in token_ids:  # only the previous step's tokens can still be pending: earlier ones are committed
+        pending_source = np.array([previous_sample_rows[id(request)] if token_id == PENDING_TOKEN else -1
+                                   for request, token_id in zip(requests, token_ids, strict=True)], dtype=np.int64)
+    else:
+        pending_source = np.full(len(token_ids), -1, dtype=np.int64)
+    return _Tokens(np.array(token_ids, dtype=np.int64), np.array(ends, dtype=np.int64) - 1, np.arange(len(ends)),
+                   pending_source)
+
+
+def _chunks(requests: list[Request], counts: list[int], ends: list[int], query_ends: list[int],
+            previous_sample_rows: dict[int, int] | None) -> _Tokens:
+    """A step with multi-token chunks: request i's tokens are positions [ends[i] - counts[i], ends[i])."""
+    token_ids: list[int] = []
+    pending: list[tuple[int, int, int]] = []  # (first, end) token indices in the step and the previous sample row
+    for request, num_tokens, end, query_end in zip(requests, counts, ends, query_ends, strict=True):
+        chunk = request.token_ids(end - num_tokens, end)
+        token_ids += chunk
+        if chunk[-1] == PENDING_TOKEN:  # pending slots are the last ones: a chunk with one ends with one
+            pending.append((query_end - num_tokens + chunk.index(PENDING_TOKEN), query_end,
+                            previous_sample_rows[id(request)]))
+    pending_source = np.full(len(token_ids), -1, dtype=np.int64)
+    for first, last, sample_row in pending:
+        pending_source[first:last] = sample_row
+    num_scheduled = np.array(counts, dtype=np.int64)
+    # A token's position is its index in the step plus its request's (end - query end).
+    offsets = np.array([end - query_end for end, query_end in zip(ends, query_ends, strict=True)], dtype=np.int64)
+    positions = np.repeat(offsets, num_scheduled) + np.arange(len(token_ids), dtype=np.int64)
+    return _Tokens(np.array(token_ids, dtype=np.int64), positions, np.repeat(np.arange(len(counts)), num_scheduled),
+                   pending_source)

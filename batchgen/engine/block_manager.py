@@ -168,12 +168,9 @@ class BlockManager:
     def try_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """`allocate` if the free blocks suffice (`can_allocate`), counting them once; whether it allocated."""
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
-        if computed_blocks:
-            if num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
-                return False
-            self._take_cached_blocks(request, computed_blocks)
-        elif num_new_blocks > len(self._free):
+        if num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
             return False
+        self._take_cached_blocks(request, computed_blocks)
         request.block_ids.extend(self._take_free_blocks(num_new_blocks))
         return True
 

@@ -209,7 +209,7 @@ class Scheduler:
         for request, samples, slot, computed_end, token_id in zip(
             output.requests, output.samples, output.output_slots, output.computed_ends, sampled_token_ids, strict=True
         ):
-            if request.status is RequestStatus.FINISHED:  # it ended at an earlier step: this token is discarded
+            if request.is_finished:  # it ended at an earlier step: this token is discarded
                 continue
             if samples and request.sampling_params.max_tokens == 0:  # scoring only: prompt logprobs are the result
                 self._mark_finished(request, "length", now)
@@ -243,9 +243,8 @@ class Scheduler:
         params = request.sampling_params
         if (token_id == request.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
             return "stop"
-        if (num_output_tokens >= params.max_tokens
-                or len(request.prompt_token_ids) + num_output_tokens >= self.config.max_model_len):
-            return "length"  # _reaches_length, inlined: this runs for every sampled token
+        if self._reaches_length(request, num_output_tokens):
+            return "length"
         return None
 
     def _reaches_length(self, request: Request, num_output_tokens: int) -> bool:

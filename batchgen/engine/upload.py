@@ -22,7 +22,7 @@ def upload_packed(arrays: Sequence[np.ndarray], device: torch.device, pinned: bo
     for array in arrays:
         offsets.append(total)
         total += -(-array.size // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
-    host = torch.empty(max(total, 1), dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=pinned)
+    host = torch.empty(max(total, 1), dtype=torch.from_numpy(arrays[0]).dtype, pin_memory=pinned)
     staging = host.numpy()
     for array, offset in zip(arrays, offsets, strict=True):
         staging[offset:offset + array.size] = array.ravel()

@@ -324,7 +324,7 @@ def _decode_reduce_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     out = _merged_partials(mid_o_ptr, mid_lse_ptr, row, row >= 0, num_slots, num_slots, d, d_mask, HEAD_DIM,
-                           MAX_SLOTS)  # (1, BLOCK_D)
+                           MAX_SLOTS)  # (1, BLOCK_D); row >= 0: the one row is real
     o_ptrs = out_ptr + b * stride_ob + h * stride_oh + d[None, :] * stride_od
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask[None, :])
 
@@ -423,7 +423,6 @@ def decode_attention(
             BLOCK_M=prefix_block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
             num_warps=4, num_stages=2 if wide else 3, **pdl,
         )  # fmt: skip
-    if cascade:
         _decode_reduce_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, *out.stride(),
             num_slots,

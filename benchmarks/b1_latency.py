@@ -5,9 +5,9 @@ without async scheduling (graph_sync) and graph; then the graph engine at batch 
 The weight-read floor of a decode step is weight bytes / measured device-to-device copy bandwidth: no step can read
 all weights faster.
 
-Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 8 64 256] [--tiny] [--unfused | --fuse-silu]
+Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 8 64 256] [--tiny] [--unfused | --unfused-silu]
                                        [--no-pdl] [--out DIR]
-(--unfused turns off the norm and SiLU fusions into the GEMV and --fuse-silu turns the SiLU one on,
+(--unfused turns off the norm and SiLU fusions into the GEMV and --unfused-silu only the SiLU one,
 batchgen/layers/fused.py; --no-pdl turns off the programmatic dependent launches, batchgen/layers/pdl.py.)
 """
 
@@ -82,14 +82,14 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a two-layer Qwen3 instead of the 0.6B shape (CPU test)")
     parser.add_argument("--unfused", action="store_true", help="no add+RMSNorm / SiLU-and-mul fusion into the GEMV")
     parser.add_argument("--no-pdl", action="store_true", help="launch every kernel without PDL")
-    parser.add_argument("--fuse-silu", action="store_true", help="SiLU-and-mul inside the down projection's GEMV")
+    parser.add_argument("--unfused-silu", action="store_true",
+                        help="SiLU-and-mul as a kernel of its own, not in the gate/up projection's GEMV")
     add_out_argument(parser)
     args = parser.parse_args()
     if args.unfused:
-        fused.FUSE_ADD_RMS_NORM = fused.FUSE_SILU_AND_MUL = False
+        fused.FUSE_ADD_RMS_NORM = False
+    fused.FUSE_SILU_AND_MUL = not (args.unfused or args.unfused_silu)
     pdl.ENABLED = not args.no_pdl
-    if args.fuse_silu:
-        fused.FUSE_SILU_AND_MUL = True
 
     model_config = qwen3_model_config(args.tiny)
     bandwidth = copy_bandwidth_gbs(args.copy_mib * 2**20)
@@ -104,7 +104,8 @@ def main() -> None:
     results = [r for run in runs.values() for r in run["results"]]
     for r in results:
         r["floor_fraction"] = floor_ms / r["decode_forward_ms"] if r["decode_forward_ms"] else None
-    variants = {"_tiny": args.tiny, "_unfused": args.unfused, "_no_pdl": args.no_pdl, "_fuse_silu": args.fuse_silu}
+    variants = {"_tiny": args.tiny, "_unfused": args.unfused, "_no_pdl": args.no_pdl,
+                "_unfused_silu": args.unfused_silu}
     suffix = "".join(name for name, on in variants.items() if on)
     save_json(args.out, "b1_latency" + suffix, {
         "environment": environment(), "gemv_fusions": not args.unfused, "pdl": not args.no_pdl,

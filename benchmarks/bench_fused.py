@@ -2,7 +2,8 @@
 
 - add + RMSNorm into qkv_proj and gate_up_proj: the engine's compiled add_rms_norm kernel + small_m_linear, vs
   add_rms_norm_linear (one launch);
-- SiLU-and-mul into down_proj: the compiled silu_and_mul kernel + small_m_linear, vs silu_and_mul_linear.
+- SiLU-and-mul into gate_up_proj (after its add + RMSNorm): add_rms_norm_linear + the engine's Triton silu_and_mul
+  kernel, vs add_rms_norm_linear(silu_and_mul=True).
 
 Timed like bench_linear: one CUDA graph of --calls back-to-back calls, each on the next of several weight copies that
 do not fit in L2 together; microseconds per call = median over --replays replays / calls. The per-step saving counts
@@ -21,9 +22,9 @@ from typing import Any
 
 import torch
 
-from batchgen.layers.activation import silu_and_mul
+from batchgen.layers import elementwise_triton
 from batchgen.layers.compiled import compiled
-from batchgen.layers.linear_triton import MAX_M, add_rms_norm_linear, silu_and_mul_linear, small_m_linear
+from batchgen.layers.linear_triton import MAX_M, add_rms_norm_linear, small_m_linear
 from batchgen.layers.norms import add_rms_norm
 from benchmarks.bench_linear import graph_ms_per_call, qwen3_linears, weight_copies
 from benchmarks.common import add_out_argument, environment, markdown_table, save_json
@@ -32,10 +33,15 @@ EPS = 1e-6
 GraphFn = Callable[[torch.Tensor], Any]  # called with one weight copy
 
 
-def norm_pair(m: int, k: int, dtype: torch.dtype) -> tuple[GraphFn, GraphFn]:
-    """(unfused, fused) add + RMSNorm + linear on fresh (m, k) hidden and residual rows."""
+def _hidden_rows(m: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh (m, k) hidden and residual rows, and a norm weight."""
     hidden, residual = torch.randn(m, k, device="cuda", dtype=dtype), torch.randn(m, k, device="cuda", dtype=dtype)
-    norm_weight = torch.rand(k, device="cuda", dtype=dtype) + 0.5
+    return hidden, residual, torch.rand(k, device="cuda", dtype=dtype) + 0.5
+
+
+def norm_pair(m: int, k: int, dtype: torch.dtype) -> tuple[GraphFn, GraphFn]:
+    """(unfused, fused) add + RMSNorm + linear."""
+    hidden, residual, norm_weight = _hidden_rows(m, k, dtype)
     add_norm = compiled(add_rms_norm)
 
     def unfused(weight: torch.Tensor) -> torch.Tensor:
@@ -49,15 +55,22 @@ def norm_pair(m: int, k: int, dtype: torch.dtype) -> tuple[GraphFn, GraphFn]:
 
 
 def silu_pair(m: int, k: int, dtype: torch.dtype) -> tuple[GraphFn, GraphFn]:
-    """(unfused, fused) SiLU-and-mul + linear on a fresh (m, 2k) gate_up."""
-    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=dtype)
-    act = compiled(silu_and_mul)
-    return (lambda weight: small_m_linear(act(gate_up), weight)), (lambda weight: silu_and_mul_linear(gate_up, weight))
+    """(unfused, fused) SiLU-and-mul after the add + RMSNorm + gate/up linear."""
+    hidden, residual, norm_weight = _hidden_rows(m, k, dtype)
+
+    def unfused(weight: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = add_rms_norm_linear(hidden, residual, norm_weight, EPS, weight)
+        return elementwise_triton.silu_and_mul(gate_up)
+
+    def fused(weight: torch.Tensor) -> torch.Tensor:
+        return add_rms_norm_linear(hidden, residual, norm_weight, EPS, weight, silu_and_mul=True)[0]
+
+    return unfused, fused
 
 
 FUSIONS = {  # fusion: (layers it applies to, the (unfused, fused) pair builder)
     "add+RMSNorm": (("qkv_proj", "gate_up_proj"), norm_pair),
-    "SiLU-and-mul": (("down_proj",), silu_pair),
+    "SiLU-and-mul": (("gate_up_proj",), silu_pair),
 }
 
 

@@ -37,7 +37,7 @@ step seed_table 150 "$PY" -m benchmarks.seed_table
 step sampled_decode 150 "$PY" -m benchmarks.sampled_decode
 step b1_latency 180 "$PY" -m benchmarks.b1_latency
 step b1_latency_no_pdl 120 "$PY" -m benchmarks.b1_latency --no-pdl --batches 64
-step b1_latency_fuse_silu 120 "$PY" -m benchmarks.b1_latency --fuse-silu --batches 64
+step b1_latency_unfused_silu 120 "$PY" -m benchmarks.b1_latency --unfused-silu --batches 64
 step nanovllm_bench 120 "$PY" -m benchmarks.nanovllm_bench
 step profile_decode 90 "$PY" -m benchmarks.profile_decode --batches 1 64 256
 step nanovllm_bench_sync 120 "$PY" -m benchmarks.nanovllm_bench --sync

@@ -1,5 +1,6 @@
-"""The elementwise layers before a linear layer, folded into its Triton GEMV where that runs (decode steps replayed
-in CUDA graphs); everywhere else the same layers run unfused, as before.
+"""The elementwise layers around a linear layer, folded into its Triton GEMV where that runs (decode steps replayed
+in CUDA graphs): the residual add and RMSNorm before the qkv and gate/up projections, SiLU-and-mul after gate/up.
+Everywhere else the same layers run unfused, as before.
 
 Each fusion has a switch, read at call time (set it before the engine captures its graphs), so the benchmarks can
 time the model with and without it.
@@ -13,8 +14,8 @@ from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.linear import Linear
 from batchgen.layers.norms import RMSNorm
 
-FUSE_SILU_AND_MUL = False  # measured slower on an H200 (bench_fused: 5.4 vs 4.75 us); kept for other GPUs
 FUSE_ADD_RMS_NORM = True  # qkv and gate/up projections compute the residual add and RMSNorm before them
+FUSE_SILU_AND_MUL = True  # with FUSE_ADD_RMS_NORM: the gate/up projection returns silu(gate) * up
 
 
 def norm_then_linear(norm: RMSNorm, linear: Linear, hidden: torch.Tensor,
@@ -29,8 +30,11 @@ def norm_then_linear(norm: RMSNorm, linear: Linear, hidden: torch.Tensor,
     return linear(normed), residual
 
 
-def silu_and_mul_then_linear(act: SiluAndMul, linear: Linear, gate_up: torch.Tensor) -> torch.Tensor:
-    """linear(act(gate_up)) for act = silu(gate) * up."""
-    if FUSE_SILU_AND_MUL and linear.runs_triton(gate_up):
-        return linear.silu_and_mul_forward(gate_up)
-    return linear(act(gate_up))
+def norm_then_gate_up(norm: RMSNorm, gate_up: Linear, act: SiluAndMul, hidden: torch.Tensor,
+                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(gate_up(norm(hidden + residual))), hidden + residual) for act = silu(gate) * up: the whole of it one
+    GEMV launch where that runs."""
+    if FUSE_SILU_AND_MUL and FUSE_ADD_RMS_NORM and gate_up.runs_triton(hidden):
+        return gate_up.add_rms_norm_forward(hidden, residual, norm.weight, norm.eps, silu_and_mul=True)
+    projected, residual = norm_then_linear(norm, gate_up, hidden, residual)
+    return act(projected), residual

@@ -43,12 +43,10 @@ class Linear(nn.Linear):
             return self._kernels.small_m_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def silu_and_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2 * in) -> (T, out)
-        """forward(silu(gate) * up) in one Triton launch; only where runs_triton(gate_up)."""
-        return self._kernels.silu_and_mul_linear(gate_up, self.weight, self.bias)
-
     def add_rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             eps: float, silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(rms_norm(x + residual) * norm_weight), x + residual) in one Triton launch (residual None: no add,
-        x is the residual); only where runs_triton(x)."""
-        return self._kernels.add_rms_norm_linear(x, residual, norm_weight, eps, self.weight, self.bias)
+        x is the residual); only where runs_triton(x). silu_and_mul (a gate/up projection): silu(gate) * up of the
+        forward instead, (T, out / 2)."""
+        return self._kernels.add_rms_norm_linear(x, residual, norm_weight, eps, self.weight, self.bias,
+                                                 silu_and_mul=silu_and_mul)

@@ -47,8 +47,7 @@ class LinearConfig(NamedTuple):
 
 # What the kernel computes from its input rows before the dot (X_OP; constexpr, as Triton requires of globals):
 PLAIN = tl.constexpr(0)  # x as given
-SILU_AND_MUL = tl.constexpr(1)  # x's row holds gate then up (2K wide): silu(gate) * up, SiluAndMul fused in
-ADD_RMS_NORM = tl.constexpr(2)  # rms_norm(x + residual) * norm weight: the residual add and RMSNorm fused in
+ADD_RMS_NORM = tl.constexpr(1)  # rms_norm(x + residual) * norm weight: the residual add and RMSNorm fused in
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -58,11 +57,20 @@ def _small_m_linear_kernel(
     M, N,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_rm, stride_rom,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, X_OP: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows past N re-read row N - 1, so every weight load is in bounds and unmasked; only the store is masked.
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    """N outputs; with SILU_AND_MUL the weight holds 2N rows, gate then up, and output j is silu(gate_j) * up_j."""
+    if SILU_AND_MUL:
+        # The program's BLOCK_N weight rows pair gate j with up N + j, adjacent, so the accumulator splits in two.
+        offs_n = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        idx = tl.arange(0, BLOCK_N)
+        outputs = tl.program_id(0) * (BLOCK_N // 2) + idx // 2
+        rows = (tl.minimum(outputs, N - 1) + (idx % 2) * N).to(tl.int64)
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Rows past N re-read row N - 1, so every weight load is in bounds and unmasked; only the store is masked.
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     # Both operands load as 3-D tiles, (1, BLOCK_N, BLOCK_K) and (BLOCK_M, 1, BLOCK_K): while BLOCK_K spans every
     # lane and warp (16 bytes each), both get the same layout, so their product needs no layout conversion through
@@ -98,12 +106,7 @@ def _small_m_linear_kernel(
         mask = (offs_m[:, None, None] < M) & (offs_k < K)
         dtype = x_ptr.dtype.element_ty
         # Each step rounds to x's dtype where the unfused torch ops do, so both paths feed the dot the same values.
-        if X_OP == SILU_AND_MUL:
-            gate = tl.load(x_rows + offs_k * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(x_rows + (offs_k + K) * stride_xk, mask=mask, other=0.0)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-            x = (silu.to(tl.float32) * up.to(tl.float32)).to(dtype)
-        elif X_OP == ADD_RMS_NORM:
+        if X_OP == ADD_RMS_NORM:
             if k0 == 0:
                 h = h_first.to(tl.float32)
             else:
@@ -115,6 +118,11 @@ def _small_m_linear_kernel(
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)  # (BLOCK_M, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
+    if SILU_AND_MUL:  # rounded where the unfused projection and SiluAndMul round
+        dtype = out_ptr.dtype.element_ty
+        gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = silu * up  # (BLOCK_M, BLOCK_N // 2)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
@@ -163,21 +171,13 @@ def small_m_linear(
     weight: torch.Tensor,  # (N, K)
     bias: torch.Tensor | None = None,  # (N,)
     config: LinearConfig | None = None,  # None: default_config(N, K, ...)
-) -> torch.Tensor:  # (M, N), x's dtype
-    """F.linear(x, weight, bias) for at most MAX_M rows of x, fp32-accumulated."""
+    *,
+    silu_and_mul: bool = False,
+) -> torch.Tensor:  # (M, N), x's dtype; (M, N / 2) with silu_and_mul
+    """F.linear(x, weight, bias) for at most MAX_M rows of x, fp32-accumulated. silu_and_mul: weight (and bias) hold
+    gate then up rows, as a fused gate/up projection's do, and the result is SiluAndMul of the projection."""
     assert weight.shape[1] == x.shape[1], f"x has {x.shape[1]} features, weight {tuple(weight.shape)}"
-    return _launch(x, weight, bias, config, PLAIN)
-
-
-def silu_and_mul_linear(
-    gate_up: torch.Tensor,  # (M, 2K), M <= MAX_M: gate then up, as a fused gate/up projection returns them
-    weight: torch.Tensor,  # (N, K)
-    bias: torch.Tensor | None = None,  # (N,)
-    config: LinearConfig | None = None,
-) -> torch.Tensor:  # (M, N)
-    """F.linear(silu(gate) * up, weight, bias): SiluAndMul computed while x loads, without a kernel of its own."""
-    assert gate_up.shape[1] == 2 * weight.shape[1], f"gate_up is {tuple(gate_up.shape)}, weight {tuple(weight.shape)}"
-    return _launch(gate_up, weight, bias, config, SILU_AND_MUL)
+    return _launch(x, weight, bias, config, PLAIN, silu_and_mul=silu_and_mul)
 
 
 def add_rms_norm_linear(
@@ -188,44 +188,52 @@ def add_rms_norm_linear(
     weight: torch.Tensor,  # (N, K)
     bias: torch.Tensor | None = None,  # (N,)
     config: LinearConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (M, N), and the new residual (M, K)
+    *,
+    silu_and_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (M, N) (or (M, N / 2) with silu_and_mul), and the new residual (M, K)
     """(F.linear(rms_norm(x + residual) * norm_weight, weight, bias), x + residual) in one launch: every program
     normalizes the few rows itself (K is a hidden size: a few KB), program 0 writes x + residual to a new tensor.
-    Without a residual: (F.linear(rms_norm(x) * norm_weight, ...), x)."""
+    Without a residual: (F.linear(rms_norm(x) * norm_weight, ...), x). silu_and_mul: as small_m_linear's."""
     assert weight.shape[1] == x.shape[1], f"x has {x.shape[1]} features, weight {tuple(weight.shape)}"
     assert norm_weight.shape == (x.shape[1],), f"norm weight {tuple(norm_weight.shape)} for {x.shape[1]} features"
     if residual is None:
-        return _launch(x, weight, bias, config, ADD_RMS_NORM, norm_weight=norm_weight, eps=eps), x
+        out = _launch(x, weight, bias, config, ADD_RMS_NORM, norm_weight=norm_weight, eps=eps,
+                      silu_and_mul=silu_and_mul)
+        return out, x
     assert residual.shape == x.shape and residual.stride(1) == 1, f"residual {tuple(residual.shape)}, x {x.shape}"
     summed = torch.empty_like(residual)
-    out = _launch(x, weight, bias, config, ADD_RMS_NORM, residual, norm_weight, eps, summed)
+    out = _launch(x, weight, bias, config, ADD_RMS_NORM, residual, norm_weight, eps, summed, silu_and_mul=silu_and_mul)
     return out, summed
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: LinearConfig | None,
             x_op: tl.constexpr, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            eps: float = 0.0, residual_out: torch.Tensor | None = None) -> torch.Tensor:
+            eps: float = 0.0, residual_out: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     num_rows = x.shape[0]
     n, k = weight.shape
     assert num_rows <= MAX_M, f"the small-M linear takes at most {MAX_M} rows, got {num_rows}"
     assert x.dtype == weight.dtype, f"x is {x.dtype}, weight {weight.dtype}"
-    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    assert not silu_and_mul or n % 2 == 0, f"a gate/up weight has an even number of rows, got {n}"
+    num_outputs = n // 2 if silu_and_mul else n
+    out = torch.empty(num_rows, num_outputs, dtype=x.dtype, device=x.device)
     if num_rows == 0 or n == 0:
         if residual_out is not None:
             residual_out.copy_(x + residual)
         return out
     if config is None:
         config = default_config(n, k, weight.element_size())
+    block_n = max(2, config.block_n) if silu_and_mul else config.block_n  # a gate and an up row at least
     unused = weight  # a pointer the kernel never reads, for arguments that this X_OP does not take
-    _small_m_linear_kernel[(triton.cdiv(n, config.block_n),)](
+    _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, unused if bias is None else bias, out,
         unused if residual is None else residual, unused if norm_weight is None else norm_weight,
         unused if residual_out is None else residual_out, eps,
-        num_rows, n,
+        num_rows, num_outputs,
         *x.stride(), *weight.stride(), out.stride(0),
         0 if residual is None else residual.stride(0), 0 if residual_out is None else residual_out.stride(0),
         K=k, HAS_BIAS=bias is not None, X_OP=x_op.value, HAS_RESIDUAL=residual is not None,
-        BLOCK_M=block_m(num_rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SILU_AND_MUL=silu_and_mul,
+        BLOCK_M=block_m(num_rows), BLOCK_N=block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, **launch_options(x.device),
     )  # fmt: skip
     return out

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from batchgen.layers.activation import SiluAndMul
-from batchgen.layers.attention import Attention, AttentionMetadata
+from batchgen.layers.attention import Attention, AttentionMetadata, DecodeRotation
 from batchgen.layers.compiled import compiled
-from batchgen.layers.fused import norm_then_linear, silu_and_mul_then_linear
+from batchgen.layers.fused import norm_then_gate_up, norm_then_linear
 from batchgen.layers.linear import Linear
 from batchgen.layers.norms import RMSNorm, rms_norm
 from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -51,7 +51,8 @@ class LlamaAttention(nn.Module):
         self._norm_and_rotate = compiled(norm_and_rotate)
 
     def use_triton(self) -> None:
-        """q/k norm, RoPE and the K/V cache store as one Triton kernel, for CUDA inputs."""
+        """q/k norm, RoPE and the K/V cache store as one Triton kernel, for CUDA inputs; in the decode attention
+        kernel itself where that takes them (small batches)."""
         from batchgen.layers.rotary_triton import rotate_and_store
 
         self._rotate_and_store = rotate_and_store
@@ -61,6 +62,9 @@ class LlamaAttention(nn.Module):
         num_tokens = qkv.shape[0]
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         if self._rotate_and_store is not None and qkv.is_cuda:
+            if self.attn.rotates_in_decode(meta, num_tokens):
+                rotation = DecodeRotation(qkv, positions, self.rotary.cos, self.rotary.sin, norms, meta.slot_mapping)
+                return self.o_proj(self.attn.attend_rotating(rotation, meta))
             q = self._rotate_and_store(qkv, positions, self.rotary.cos, self.rotary.sin, norms, self.attn.k_cache,
                                        self.attn.v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads)
             return self.o_proj(self.attn.attend(q, meta))  # (T, hidden)
@@ -90,9 +94,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2 * intermediate) -> (T, hidden)
-        """The decoder layer runs gate_up_proj, fused with the norm before it."""
-        return silu_and_mul_then_linear(self.act, self.down_proj, gate_up)
+    def forward(self, norm: RMSNorm, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(down(silu(gate) * up) of norm(hidden + residual), hidden + residual): (T, hidden) each."""
+        activated, residual = norm_then_gate_up(norm, self.gate_up_proj, self.act, hidden, residual)
+        return self.down_proj(activated), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -110,8 +116,7 @@ class LlamaDecoderLayer(nn.Module):
         Triton path, the norm into the projection after it)."""
         qkv, residual = norm_then_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
         hidden = self.self_attn(positions, qkv, meta)
-        gate_up, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
-        return self.mlp(gate_up), residual
+        return self.mlp(self.post_attention_layernorm, hidden, residual)
 
 
 class LlamaModel(nn.Module):

@@ -234,14 +234,14 @@ def _decode_kernel(
         # The reference casts the fp32 tables to the model dtype before rotating.
         cos = tl.load(cos_ptr + table, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
         sin = tl.load(sin_ptr + table, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-        row = q_ptr + b.to(tl.int64) * stride_qb
-        q = _normed_rotated(row, heads, g_mask, d, d_mask, q_norm_ptr, eps, cos, sin, dtype, HEAD_DIM,
+        qkv_row = q_ptr + b.to(tl.int64) * stride_qb
+        q = _normed_rotated(qkv_row, heads, g_mask, d, d_mask, q_norm_ptr, eps, cos, sin, dtype, HEAD_DIM,
                             QK_NORM).to(dtype)  # (BLOCK_G, BLOCK_D)
         num_heads = GROUP * tl.num_programs(1)
         k_head = num_heads + kvh + tl.arange(0, 1)  # (1,)
-        new_k = _normed_rotated(row, k_head, k_head >= 0, d, d_mask, k_norm_ptr, eps, cos, sin, dtype, HEAD_DIM,
+        new_k = _normed_rotated(qkv_row, k_head, k_head >= 0, d, d_mask, k_norm_ptr, eps, cos, sin, dtype, HEAD_DIM,
                                 QK_NORM).to(k_cache_ptr.dtype.element_ty)  # (1, BLOCK_D)
-        v_at = row + (k_head + tl.num_programs(1))[:, None] * HEAD_DIM + d[None, :]
+        v_at = qkv_row + (k_head + tl.num_programs(1))[:, None] * HEAD_DIM + d[None, :]
         new_v = tl.load(v_at, mask=d_mask[None, :], other=0.0).to(v_cache_ptr.dtype.element_ty)  # (1, BLOCK_D)
         slot = tl.load(slot_mapping_ptr + b)
         if (split == 0) & (slot >= 0):  # padding rows of a graph bucket write no K/V

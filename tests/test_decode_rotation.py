@@ -90,10 +90,13 @@ def test_matches_rotate_then_decode(case: tuple) -> None:
     assert torch.equal(v_cache.nan_to_num(), expected_v.nan_to_num())  # V is copied, never rounded
 
 
-def test_small_decode_batches_rotate_in_attention() -> None:
-    """Where decode attention splits the KV it takes the rotation; with cascade or without splits, never."""
+def test_small_decode_batches_rotate_in_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where decode attention splits the KV it takes the rotation; with cascade, without splits or switched off,
+    never."""
     device = torch.device(DEVICE)
     assert not attention_triton.rotation_fuses(1, 8, device, cascade=True)
     splits_at_one = attention_triton._default_num_splits(1, 8, device) > 1
     assert attention_triton.rotation_fuses(1, 8, device, cascade=False) == splits_at_one
     assert not attention_triton.rotation_fuses(4096, 8, device, cascade=False)
+    monkeypatch.setattr(attention_triton, "FUSE_ROTATION", False)
+    assert not attention_triton.rotation_fuses(1, 8, device, cascade=False)

@@ -33,6 +33,9 @@ from batchgen.layers.pdl import launch_options, wait_for_previous
 _MAX_SPLITS = 16  # of each sequence's own KV range, and (cascade) of the shared prefix
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2), with log2(e) folded into the softmax scale
 _NO_WINDOW = 1 << 30  # longer than any context, and p - _NO_WINDOW stays inside int32
+# Read at each call (set before the engine captures its graphs), so benchmarks can time both: see rotation_fuses.
+FUSE_ROTATION = True
+ROTATION_BLOCK_N = 32  # KV positions per tile of the rotating kernel: its last tile waits in registers
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -447,7 +450,7 @@ def rotation_fuses(batch: int, num_kv_heads: int, device: torch.device, cascade:
     (`rotate_store_and_decode`): where the KV is split, that is at small batches, whose steps are chains of short
     kernels. There it spares a launch per layer and lets attention request its KV before the projection ends;
     at large batches the separate kernel keeps attention's pipelined KV loop whole."""
-    return not cascade and _default_num_splits(batch, num_kv_heads, device) > 1
+    return FUSE_ROTATION and not cascade and _default_num_splits(batch, num_kv_heads, device) > 1
 
 
 def rotate_store_and_decode(
@@ -493,6 +496,8 @@ def _decode(q: torch.Tensor, q_shape: tuple[int, int, int], k_cache: torch.Tenso
     # fp32 tiles hold twice the bytes (and tf32x3 splits each into three): smaller tiles avoid register spills.
     wide = block_d > 128 or q.dtype == torch.float32
     block_n = 32 if wide else 64
+    if rotation is not None:
+        block_n = min(block_n, ROTATION_BLOCK_N)
     prefix_block_m = 32 if wide else 64
     prefix_tiles = triton.cdiv(batch * group, prefix_block_m)
     if cascade and num_prefix_splits is None:

@@ -17,6 +17,9 @@ tensor-core tile of (sequence, query head) rows, and `_decode_kernel` reads only
 partial softmaxes that `_decode_reduce_kernel` merges. Without cascade, the splits of `_decode_kernel` merge their
 partials themselves: the last one to finish does. The prefix kernel ignores sliding windows: windowed layers do
 not cascade (a window would cut the prefix differently for every row).
+
+An fp8 cache (float8_e4m3fn, Triton's fp8e4nv: compute capability 8.9 or newer) is written clamped to its range and
+read as tiles converted to the query's dtype before tl.dot; a cache in the query's dtype compiles exactly as before.
 """
 
 from __future__ import annotations
@@ -32,12 +35,22 @@ from batchgen.layers.pdl import launch_options, wait_for_previous
 _MAX_SPLITS = 16  # of each sequence's own KV range, and (cascade) of the shared prefix
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2), with log2(e) folded into the softmax scale
 _NO_WINDOW = 1 << 30  # longer than any context, and p - _NO_WINDOW stays inside int32
+_FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # Plain tf32 would cost fp32 runs ~3 decimal digits; tf32x3 keeps near-fp32 accuracy on tensor cores, where "ieee"
     # falls back to FMA dots that spill registers.
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def to_cache_dtype(x, cache_dtype: tl.constexpr):
+    """x in the cache's dtype; fp8 (scale 1.0, as attention_torch.to_cache_dtype) has no infinity, so values past
+    its range are clamped rather than made NaN. A no-op for a cache in x's dtype."""
+    if cache_dtype == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -_FP8_MAX, _FP8_MAX)
+    return x.to(cache_dtype)
 
 
 @triton.jit
@@ -64,8 +77,8 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=mask)
     kc = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + h[:, None] * stride_kc_h + d[None, :] * stride_kc_d
     vc = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_off + h[:, None] * stride_vc_h + d[None, :] * stride_vc_d
-    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc, to_cache_dtype(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, to_cache_dtype(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -91,9 +104,10 @@ def _load_kv_tile(
     block_table, kc_head, vc_head, pos, valid, d, d_mask,
     stride_kc_blk, stride_kc_off, stride_kc_d,
     stride_vc_blk, stride_vc_off, stride_vc_d,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """The K and V rows of cache positions `pos` (zeros where not `valid`) of one kv head, through a block table."""
+    """The K and V rows of cache positions `pos` (zeros where not `valid`) of one kv head, through a block table,
+    in DTYPE (the query's): an fp8 cache's tiles are converted for tl.dot; a cache in DTYPE compiles no conversion."""
     blk = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     off = pos % BLOCK_SIZE
     kv_mask = valid[:, None] & d_mask[None, :]
@@ -101,7 +115,7 @@ def _load_kv_tile(
                 mask=kv_mask, other=0.0)
     v = tl.load(vc_head + (blk * stride_vc_blk + off * stride_vc_off)[:, None] + d[None, :] * stride_vc_d,
                 mask=kv_mask, other=0.0)
-    return k, v
+    return k.to(DTYPE), v.to(DTYPE)
 
 
 @triton.jit
@@ -118,14 +132,14 @@ def _attend_kv_range(
         valid = pos < hi
         k, v = _load_kv_tile(block_table, kc_head, vc_head, pos, valid, d, d_mask,
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
-                             BLOCK_SIZE)  # (BLOCK_N, BLOCK_D) each
+                             BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -483,7 +497,7 @@ def _prefill_kernel(
         valid = pos < hi
         k, v = _load_kv_tile(bt_row, kc_head, vc_head, pos, valid, d, d_mask,
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
-                             BLOCK_SIZE)  # (BLOCK_N, BLOCK_D) each
+                             BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         in_window = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(valid[None, :] & in_window, s, float("-inf"))
@@ -493,7 +507,7 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Rows past the chunk (never stored) may have seen no key under a window: keep their division finite.

@@ -6,7 +6,7 @@ The weight-read floor of a decode step is weight bytes / measured device-to-devi
 all weights faster.
 
 Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 8 64 256] [--tiny] [--unfused | --fuse-silu]
-                                       [--no-pdl] [--out DIR]
+                                       [--no-pdl] [--kv-cache-dtype fp8] [--out DIR]
 (--unfused turns off the norm and SiLU fusions into the GEMV and --fuse-silu turns the SiLU one on,
 batchgen/layers/fused.py; --no-pdl turns off the programmatic dependent launches, batchgen/layers/pdl.py.)
 """
@@ -22,6 +22,7 @@ from batchgen.layers import fused, pdl
 from batchgen.sampling_params import SamplingParams
 from benchmarks.common import (
     Request,
+    add_kv_cache_dtype_argument,
     add_out_argument,
     build_engine,
     copy_bandwidth_gbs,
@@ -58,7 +59,8 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, rep
 
 def run_mode(model_config: ModelConfig, mode: str, batches: list[int], args: argparse.Namespace) -> dict[str, Any]:
     engine = build_engine(model_config, enforce_eager=mode == "eager", max_num_seqs=max([1, *batches]),
-                          max_model_len=args.max_model_len, async_scheduling=mode != "graph_sync")
+                          max_model_len=args.max_model_len, async_scheduling=mode != "graph_sync",
+                          kv_cache_dtype=args.kv_cache_dtype)
     try:
         results = []
         for batch in batches:
@@ -83,6 +85,7 @@ def main() -> None:
     parser.add_argument("--unfused", action="store_true", help="no add+RMSNorm / SiLU-and-mul fusion into the GEMV")
     parser.add_argument("--no-pdl", action="store_true", help="launch every kernel without PDL")
     parser.add_argument("--fuse-silu", action="store_true", help="SiLU-and-mul inside the down projection's GEMV")
+    add_kv_cache_dtype_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
     if args.unfused:
@@ -100,16 +103,19 @@ def main() -> None:
     runs = {mode: run_mode(model_config, mode, batches, args) for mode, batches in modes.items()}
 
     weights = runs["eager"]["weight_bytes"]
+    kv_cache_dtype = runs["eager"]["engine_info"]["kv_cache_dtype"]
     floor_ms = weights / (bandwidth * 1e9) * 1000
     results = [r for run in runs.values() for r in run["results"]]
     for r in results:
         r["floor_fraction"] = floor_ms / r["decode_forward_ms"] if r["decode_forward_ms"] else None
-    variants = {"_tiny": args.tiny, "_unfused": args.unfused, "_no_pdl": args.no_pdl, "_fuse_silu": args.fuse_silu}
+    variants = {"_tiny": args.tiny, "_unfused": args.unfused, "_no_pdl": args.no_pdl, "_fuse_silu": args.fuse_silu,
+                "_fp8": args.kv_cache_dtype == "fp8"}
     suffix = "".join(name for name, on in variants.items() if on)
     save_json(args.out, "b1_latency" + suffix, {
         "environment": environment(), "gemv_fusions": not args.unfused, "pdl": not args.no_pdl,
         "model": model_config.hf_config,
         "dtype": model_config.dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "weight_bytes": weights, "copy_bandwidth_gbs": bandwidth, "copy_bytes": args.copy_mib * 2**20,
         "weight_floor_ms": floor_ms, "results": results,
         "engine_info": {mode: run["engine_info"] for mode, run in runs.items()},
@@ -120,8 +126,8 @@ def main() -> None:
     headers = ["mode", "batch", "decode_step_ms", "decode_forward_ms", "e2e_ms_per_token", "decode_tok_s",
                "floor_fraction"]
     print(f"\n## b1_latency ({environment()['device']}; weights {weights / 2**30:.3f} GiB, copy {bandwidth:.0f} GB/s, "
-          f"weight-read floor {floor_ms:.3f} ms; {args.prompt_len} prompt + {args.new_tokens} new tokens, "
-          f"median of {args.repeats})\n")
+          f"weight-read floor {floor_ms:.3f} ms; KV cache {kv_cache_dtype}; {args.prompt_len} prompt + "
+          f"{args.new_tokens} new tokens, median of {args.repeats})\n")
     print(markdown_table(headers, [[r[h] for h in headers] for r in results]))
 
 

@@ -19,6 +19,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "fp8")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 EMPTY_POLICIES = ("warn", "fail")
 RUNNERS = ("local", "ray")
@@ -60,6 +61,9 @@ class EngineConfig:
     mixed_prefill_decode: bool = False  # False: a step is all prefill or all decode (decode steps replay graphs)
     async_scheduling: bool = True  # schedule and stage step N+1 while the device runs step N
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    # auto: the model's dtype | fp8: float8_e4m3fn with scale 1.0 (vLLM's kv_cache_dtype="fp8" without calibrated
+    # scales): half the KV bytes of bf16 to read per decode step, twice the blocks in the same memory
+    kv_cache_dtype: str = "auto"
     # On CUDA, torch.compile the small elementwise layers (norms, rotary, activation) instead of running their Triton
     # kernels: opt-in, for comparison; compiling costs seconds of every fresh process.
     torch_compile: bool = False
@@ -158,6 +162,7 @@ def validate_model(model: ModelConfig) -> None:
 def validate_engine(engine: EngineConfig) -> None:
     _one_of("engine.device", engine.device, DEVICES)
     _one_of("engine.attention_backend", engine.attention_backend, ATTENTION_BACKENDS)
+    _one_of("engine.kv_cache_dtype", engine.kv_cache_dtype, KV_CACHE_DTYPES)
     _one_of("engine.logprobs_mode", engine.logprobs_mode, LOGPROBS_MODES)
     _positive("engine.max_num_seqs", engine.max_num_seqs)
     _positive("engine.max_num_batched_tokens", engine.max_num_batched_tokens)

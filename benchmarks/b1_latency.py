@@ -6,7 +6,8 @@ The weight-read floor of a decode step is weight bytes / measured device-to-devi
 all weights faster.
 
 Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 8 64 256] [--tiny] [--unfused | --unfused-silu]
-                                       [--unfused-rotation] [--rotation-block-n N] [--no-pdl] [--out DIR]
+                                       [--unfused-rotation] [--rotation-block-n N] [--no-pdl] [--kv-cache-dtype fp8]
+                                       [--out DIR]
 (--unfused turns off the norm and SiLU fusions into the GEMV and --unfused-silu only the SiLU one,
 batchgen/layers/fused.py; --unfused-rotation runs the q/k norm, RoPE and K/V store as their own kernel instead of
 inside decode attention, and --rotation-block-n sets that kernel's KV tile, batchgen/layers/attention_triton.py;
@@ -24,6 +25,7 @@ from batchgen.layers import attention_triton, fused, pdl
 from batchgen.sampling_params import SamplingParams
 from benchmarks.common import (
     Request,
+    add_kv_cache_dtype_argument,
     add_out_argument,
     build_engine,
     copy_bandwidth_gbs,
@@ -60,7 +62,8 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, rep
 
 def run_mode(model_config: ModelConfig, mode: str, batches: list[int], args: argparse.Namespace) -> dict[str, Any]:
     engine = build_engine(model_config, enforce_eager=mode == "eager", max_num_seqs=max([1, *batches]),
-                          max_model_len=args.max_model_len, async_scheduling=mode != "graph_sync")
+                          max_model_len=args.max_model_len, async_scheduling=mode != "graph_sync",
+                          kv_cache_dtype=args.kv_cache_dtype)
     try:
         results = []
         for batch in batches:
@@ -89,6 +92,7 @@ def main() -> None:
     parser.add_argument("--rotation-block-n", type=int, help="KV tile of the rotating decode attention kernel")
     parser.add_argument("--unfused-silu", action="store_true",
                         help="SiLU-and-mul as a kernel of its own, not in the gate/up projection's GEMV")
+    add_kv_cache_dtype_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
     if args.unfused:
@@ -108,6 +112,7 @@ def main() -> None:
     runs = {mode: run_mode(model_config, mode, batches, args) for mode, batches in modes.items()}
 
     weights = runs["eager"]["weight_bytes"]
+    kv_cache_dtype = runs["eager"]["engine_info"]["kv_cache_dtype"]
     floor_ms = weights / (bandwidth * 1e9) * 1000
     results = [r for run in runs.values() for r in run["results"]]
     for r in results:
@@ -115,6 +120,7 @@ def main() -> None:
     variants = {"_tiny": args.tiny, "_unfused": args.unfused, "_no_pdl": args.no_pdl,
                 "_unfused_silu": args.unfused_silu, "_unfused_rotation": args.unfused_rotation,
                 f"_rotation_block_n{args.rotation_block_n}": bool(args.rotation_block_n)}
+    variants["_fp8"] = args.kv_cache_dtype == "fp8"
     suffix = "".join(name for name, on in variants.items() if on)
     save_json(args.out, "b1_latency" + suffix, {
         "environment": environment(), "gemv_fusions": not args.unfused, "pdl": not args.no_pdl,
@@ -122,6 +128,7 @@ def main() -> None:
         "rotation_block_n": attention_triton.ROTATION_BLOCK_N,
         "model": model_config.hf_config,
         "dtype": model_config.dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "weight_bytes": weights, "copy_bandwidth_gbs": bandwidth, "copy_bytes": args.copy_mib * 2**20,
         "weight_floor_ms": floor_ms, "results": results,
         "engine_info": {mode: run["engine_info"] for mode, run in runs.items()},
@@ -132,8 +139,8 @@ def main() -> None:
     headers = ["mode", "batch", "decode_step_ms", "decode_forward_ms", "e2e_ms_per_token", "decode_tok_s",
                "floor_fraction"]
     print(f"\n## b1_latency ({environment()['device']}; weights {weights / 2**30:.3f} GiB, copy {bandwidth:.0f} GB/s, "
-          f"weight-read floor {floor_ms:.3f} ms; {args.prompt_len} prompt + {args.new_tokens} new tokens, "
-          f"median of {args.repeats})\n")
+          f"weight-read floor {floor_ms:.3f} ms; KV cache {kv_cache_dtype}; {args.prompt_len} prompt + "
+          f"{args.new_tokens} new tokens, median of {args.repeats})\n")
     print(markdown_table(headers, [[r[h] for h in headers] for r in results]))
 
 

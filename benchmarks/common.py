@@ -22,7 +22,7 @@ import yaml
 from torch import nn
 from transformers import GenerationConfig
 
-from batchgen.config import EngineConfig, ModelConfig, validate_engine, validate_model
+from batchgen.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig, validate_engine, validate_model
 from batchgen.engine.llm_engine import LLMEngine, StepRecord
 from batchgen.outputs import RequestOutput
 from batchgen.sampling_params import SamplingParams
@@ -42,6 +42,11 @@ NANOVLLM_NUM_SEQS = 256
 def add_out_argument(parser: argparse.ArgumentParser) -> None:
     default = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "benchmarks" / "out"
     parser.add_argument("--out", type=Path, default=default, help="directory for the JSON results (default: $OUT)")
+
+
+def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="engine.kv_cache_dtype: auto (the model's dtype) or fp8 (float8_e4m3fn)")
 
 
 def cuda_available() -> bool:

@@ -4,7 +4,8 @@ Requests exactly as nano-vllm draws them (random.seed(0); prompt ids randint(0, 
 randint(100, 1024); temperature 0.6, ignore_eos), max_model_len 4096. --num-seqs N takes the first N of those 256,
 so a run with N = 64 matches the transformers peer in peers.py. Warm-up: the first 16 requests cut to 8 new tokens.
 
-Usage: python -m benchmarks.nanovllm_bench [--num-seqs 256] [--mixed] [--greedy] [--sync] [--tiny] [--out DIR]
+Usage: python -m benchmarks.nanovllm_bench [--num-seqs 256] [--mixed] [--greedy] [--sync] [--kv-cache-dtype fp8]
+                                           [--tiny] [--out DIR]
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import replace
 
 from benchmarks.common import (
     NANOVLLM_NUM_SEQS,
+    add_kv_cache_dtype_argument,
     add_out_argument,
     breakdown_table,
     build_engine,
@@ -34,6 +36,8 @@ def result_name(args: argparse.Namespace) -> str:
     if args.num_seqs != NANOVLLM_NUM_SEQS:
         parts.append(f"n{args.num_seqs}")
     parts += [flag for flag in ("mixed", "greedy", "eager", "sync", "tiny") if getattr(args, flag)]
+    if args.kv_cache_dtype != "auto":
+        parts.append(args.kv_cache_dtype)
     return "_".join(parts)
 
 
@@ -48,6 +52,7 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--sync", action="store_true", help="no async scheduling: each step waits for the last")
     parser.add_argument("--tiny", action="store_true", help="a two-layer Qwen3 instead of the 0.6B shape (CPU test)")
+    add_kv_cache_dtype_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
 
@@ -57,7 +62,7 @@ def main() -> None:
     engine = build_engine(qwen3_model_config(args.tiny), enforce_eager=args.eager or not cuda_available(),
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, mixed_prefill_decode=args.mixed,
-                          async_scheduling=not args.sync)
+                          async_scheduling=not args.sync, kv_cache_dtype=args.kv_cache_dtype)
     try:
         run_engine(engine, [(ids, replace(params, max_tokens=8)) for ids, params in requests[:16]])
         outputs, records, wall = run_engine(engine, requests)
@@ -75,6 +80,7 @@ def main() -> None:
         "preemptions": sum(r.num_preempted for r in records),
         "requests_preempted": sum(o.num_preemptions > 0 for o in outputs),
         "cuda_graph_steps": sum(r.cuda_graph for r in records),
+        "kv_cache_dtype": info["kv_cache_dtype"], "kv_blocks": info["kv_blocks"],
     }
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     name = result_name(args)
@@ -84,7 +90,8 @@ def main() -> None:
     print(f"\n## {name} ({environment()['device']}; {settings})\n")
     print(f"output tokens {output_tokens}, prompt tokens {prompt_tokens}, wall {wall:.2f} s, "
           f"output {summary['output_tok_s']:.1f} tok/s, prompt {summary['prompt_tok_s']:.1f} tok/s, "
-          f"steps {summary['steps_by_kind']}, preemptions {summary['preemptions']}\n")
+          f"steps {summary['steps_by_kind']}, preemptions {summary['preemptions']}, "
+          f"KV cache {summary['kv_cache_dtype']} ({summary['kv_blocks']} blocks)\n")
     print(breakdown_table(breakdown))
 
 

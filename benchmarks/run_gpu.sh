@@ -39,6 +39,7 @@ step b1_latency 180 "$PY" -m benchmarks.b1_latency
 step b1_latency_no_pdl 120 "$PY" -m benchmarks.b1_latency --no-pdl --batches 64
 step b1_latency_unfused_silu 120 "$PY" -m benchmarks.b1_latency --unfused-silu --batches 64
 step nanovllm_bench 120 "$PY" -m benchmarks.nanovllm_bench
+step nanovllm_bench_fp8 120 "$PY" -m benchmarks.nanovllm_bench --kv-cache-dtype fp8
 step profile_decode 90 "$PY" -m benchmarks.profile_decode --batches 1 64 256
 step nanovllm_bench_sync 120 "$PY" -m benchmarks.nanovllm_bench --sync
 step nanovllm_bench_mixed 120 "$PY" -m benchmarks.nanovllm_bench --mixed

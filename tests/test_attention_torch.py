@@ -9,6 +9,7 @@ from batchgen.layers import attention_torch as ops
 
 HEAD_DIM = 8
 HEAD_LAYOUTS = [(4, 4), (4, 2), (6, 1)]  # (query heads, kv heads): MHA, GQA, MQA
+FP8 = ops.FP8_DTYPE
 
 
 def dense_causal_attention(
@@ -31,7 +32,8 @@ def dense_causal_attention(
 class PagedLayout:
     """Random K/V for sequences of the given lengths, placed in shuffled cache blocks (NaN everywhere else)."""
 
-    def __init__(self, seq_lens: list[int], block_size: int, num_kv_heads: int, seed: int = 0) -> None:
+    def __init__(self, seq_lens: list[int], block_size: int, num_kv_heads: int, seed: int = 0,
+                 cache_dtype: torch.dtype = torch.float32) -> None:
         generator = torch.Generator().manual_seed(seed)
         blocks_per_seq = [-(-n // block_size) for n in seq_lens]
         num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay NaN
@@ -40,8 +42,8 @@ class PagedLayout:
         max_blocks = max(blocks_per_seq) + 1  # an unused extra column, as a runner's fixed-width table has
         self.block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in self.tables], dtype=torch.int32)
         shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
-        self.k_cache = torch.full(shape, float("nan"))
-        self.v_cache = torch.full(shape, float("nan"))
+        self.k_cache = torch.full(shape, float("nan"), dtype=cache_dtype)
+        self.v_cache = torch.full(shape, float("nan"), dtype=cache_dtype)
         self.block_size = block_size
         self.k = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=generator) for n in seq_lens]
         self.v = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=generator) for n in seq_lens]
@@ -141,3 +143,49 @@ def test_prefill_of_one_token_agrees_with_decode() -> None:
     prefill = ops.prefill_attention(q, layout.k_cache, layout.v_cache, layout.block_tables,
                                     torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens, 0.3, 1, 9)
     torch.testing.assert_close(decode, prefill, rtol=1e-6, atol=1e-6)
+
+
+def fp8_rounded(x: torch.Tensor) -> torch.Tensor:
+    return x.to(FP8).to(x.dtype)
+
+
+def test_fp8_store_kv_rounds_and_clamps_to_the_fp8_range() -> None:
+    k_cache = torch.zeros(2, 4, 1, HEAD_DIM, dtype=FP8)
+    v_cache = torch.zeros(2, 4, 1, HEAD_DIM, dtype=FP8)
+    k = torch.randn(3, 1, HEAD_DIM) * 200  # some past fp8's largest value, 448
+    v = torch.randn(3, 1, HEAD_DIM, dtype=torch.bfloat16)
+    k[0, 0, 0], k[1, 0, 1] = 1e4, -1e6
+    ops.store_kv(k, v, k_cache, v_cache, torch.tensor([6, -1, 1]))
+    flat_k, flat_v = k_cache.view(8, 1, HEAD_DIM).float(), v_cache.view(8, 1, HEAD_DIM).float()
+    assert not flat_k.isnan().any() and flat_k[6, 0, 0] == 448
+    assert torch.equal(flat_k[[6, 1]], k[[0, 2]].clamp(-448, 448).to(FP8).float())
+    assert torch.equal(flat_v[[6, 1]], v[[0, 2]].to(FP8).float())
+    assert flat_k[[0, 2, 3, 4, 5, 7]].eq(0).all()
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
+def test_fp8_cache_attention_is_attention_over_fp8_rounded_kv(num_heads: int, num_kv_heads: int) -> None:
+    """Prefill (chunks over a cached prefix) and decode over an fp8 cache equal dense attention over K/V rounded
+    through float8_e4m3fn, and stay close to attention over the unrounded K/V."""
+    sequences = [(13, 13), (40, 9), (33, 1)]  # (context length after the step, new tokens)
+    layout = PagedLayout([n for n, _ in sequences], 4, num_kv_heads, seed=num_heads, cache_dtype=FP8)
+    for seq, (seq_len, _) in enumerate(sequences):
+        layout.store(seq, 0, seq_len)
+    query_lens = [q for _, q in sequences]
+    q = torch.randn(sum(query_lens), num_heads, HEAD_DIM)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([n for n, _ in sequences], dtype=torch.int32)
+    scale = HEAD_DIM**-0.5
+    prefill = ops.prefill_attention(q, layout.k_cache, layout.v_cache, layout.block_tables, query_start_loc,
+                                    seq_lens, scale, max(query_lens), int(seq_lens.max()))
+    last_rows = query_start_loc[1:].long() - 1
+    decode = ops.decode_attention(q[last_rows], layout.k_cache, layout.v_cache, layout.block_tables, seq_lens, scale)
+    assert prefill.dtype == decode.dtype == q.dtype
+    torch.testing.assert_close(decode, prefill[last_rows], rtol=1e-6, atol=1e-6)
+    for seq, (start, end) in enumerate(zip(query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(), strict=True)):
+        k, v = layout.k[seq], layout.v[seq]
+        expected = dense_causal_attention(q[start:end], fp8_rounded(k), fp8_rounded(v), scale)
+        torch.testing.assert_close(prefill[start:end].double(), expected, rtol=1e-5, atol=1e-5)
+        unrounded = dense_causal_attention(q[start:end], k, v, scale)
+        torch.testing.assert_close(prefill[start:end].double(), unrounded, rtol=0.1, atol=0.1)
+        assert not torch.allclose(prefill[start:end].double(), unrounded, rtol=1e-4, atol=1e-4)

@@ -12,7 +12,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_attention_triton import _assert_close, _paged_cache, _skip_bf16_dot_in_interpreter  # noqa: E402
+from test_attention_triton import (  # noqa: E402
+    KV_CACHE_DTYPES,
+    _assert_close,
+    _paged_cache,
+    _skip_bf16_dot_in_interpreter,
+    cache_dtype,
+)
 from triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 
 from batchgen.layers import attention_torch, attention_triton
@@ -48,14 +54,16 @@ CASCADE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("case", CASCADE_CASES, ids=str)
-def test_cascade_decode_matches_reference(case: tuple) -> None:
+def test_cascade_decode_matches_reference(case: tuple, kv_cache_dtype: str) -> None:
     prefix_len, suffixes, num_heads, num_kv_heads, dtype, num_splits, num_prefix_splits = case
     _skip_bf16_dot_in_interpreter(dtype)
     head_dim, block_size = 64, 16
     seq_lens = [0 if s is None else prefix_len + s for s in suffixes]
     gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
-    k_cache, v_cache, block_tables = _paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens, block_size, num_kv_heads, head_dim,
+                                                  cache_dtype(kv_cache_dtype, dtype), gen)
     block_tables = _shared_prefix_tables(block_tables, seq_lens, prefix_len, block_size)
     q = (2 * torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)).to(dtype).to(DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)

@@ -24,6 +24,11 @@ def test_every_job_composes_and_validates(job):
     assert config.job.name == job
 
 
+def test_kv_cache_dtype_defaults_to_the_model_dtype_and_takes_fp8():
+    assert composed("job=shakespeare").engine.kv_cache_dtype == "auto"
+    assert composed("job=shakespeare", "engine.kv_cache_dtype=fp8").engine.kv_cache_dtype == "fp8"
+
+
 def test_default_job_asks_for_data_and_model():
     with pytest.raises(ConfigError, match="data.path"):
         composed()
@@ -81,6 +86,7 @@ def test_model_configs_compose(model):
         ("engine.gpu_memory_utilization=1.5", "engine.gpu_memory_utilization"),
         ("engine.device=tpu", "engine.device"),
         ("engine.attention_backend=flash", "engine.attention_backend"),
+        ("engine.kv_cache_dtype=int8", "engine.kv_cache_dtype"),
         ("model.dtype=int8", "model.dtype"),
         ("model.load_format=gguf", "model.load_format"),
         ("model.path=/no/such/model", "model.path"),

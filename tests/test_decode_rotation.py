@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from test_attention_triton import _assert_close, _paged_cache, _skip_bf16_dot_in_interpreter  # noqa: E402
-from triton_support import DEVICE, TRITON_MARKS  # noqa: E402
+from triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 
 from batchgen.layers import attention_triton
 from batchgen.layers.attention import DecodeRotation
@@ -45,8 +45,21 @@ def _slots(seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) 
     return torch.where(seq_lens > 0, blocks * block_size + last % block_size, -1)
 
 
+FP8_CASES = [(1, 16, 8, 128, 16, 2000, bf16, None, True, None), (3, 8, 4, 64, 16, 300, bf16, 4, False, None)]
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_rotate_then_decode(case: tuple) -> None:
+    _check_against_rotate_then_decode(case, None)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter rounds some values wrongly when it writes fp8")
+@pytest.mark.parametrize("case", FP8_CASES, ids=str)
+def test_matches_rotate_then_decode_on_an_fp8_cache(case: tuple) -> None:
+    _check_against_rotate_then_decode(case, torch.float8_e4m3fn)
+
+
+def _check_against_rotate_then_decode(case: tuple, cache_dtype: torch.dtype | None) -> None:
     batch, num_heads, num_kv_heads, head_dim, block_size, max_ctx, dtype, num_splits, qk_norm, window = case
     _skip_bf16_dot_in_interpreter(dtype)
     gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
@@ -57,6 +70,8 @@ def test_matches_rotate_then_decode(case: tuple) -> None:
     if batch > 1:
         seq_lens[-1] = 0  # a padding row of the graph bucket
     k_cache, v_cache, block_tables = _paged_cache(seq_lens.tolist(), block_size, num_kv_heads, head_dim, dtype, gen)
+    if cache_dtype is not None:
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     slots = _slots(seq_lens, block_tables, block_size)
     real = slots >= 0
     # The new tokens' slots were never written: whatever they hold must not be read.
@@ -86,8 +101,9 @@ def test_matches_rotate_then_decode(case: tuple) -> None:
     if batch > 1:
         assert (out[-1] == 0).all()
     assert (arrivals == 0).all()
-    torch.testing.assert_close(k_cache, expected_k, equal_nan=True, atol=2e-2 if dtype == bf16 else 1e-3, rtol=0)
-    assert torch.equal(v_cache.nan_to_num(), expected_v.nan_to_num())  # V is copied, never rounded
+    atol = 0.5 if cache_dtype is not None else 2e-2 if dtype == bf16 else 1e-3
+    torch.testing.assert_close(k_cache.float(), expected_k.float(), equal_nan=True, atol=atol, rtol=0)
+    assert torch.equal(v_cache.float().nan_to_num(), expected_v.float().nan_to_num())  # V is copied, never rounded
 
 
 def test_small_decode_batches_rotate_in_attention(monkeypatch: pytest.MonkeyPatch) -> None:

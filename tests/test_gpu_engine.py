@@ -31,10 +31,11 @@ def test_greedy_tokens_equal_transformers_on_gpu(tiny_model_dir, architecture):
         llm.close()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "GPT2LMHeadModel"])
-def test_graph_replay_equals_eager_for_every_bucket(tiny_model_dir, architecture):
+def test_graph_replay_equals_eager_for_every_bucket(tiny_model_dir, architecture, kv_cache_dtype):
     llm = LLM(str(tiny_model_dir(architecture)), dtype="float32", max_num_seqs=16,
-              cuda_graph_capture_sizes=CAPTURE_SIZES)
+              cuda_graph_capture_sizes=CAPTURE_SIZES, kv_cache_dtype=kv_cache_dtype)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.graphs.sizes == CAPTURE_SIZES
     for num_seqs in range(1, 17):

@@ -13,6 +13,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from test_attention_triton import (  # noqa: E402
+    KV_CACHE_DTYPES,
+    cache_dtype,
+    same_bits,
+    skip_fp8_store_in_interpreter,
+)
 from triton_support import DEVICE, TRITON_MARKS  # noqa: E402
 
 from batchgen.layers import attention_torch
@@ -24,6 +30,8 @@ pytestmark = TRITON_MARKS
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 # bf16/fp16: the reference rounds after every op, the kernel once at the end: about one unit in the last place.
 TOLERANCE = {f32: (1e-5, 1e-5), bf16: (3e-2, 1.6e-2), f16: (4e-3, 2e-3)}
+# An fp8 cache: those differences may flip K's rounding to fp8, one fp8 step (at most 1/8 of the value; 2^-9 near 0).
+FP8_K_TOLERANCE = (2**-9, 2**-3)
 
 # (tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype); every case has padding rows (slot -1)
 CASES = [
@@ -38,11 +46,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_rotate_and_store_matches_reference(case: tuple) -> None:
+def test_rotate_and_store_matches_reference(case: tuple, kv_cache_dtype: str) -> None:
     num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype = case
     if DEVICE == "cpu" and dtype == bf16:
         pytest.skip("bf16 runs on CUDA only")
+    skip_fp8_store_in_interpreter(kv_cache_dtype)
     gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
     block_size, num_blocks, max_positions = 16, 64, 4096
     rotary = RotaryEmbedding(head_dim, max_positions, theta=1e6).to(DEVICE)
@@ -56,7 +66,8 @@ def test_rotate_and_store_matches_reference(case: tuple) -> None:
                  torch.rand(head_dim, generator=gen).add(0.5).to(dtype).to(DEVICE), 1e-6)
     qkv, positions, slots = qkv.to(DEVICE), positions.to(DEVICE), slots.to(DEVICE)
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = (torch.randn(cache_shape, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    k_cache, v_cache = (torch.randn(cache_shape, generator=gen).to(cache_dtype(kv_cache_dtype, dtype)).to(DEVICE)
+                        for _ in range(2))
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
 
     q = rotate_and_store(qkv, positions, rotary.cos, rotary.sin, norms, k_cache, v_cache, slots, num_heads,
@@ -68,5 +79,6 @@ def test_rotate_and_store_matches_reference(case: tuple) -> None:
     attention_torch.store_kv(k_ref, v_ref.view(num_tokens, num_kv_heads, head_dim), expected_k, expected_v, slots)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(q.float(), q_ref.float(), atol=atol, rtol=rtol)
-    torch.testing.assert_close(k_cache.float(), expected_k.float(), atol=atol, rtol=rtol)
-    assert torch.equal(v_cache, expected_v)  # V is copied, never rounded
+    k_atol, k_rtol = FP8_K_TOLERANCE if kv_cache_dtype == "fp8" else (atol, rtol)
+    torch.testing.assert_close(k_cache.float(), expected_k.float(), atol=k_atol, rtol=k_rtol)
+    assert same_bits(v_cache, expected_v)  # V is copied (or rounded to fp8) like the reference does

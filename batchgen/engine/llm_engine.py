@@ -24,6 +24,7 @@ from batchgen.engine.request_logprobs import attach_logprobs, token_texts
 from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from batchgen.engine.step_profiler import StepProfiler
 from batchgen.engine.structured_output import StructuredOutputManager, guided_spec
+from batchgen.layers import attention_torch
 from batchgen.layers.compiled import compile_small_layers
 from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
@@ -86,13 +87,27 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     return name
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    return attention_torch.FP8_DTYPE if name == "fp8" else model_dtype
+
+
+def check_kv_cache_dtype_supported(kv_cache_dtype: torch.dtype, backend: str, device: torch.device) -> None:
+    """Triton's fp8e4nv (float8_e4m3fn) needs compute capability 8.9 (Ada, Hopper) or newer; the torch path
+    converts fp8 on any device."""
+    if kv_cache_dtype != attention_torch.FP8_DTYPE or backend != "triton":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"engine.kv_cache_dtype='fp8' with the Triton attention needs a GPU of compute capability "
+                         f"8.9 or newer, this one has {capability[0]}.{capability[1]}; use engine.kv_cache_dtype=auto "
+                         "or engine.attention_backend=torch")
+
+
 def attention_ops(backend: str):
     if backend == "triton":
         from batchgen.layers import attention_triton
 
         return attention_triton
-    from batchgen.layers import attention_torch
-
     return attention_torch
 
 
@@ -130,11 +145,13 @@ class LLMEngine:
         if compile_layers:
             compile_small_layers(model)  # compiles lazily, at the memory-profiling run below
         backend = resolve_attention_backend(engine_config.attention_backend, self.device)
+        kv_cache_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, self.dtype)
+        check_kv_cache_dtype_supported(kv_cache_dtype, backend, self.device)
         if backend == "triton":
             use_triton_layers(model, gemv=not engine_config.enforce_eager, elementwise=not compile_layers)
         self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start}
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
-                                  engine_config.max_num_seqs, attention_ops(backend))
+                                  engine_config.max_num_seqs, kv_cache_dtype, attention_ops(backend))
         self.runner.logprobs_mode = engine_config.logprobs_mode
         # Only the Triton kernels cascade, and only layers without a sliding window (Mistral windows every layer).
         # A job whose rows never share a long prefix never captures a cascade graph (shares_long_prefix).
@@ -149,14 +166,16 @@ class LLMEngine:
             kv_sizing_seconds=time.perf_counter() - start,
             device=str(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else "cpu",
             dtype=str(self.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
             max_model_len=self.max_model_len,
             kv_blocks=num_blocks,
             kv_blocks_reason=kv_choice.reason,
             kv_capacity_tokens=num_blocks * engine_config.block_size,
             kv_cache_bytes=num_blocks * self.runner.kv_block_bytes,
         )
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB): %s", num_blocks, engine_config.block_size,
-                 num_blocks * engine_config.block_size, self.info["kv_cache_bytes"] / 2**30, kv_choice.reason)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s): %s", num_blocks,
+                 engine_config.block_size, num_blocks * engine_config.block_size, self.info["kv_cache_bytes"] / 2**30,
+                 self.info["kv_cache_dtype"], kv_choice.reason)
         if self.device.type == "cuda" and not engine_config.enforce_eager:
             self._capture_graphs()
         self.scheduler = Scheduler(

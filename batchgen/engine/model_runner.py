@@ -90,10 +90,11 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, block_size: int, max_model_len: int,
-                 max_num_seqs: int, attention_ops=attention_torch):
+                 max_num_seqs: int, kv_cache_dtype: torch.dtype, attention_ops=attention_torch):
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
         self.block_table_width = -(-max_model_len // block_size)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.attention_ops = attention_ops
@@ -120,16 +121,14 @@ class ModelRunner:
     @property
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]
-        dtype = next(self.model.parameters()).dtype
-        per_token = 2 * layer.num_kv_heads * layer.head_dim * dtype.itemsize
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.kv_cache_dtype.itemsize
         return per_token * self.block_size * len(self.attention_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         layer = self.attention_layers[0]
-        dtype = next(self.model.parameters()).dtype
         shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
         # Not zero-filled: no attention path reads a slot before it is written (tests/test_kv_cache_uninitialized.py).
-        self.kv_cache = torch.empty(shape, dtype=dtype, device=self.device)  # (2, L, NB, BS, KVH, D)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)  # (2, L, NB, BS, KVH, D)
         for i, attention in enumerate(self.attention_layers):
             attention.k_cache, attention.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             attention.ops = self.attention_ops

@@ -4,11 +4,29 @@ Cache layout: k_cache, v_cache are (num_blocks, block_size, num_kv_heads, head_d
 block s // block_size, offset s % block_size. Grouped-query attention maps query head h to kv head h // group.
 With a sliding window W, the query at position p attends to key positions p - W < k <= p (transformers' and vLLM's
 convention); the cache still holds every position.
+
+An fp8 cache (float8_e4m3fn, engine.kv_cache_dtype=fp8) holds K/V with a per-tensor scale of 1.0, as vLLM's does
+without calibrated scales: storing clamps to the format's range, reading converts back.
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype; fp8 has no infinity, so values past its range are clamped rather than made NaN."""
+    if cache_dtype == FP8_DTYPE:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(cache_dtype)
+
+
+def _as_copyable(x: torch.Tensor) -> torch.Tensor:
+    """x itself, or an fp8 tensor's bytes: index_copy_ has no float8 kernel on CPU."""
+    return x.view(torch.uint8) if x.dtype == FP8_DTYPE else x
 
 
 def store_kv(
@@ -35,10 +53,10 @@ def store_kv(
     row_valid = valid[:, None, None]  # (T, 1, 1)
     for new, cache in ((k, k_cache), (v, v_cache)):
         flat_cache = cache.view(-1, *cache.shape[2:])  # (NB * BS, KVH, D)
-        rows = new.to(cache.dtype)
+        rows = to_cache_dtype(new, cache.dtype)
         first_row = rows.index_select(0, first_valid)  # (1, KVH, D)
         fallback = torch.where(first_is_valid, first_row, flat_cache.index_select(0, fallback_slot))  # (1, KVH, D)
-        flat_cache.index_copy_(0, target, torch.where(row_valid, rows, fallback))
+        _as_copyable(flat_cache).index_copy_(0, target, _as_copyable(torch.where(row_valid, rows, fallback)))
 
 
 def _attend(
@@ -48,6 +66,7 @@ def _attend(
     allowed: torch.Tensor,  # (B, L, N) bool
     scale: float,
 ) -> torch.Tensor:  # (B, L, KVH, G, D) float32; rows with nothing allowed are zeros
+    # .float() also dequantizes an fp8 cache's K/V (scale 1.0): every fp8 value is exact in fp32.
     scores = torch.einsum("blkgd,bnkd->bkgln", q.float(), k.float()) * scale  # (B, KVH, G, L, N)
     mask = allowed[:, None, None]  # (B, 1, 1, L, N)
     # A finite fill keeps fully masked rows NaN-free; zeroing masked probabilities afterwards makes those rows zeros.

@@ -17,6 +17,9 @@ tensor-core tile of (sequence, query head) rows, and `_decode_kernel` reads only
 partial softmaxes that `_decode_reduce_kernel` merges. Without cascade, the splits of `_decode_kernel` merge their
 partials themselves: the last one to finish does. The prefix kernel ignores sliding windows: windowed layers do
 not cascade (a window would cut the prefix differently for every row).
+
+An fp8 cache (float8_e4m3fn, Triton's fp8e4nv: compute capability 8.9 or newer) is written clamped to its range and
+read as tiles converted to the query's dtype before tl.dot; a cache in the query's dtype compiles exactly as before.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from batchgen.layers.pdl import launch_options, wait_for_previous
 _MAX_SPLITS = 16  # of each sequence's own KV range, and (cascade) of the shared prefix
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2), with log2(e) folded into the softmax scale
 _NO_WINDOW = 1 << 30  # longer than any context, and p - _NO_WINDOW stays inside int32
+_FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
 # Read at each call (set before the engine captures its graphs), so benchmarks can time both: see rotation_fuses.
 FUSE_ROTATION = True
 ROTATION_BLOCK_N = 32  # KV positions per tile of the rotating kernel: its last tile waits in registers
@@ -42,6 +46,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
     # Plain tf32 would cost fp32 runs ~3 decimal digits; tf32x3 keeps near-fp32 accuracy on tensor cores, where "ieee"
     # falls back to FMA dots that spill registers.
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def to_cache_dtype(x, cache_dtype: tl.constexpr):
+    """x in the cache's dtype; fp8 (scale 1.0, as attention_torch.to_cache_dtype) has no infinity, so values past
+    its range are clamped rather than made NaN. A no-op for a cache in x's dtype."""
+    if cache_dtype == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -_FP8_MAX, _FP8_MAX)
+    return x.to(cache_dtype)
 
 
 @triton.jit
@@ -68,8 +81,8 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=mask)
     kc = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + h[:, None] * stride_kc_h + d[None, :] * stride_kc_d
     vc = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_off + h[:, None] * stride_vc_h + d[None, :] * stride_vc_d
-    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc, to_cache_dtype(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, to_cache_dtype(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -95,9 +108,10 @@ def _load_kv_tile(
     block_table, kc_head, vc_head, pos, valid, d, d_mask,
     stride_kc_blk, stride_kc_off, stride_kc_d,
     stride_vc_blk, stride_vc_off, stride_vc_d,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """The K and V rows of cache positions `pos` (zeros where not `valid`) of one kv head, through a block table."""
+    """The K and V rows of cache positions `pos` (zeros where not `valid`) of one kv head, through a block table,
+    in DTYPE (the query's): an fp8 cache's tiles are converted for tl.dot; a cache in DTYPE compiles no conversion."""
     blk = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     off = pos % BLOCK_SIZE
     kv_mask = valid[:, None] & d_mask[None, :]
@@ -105,7 +119,7 @@ def _load_kv_tile(
                 mask=kv_mask, other=0.0)
     v = tl.load(vc_head + (blk * stride_vc_blk + off * stride_vc_off)[:, None] + d[None, :] * stride_vc_d,
                 mask=kv_mask, other=0.0)
-    return k, v
+    return k.to(DTYPE), v.to(DTYPE)
 
 
 @triton.jit
@@ -122,7 +136,7 @@ def _attend_kv_range(
         valid = pos < hi
         k, v = _load_kv_tile(block_table, kc_head, vc_head, pos, valid, d, d_mask,
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
-                             BLOCK_SIZE)  # (BLOCK_N, BLOCK_D) each
+                             BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
         m_i, l_i, acc = _softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     return m_i, l_i, acc
 
@@ -136,7 +150,7 @@ def _softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.con
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -228,7 +242,8 @@ def _decode_kernel(
         last_valid = last_pos < hi
         last_k, last_v = _load_kv_tile(bt_row, kc_head, vc_head, last_pos, last_valid & (last_pos != position), d,
                                        d_mask, stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk,
-                                       stride_vc_off, stride_vc_d, BLOCK_SIZE)  # (BLOCK_N, BLOCK_D) each
+                                       stride_vc_off, stride_vc_d, BLOCK_SIZE,
+                                       q_ptr.dtype.element_ty)  # (BLOCK_N, BLOCK_D) each
     wait_for_previous(PDL)
 
     if ROTATE:
@@ -242,10 +257,12 @@ def _decode_kernel(
                             QK_NORM).to(dtype)  # (BLOCK_G, BLOCK_D)
         num_heads = GROUP * tl.num_programs(1)
         k_head = num_heads + kvh + tl.arange(0, 1)  # (1,)
-        new_k = _normed_rotated(qkv_row, k_head, k_head >= 0, d, d_mask, k_norm_ptr, eps, cos, sin, dtype, HEAD_DIM,
-                                QK_NORM).to(k_cache_ptr.dtype.element_ty)  # (1, BLOCK_D)
+        new_k = to_cache_dtype(_normed_rotated(qkv_row, k_head, k_head >= 0, d, d_mask, k_norm_ptr, eps, cos, sin,
+                                               dtype, HEAD_DIM, QK_NORM).to(dtype),
+                               k_cache_ptr.dtype.element_ty)  # (1, BLOCK_D)
         v_at = qkv_row + (k_head + tl.num_programs(1))[:, None] * HEAD_DIM + d[None, :]
-        new_v = tl.load(v_at, mask=d_mask[None, :], other=0.0).to(v_cache_ptr.dtype.element_ty)  # (1, BLOCK_D)
+        new_v = to_cache_dtype(tl.load(v_at, mask=d_mask[None, :], other=0.0),
+                               v_cache_ptr.dtype.element_ty)  # (1, BLOCK_D)
         slot = tl.load(slot_mapping_ptr + b)
         if (split == 0) & (slot >= 0):  # padding rows of a graph bucket write no K/V
             blk = slot // BLOCK_SIZE
@@ -253,9 +270,9 @@ def _decode_kernel(
             store = d_mask[None, :]
             tl.store(kc_head + blk * stride_kc_blk + off * stride_kc_off + d[None, :] * stride_kc_d, new_k, mask=store)
             tl.store(vc_head + blk * stride_vc_blk + off * stride_vc_off + d[None, :] * stride_vc_d, new_v, mask=store)
-        is_new = (last_pos == position)[:, None]
-        last_k = tl.where(is_new, new_k, last_k)
-        last_v = tl.where(is_new, new_v, last_v)
+        is_new = (last_pos == position)[:, None]  # read as the cache will hold them
+        last_k = tl.where(is_new, new_k.to(dtype), last_k)
+        last_v = tl.where(is_new, new_v.to(dtype), last_v)
     else:
         # BLOCK_G is padded to >= 16 rows because tl.dot needs it; the padding rows are zero queries, never stored.
         q = tl.load(
@@ -610,7 +627,7 @@ def _prefill_kernel(
         valid = pos < hi
         k, v = _load_kv_tile(bt_row, kc_head, vc_head, pos, valid, d, d_mask,
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
-                             BLOCK_SIZE)  # (BLOCK_N, BLOCK_D) each
+                             BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         in_window = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(valid[None, :] & in_window, s, float("-inf"))
@@ -620,7 +637,7 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Rows past the chunk (never stored) may have seen no key under a window: keep their division finite.

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.layers.attention_triton import to_cache_dtype
 from batchgen.layers.pdl import launch_options, wait_for_previous
 
 
@@ -72,12 +73,12 @@ def _rotate_and_store_kernel(
                 k1, k2 = _rms_normed(k1, k2, k_norm_ptr, i, i_mask, eps, dtype, HALF, HEAD_DIM)
             cache_dtype = k_cache_ptr.dtype.element_ty
             k_out = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + g * stride_kc_h + i
-            tl.store(k_out, (k1 * cos - k2 * sin).to(dtype).to(cache_dtype), mask=i_mask)
-            tl.store(k_out + HALF, (k2 * cos + k1 * sin).to(dtype).to(cache_dtype), mask=i_mask)
+            tl.store(k_out, to_cache_dtype((k1 * cos - k2 * sin).to(dtype), cache_dtype), mask=i_mask)
+            tl.store(k_out + HALF, to_cache_dtype((k2 * cos + k1 * sin).to(dtype), cache_dtype), mask=i_mask)
             v_at = k_at + NUM_KV_HEADS * HEAD_DIM
             v_out = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_off + g * stride_vc_h + i
-            tl.store(v_out, tl.load(v_at, mask=i_mask).to(cache_dtype), mask=i_mask)
-            tl.store(v_out + HALF, tl.load(v_at + HALF, mask=i_mask).to(cache_dtype), mask=i_mask)
+            tl.store(v_out, to_cache_dtype(tl.load(v_at, mask=i_mask), cache_dtype), mask=i_mask)
+            tl.store(v_out + HALF, to_cache_dtype(tl.load(v_at + HALF, mask=i_mask), cache_dtype), mask=i_mask)
 
 
 def rotate_and_store(

@@ -1,30 +1,43 @@
-"""One host-to-device copy for several small host arrays of one dtype."""
+"""One host-to-device copy for several small host arrays, of any integer or float dtypes."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 import numpy as np
 import torch
 
-# Each array starts on a 64-byte boundary of the packed buffer (16 elements of 4 bytes or more): Triton specializes
-# kernels on 16-byte-aligned pointers, so a misaligned view would compile a second variant of every kernel it feeds.
-_ALIGN_ELEMENTS = 16
+# Each array starts on a 64-byte boundary of the packed buffer: Triton specializes kernels on 16-byte-aligned
+# pointers, so a misaligned view would compile a second variant of every kernel it feeds.
+_ALIGN_BYTES = 64
 
 
 def upload_packed(arrays: Sequence[np.ndarray], device: torch.device, pinned: bool) -> list[torch.Tensor]:
-    """The arrays on the device, each shaped as on the host: views into one buffer that one (non-blocking, from
-    pinned memory when `pinned`) copy fills. A step's eager inputs are a handful of arrays of a few KB each, where
-    every separate copy costs the host a pinned staging buffer and a launch of its own."""
-    dtype = arrays[0].dtype
-    assert all(a.dtype == dtype for a in arrays), f"one dtype per upload, got {[str(a.dtype) for a in arrays]}"
+    """The arrays on the device, each with its host shape and dtype: views into one byte buffer that one
+    (non-blocking, from pinned memory when `pinned`) copy fills. A step's eager inputs are a handful of arrays of a
+    few KB each, where every separate copy costs the host a pinned staging buffer and a launch of its own."""
     offsets, total = [], 0
     for array in arrays:
         offsets.append(total)
-        total += -(-array.size // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
-    host = torch.empty(max(total, 1), dtype=torch.from_numpy(arrays[0]).dtype, pin_memory=pinned)
-    staging = host.numpy()
+        total += -(-array.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+    host = torch.empty(max(total, _ALIGN_BYTES), dtype=torch.uint8, pin_memory=pinned)
+    # The whole buffer seen once per dtype (it is a multiple of 64 bytes long): each array is then one slice.
+    dtypes = {array.dtype for array in arrays}
+    staging = {dtype: host.numpy().view(dtype) for dtype in dtypes}
     for array, offset in zip(arrays, offsets, strict=True):
-        staging[offset:offset + array.size] = array.ravel()
-    packed = host.to(device, non_blocking=True)
-    return [packed[offset:offset + array.size].view(array.shape) for array, offset in zip(arrays, offsets, strict=True)]
+        start = offset // array.itemsize
+        staging[array.dtype][start:start + array.size] = array.ravel()
+    device_bytes = host.to(device, non_blocking=True)
+    packed = {dtype: device_bytes.view(_torch_dtype(dtype)) for dtype in dtypes}
+    uploaded = []
+    for array, offset in zip(arrays, offsets, strict=True):
+        start = offset // array.itemsize
+        view = packed[array.dtype][start:start + array.size]
+        uploaded.append(view if array.ndim == 1 else view.view(array.shape))
+    return uploaded
+
+
+@cache
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype

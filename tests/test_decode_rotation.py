@@ -107,9 +107,10 @@ def _check_against_rotate_then_decode(case: tuple, cache_dtype: torch.dtype | No
 
 
 def test_small_decode_batches_rotate_in_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where decode attention splits the KV it takes the rotation; with cascade, without splits or switched off,
-    never."""
+    """Switched on, decode attention takes the rotation where it splits the KV; with cascade, without splits or
+    switched off, never."""
     device = torch.device(DEVICE)
+    monkeypatch.setattr(attention_triton, "FUSE_ROTATION", True)
     assert not attention_triton.rotation_fuses(1, 8, device, cascade=True)
     splits_at_one = attention_triton._default_num_splits(1, 8, device) > 1
     assert attention_triton.rotation_fuses(1, 8, device, cascade=False) == splits_at_one

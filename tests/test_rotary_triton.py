@@ -31,7 +31,8 @@ f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 # bf16/fp16: the reference rounds after every op, the kernel once at the end: about one unit in the last place.
 TOLERANCE = {f32: (1e-5, 1e-5), bf16: (3e-2, 1.6e-2), f16: (4e-3, 2e-3)}
 # An fp8 cache: those differences may flip K's rounding to fp8, one fp8 step (at most 1/8 of the value; 2^-9 near 0).
-FP8_K_TOLERANCE = (2**-9, 2**-3)
+# V too: on the H200, Triton's bf16 -> fp8 conversion differs from torch's by one step on some values.
+FP8_TOLERANCE = (2**-9, 2**-3)
 
 # (tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype); every case has padding rows (slot -1)
 CASES = [
@@ -79,6 +80,10 @@ def test_rotate_and_store_matches_reference(case: tuple, kv_cache_dtype: str) ->
     attention_torch.store_kv(k_ref, v_ref.view(num_tokens, num_kv_heads, head_dim), expected_k, expected_v, slots)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(q.float(), q_ref.float(), atol=atol, rtol=rtol)
-    k_atol, k_rtol = FP8_K_TOLERANCE if kv_cache_dtype == "fp8" else (atol, rtol)
-    torch.testing.assert_close(k_cache.float(), expected_k.float(), atol=k_atol, rtol=k_rtol)
-    assert same_bits(v_cache, expected_v)  # V is copied (or rounded to fp8) like the reference does
+    if kv_cache_dtype == "fp8":
+        fp8_atol, fp8_rtol = FP8_TOLERANCE
+        torch.testing.assert_close(k_cache.float(), expected_k.float(), atol=fp8_atol, rtol=fp8_rtol)
+        torch.testing.assert_close(v_cache.float(), expected_v.float(), atol=fp8_atol, rtol=fp8_rtol)
+    else:
+        torch.testing.assert_close(k_cache.float(), expected_k.float(), atol=atol, rtol=rtol)
+        assert same_bits(v_cache, expected_v)  # V is copied, never rounded

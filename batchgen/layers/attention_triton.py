@@ -38,7 +38,8 @@ _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2), with log2(e) f
 _NO_WINDOW = 1 << 30  # longer than any context, and p - _NO_WINDOW stays inside int32
 _FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
 # Read at each call (set before the engine captures its graphs), so benchmarks can time both: see rotation_fuses.
-FUSE_ROTATION = True
+# Off: on the H200, b1_latency measured 0.780 ms with it against 0.770 ms without (benchmarks/RESULTS.md).
+FUSE_ROTATION = False
 ROTATION_BLOCK_N = 32  # KV positions per tile of the rotating kernel: its last tile waits in registers
 
 

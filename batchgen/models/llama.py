@@ -51,8 +51,8 @@ class LlamaAttention(nn.Module):
         self._norm_and_rotate = compiled(norm_and_rotate)
 
     def use_triton(self) -> None:
-        """q/k norm, RoPE and the K/V cache store as one Triton kernel, for CUDA inputs; in the decode attention
-        kernel itself where that takes them (small batches)."""
+        """q/k norm, RoPE and the K/V cache store as one Triton kernel, for CUDA inputs; inside the decode attention
+        kernel where that takes them (small batches, with attention_triton.FUSE_ROTATION)."""
         from batchgen.layers.rotary_triton import rotate_and_store
 
         self._rotate_and_store = rotate_and_store

@@ -6,12 +6,9 @@ The weight-read floor of a decode step is weight bytes / measured device-to-devi
 all weights faster.
 
 Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 8 64 256] [--tiny] [--unfused | --unfused-silu]
-                                       [--unfused-rotation] [--rotation-block-n N] [--no-pdl] [--kv-cache-dtype fp8]
-                                       [--out DIR]
+                                       [--no-pdl] [--kv-cache-dtype fp8] [--out DIR]
 (--unfused turns off the norm and SiLU fusions into the GEMV and --unfused-silu only the SiLU one,
-batchgen/layers/fused.py; --unfused-rotation runs the q/k norm, RoPE and K/V store as their own kernel instead of
-inside decode attention, and --rotation-block-n sets that kernel's KV tile, batchgen/layers/attention_triton.py;
---no-pdl turns off the programmatic dependent launches, batchgen/layers/pdl.py.)
+batchgen/layers/fused.py; --no-pdl turns off the programmatic dependent launches, batchgen/layers/pdl.py.)
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from typing import Any
 
 from batchgen.config import ModelConfig
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.layers import attention_triton, fused, pdl
+from batchgen.layers import fused, pdl
 from batchgen.sampling_params import SamplingParams
 from benchmarks.common import (
     Request,
@@ -87,9 +84,6 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a two-layer Qwen3 instead of the 0.6B shape (CPU test)")
     parser.add_argument("--unfused", action="store_true", help="no add+RMSNorm / SiLU-and-mul fusion into the GEMV")
     parser.add_argument("--no-pdl", action="store_true", help="launch every kernel without PDL")
-    parser.add_argument("--unfused-rotation", action="store_true",
-                        help="q/k norm, RoPE and K/V store as a kernel of their own, not in decode attention")
-    parser.add_argument("--rotation-block-n", type=int, help="KV tile of the rotating decode attention kernel")
     parser.add_argument("--unfused-silu", action="store_true",
                         help="SiLU-and-mul as a kernel of its own, not in the gate/up projection's GEMV")
     add_kv_cache_dtype_argument(parser)
@@ -99,9 +93,6 @@ def main() -> None:
         fused.FUSE_ADD_RMS_NORM = False
     fused.FUSE_SILU_AND_MUL = not (args.unfused or args.unfused_silu)
     pdl.ENABLED = not args.no_pdl
-    attention_triton.FUSE_ROTATION = not args.unfused_rotation
-    if args.rotation_block_n:
-        attention_triton.ROTATION_BLOCK_N = args.rotation_block_n
 
     model_config = qwen3_model_config(args.tiny)
     bandwidth = copy_bandwidth_gbs(args.copy_mib * 2**20)
@@ -118,14 +109,12 @@ def main() -> None:
     for r in results:
         r["floor_fraction"] = floor_ms / r["decode_forward_ms"] if r["decode_forward_ms"] else None
     variants = {"_tiny": args.tiny, "_unfused": args.unfused, "_no_pdl": args.no_pdl,
-                "_unfused_silu": args.unfused_silu, "_unfused_rotation": args.unfused_rotation,
-                f"_rotation_block_n{args.rotation_block_n}": bool(args.rotation_block_n)}
+                "_unfused_silu": args.unfused_silu}
     variants["_fp8"] = args.kv_cache_dtype == "fp8"
     suffix = "".join(name for name, on in variants.items() if on)
     save_json(args.out, "b1_latency" + suffix, {
         "environment": environment(), "gemv_fusions": not args.unfused, "pdl": not args.no_pdl,
-        "silu_fused": fused.FUSE_SILU_AND_MUL, "rotation_fused": attention_triton.FUSE_ROTATION,
-        "rotation_block_n": attention_triton.ROTATION_BLOCK_N,
+        "silu_fused": fused.FUSE_SILU_AND_MUL,
         "model": model_config.hf_config,
         "dtype": model_config.dtype,
         "kv_cache_dtype": kv_cache_dtype,

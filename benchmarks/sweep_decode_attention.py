@@ -1,8 +1,10 @@
 """Decode attention launch configurations on ragged contexts (CUDA only): which tile, warps, stages and split count
 read the paged KV cache fastest at the batch sizes of nanovllm_bench.
 
-Run from the repo root: python -m benchmarks.sweep_decode_attention [--out DIR]
-Contexts are uniform in [100, 2048] (nanovllm_bench's prompt plus output lengths), blocks scattered over the cache.
+Run from the repo root: python -m benchmarks.sweep_decode_attention [--kv-cache-dtype fp8] [--batches 64 128 256]
+                                                                   [--out DIR]
+Contexts are uniform in [100, 2048] (nanovllm_bench's prompt plus output lengths), blocks scattered over the cache;
+with fp8 the random cache is rounded to float8_e4m3fn.
 GB/s = K and V bytes of every sequence's context / median time (triton.testing.do_bench, L2 flushed per call).
 """
 
@@ -17,6 +19,7 @@ import triton
 from triton.testing import do_bench
 
 from batchgen.layers import attention_triton as at
+from batchgen.layers.attention_torch import FP8_DTYPE
 from benchmarks.bench_attention import (
     BLOCK_SIZE,
     DTYPE,
@@ -25,15 +28,15 @@ from benchmarks.bench_attention import (
     random_kv_cache,
     random_queries,
 )
-from benchmarks.common import add_out_argument, environment, save_json
+from benchmarks.common import add_kv_cache_dtype_argument, add_out_argument, environment, save_json
 
 
-def ragged_inputs(batch: int, lo: int, hi: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def ragged_inputs(batch: int, lo: int, hi: int, cache_dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (batch,), generator=gen)
     width = -(-hi // BLOCK_SIZE)
     num_blocks = batch * width
-    k_cache, v_cache = random_kv_cache(num_blocks)
+    k_cache, v_cache = (cache.to(cache_dtype) for cache in random_kv_cache(num_blocks))
     block_tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, width)
     return random_queries(batch), k_cache, v_cache, block_tables, lens.to(torch.int32).cuda()
 
@@ -64,15 +67,18 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, block_n, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    add_kv_cache_dtype_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
+    cache_dtype = FP8_DTYPE if args.kv_cache_dtype == "fp8" else DTYPE
     scale = HEAD_DIM**-0.5
     results = []
-    for batch, (lo, hi) in itertools.product((64, 128, 256), ((100, 2048), (512, 512), (2048, 2048))):
-        inputs = ragged_inputs(batch, lo, hi)
-        kv_gb = 2 * int(inputs[4].sum()) * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize / 1e9
+    for batch, (lo, hi) in itertools.product(args.batches, ((100, 2048), (512, 512), (2048, 2048))):
+        inputs = ragged_inputs(batch, lo, hi, cache_dtype)
+        kv_gb = 2 * int(inputs[4].sum()) * NUM_KV_HEADS * HEAD_DIM * cache_dtype.itemsize / 1e9
         reference = at.decode_attention(*inputs, scale).float()
         best = None
         for splits, block_n, warps, stages in itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (2, 3, 4)):
@@ -96,7 +102,9 @@ def main() -> None:
               f"warps={best['warps']} stages={best['stages']}")
         del inputs
         torch.cuda.empty_cache()
-    save_json(args.out, "sweep_decode_attention", {"environment": environment(), "rows": results})
+    suffix = "_fp8" if args.kv_cache_dtype == "fp8" else ""
+    save_json(args.out, "sweep_decode_attention" + suffix,
+              {"environment": environment(), "kv_cache_dtype": str(cache_dtype), "rows": results})
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -31,18 +30,6 @@ class AttentionMetadata:
     # (>= B * KVH,) int32 zeros on the device, left zero by every decode attention launch (its count of finished KV
     # splits); the model runner keeps one for every layer and step. None: each launch allocates its own.
     split_arrivals: torch.Tensor | None = None
-
-
-class DecodeRotation(NamedTuple):
-    """A decode step's q/k/v projection before the q/k norm, RoPE and the K/V store, for attention ops that do
-    those themselves (`rotate_store_and_decode`)."""
-
-    qkv: torch.Tensor  # (B, (H + 2 * KVH) * D): q heads, then k heads, then v heads
-    positions: torch.Tensor  # (B,) int64: each row's new token
-    cos: torch.Tensor  # (P, D / 2) float32
-    sin: torch.Tensor  # (P, D / 2) float32
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None  # (q weight (D,), k weight (D,), eps): Qwen3 only
-    slot_mapping: torch.Tensor  # (B,) int64, -1 = write nothing
 
 
 class Attention(nn.Module):
@@ -95,19 +82,6 @@ class Attention(nn.Module):
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
                 meta.max_query_len, meta.max_seq_len, sliding_window=self.sliding_window,
             )
-        return out.reshape(-1, self.num_heads * self.head_dim)
-
-    def rotates_in_decode(self, meta: AttentionMetadata, batch: int) -> bool:
-        """Whether this decode step should go through `attend_rotating` (the ops decide, by batch size)."""
-        fuses = getattr(self.ops, "rotation_fuses", None)
-        return (meta.is_decode and fuses is not None
-                and fuses(batch, self.num_kv_heads, self.k_cache.device, self._shared_prefix_len(meta) is not None))
-
-    def attend_rotating(self, rotation: DecodeRotation, meta: AttentionMetadata) -> torch.Tensor:  # (B, H * D)
-        """A decode step's q/k norm, RoPE, K/V store and attention, in the ops' one kernel (`rotates_in_decode`)."""
-        out = self.ops.rotate_store_and_decode(rotation, self.num_heads, self.k_cache, self.v_cache,
-                                               meta.block_tables, meta.seq_lens, self.scale, self.sliding_window,
-                                               split_arrivals=meta.split_arrivals)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def _shared_prefix_len(self, meta: AttentionMetadata) -> torch.Tensor | None:

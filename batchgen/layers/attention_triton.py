@@ -19,7 +19,8 @@ partials themselves: the last one to finish does. The prefix kernel ignores slid
 not cascade (a window would cut the prefix differently for every row).
 
 An fp8 cache (float8_e4m3fn, Triton's fp8e4nv: compute capability 8.9 or newer) is written clamped to its range and
-read as tiles converted to the query's dtype before tl.dot; a cache in the query's dtype compiles exactly as before.
+read as tiles converted to fp16 (or fp32 for fp32 queries) before tl.dot, with the queries in that dtype too
+(`_dot_query`); a cache in the query's dtype compiles exactly as before.
 """
 
 from __future__ import annotations
@@ -30,17 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.layers.attention import DecodeRotation
 from batchgen.layers.pdl import launch_options, wait_for_previous
 
 _MAX_SPLITS = 16  # of each sequence's own KV range, and (cascade) of the shared prefix
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2), with log2(e) folded into the softmax scale
 _NO_WINDOW = 1 << 30  # longer than any context, and p - _NO_WINDOW stays inside int32
 _FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
-# Read at each call (set before the engine captures its graphs), so benchmarks can time both: see rotation_fuses.
-# Off: on the H200, b1_latency measured 0.780 ms with it against 0.770 ms without (benchmarks/RESULTS.md).
-FUSE_ROTATION = False
-ROTATION_BLOCK_N = 32  # KV positions per tile of the rotating kernel: its last tile waits in registers
+_FP16_MAX = tl.constexpr(65504.0)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -56,6 +53,17 @@ def to_cache_dtype(x, cache_dtype: tl.constexpr):
     if cache_dtype == tl.float8e4nv:
         x = tl.clamp(x.to(tl.float32), -_FP8_MAX, _FP8_MAX)
     return x.to(cache_dtype)
+
+
+@triton.jit
+def _dot_query(q, cache_dtype: tl.constexpr):
+    """q in the dtype its dots with the cache's tiles run in. An fp8 tile converts to fp16 in one instruction per
+    pair of values but to bf16 only through fp32, so bf16 queries against an fp8 cache compute in fp16 (clamped to
+    its range; its 10-bit mantissa loses nothing of bf16's 7)."""
+    if cache_dtype == tl.float8e4nv:
+        if q.dtype == tl.bfloat16:
+            q = tl.clamp(q.to(tl.float32), -_FP16_MAX, _FP16_MAX).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -112,7 +120,8 @@ def _load_kv_tile(
     BLOCK_SIZE: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
     """The K and V rows of cache positions `pos` (zeros where not `valid`) of one kv head, through a block table,
-    in DTYPE (the query's): an fp8 cache's tiles are converted for tl.dot; a cache in DTYPE compiles no conversion."""
+    in DTYPE (the query's, see _dot_query): an fp8 cache's tiles are converted for tl.dot; a cache in DTYPE compiles
+    no conversion."""
     blk = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     off = pos % BLOCK_SIZE
     kv_mask = valid[:, None] & d_mask[None, :]
@@ -155,26 +164,6 @@ def _softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.con
     return m_new, l_i, acc
 
 
-@triton.jit
-def _normed_rotated(row_ptr, heads, head_mask, d, d_mask, norm_ptr, eps, cos, sin, dtype: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
-    """Heads `heads` of a fused q/k/v row, RMS-normed (QK_NORM) and rotated, rounded where `_rotate_and_store_kernel`
-    rounds: (len(heads), BLOCK_D) fp32 holding dtype values. cos, sin: (BLOCK_D,), each half's table repeated."""
-    partner = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)  # the element each one rotates with
-    mask = head_mask[:, None] & d_mask[None, :]
-    at = row_ptr + heads[:, None] * HEAD_DIM
-    x = tl.load(at + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(at + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if QK_NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        w = tl.load(norm_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        w_partner = tl.load(norm_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        x = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x_partner = (w_partner * (x_partner * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)[None, :]
-    return (x * cos[None, :] + sign * x_partner * sin[None, :]).to(dtype).to(tl.float32)
-
-
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
 # a second) whenever that width first changes divisibility. The split count is chosen per batch-size bucket: as a
 # plain (unspecialized) argument, one compile serves every bucket's CUDA graph.
@@ -182,7 +171,6 @@ def _normed_rotated(row_ptr, heads, head_mask, d, d_mask, norm_ptr, eps, cos, si
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, shared_len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     arrivals_ptr, qk_scale, window,
-    positions_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, eps, slot_mapping_ptr, stride_cos,
     stride_qb, stride_qh, stride_qd,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
@@ -191,8 +179,7 @@ def _decode_kernel(
     num_splits, num_slots,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CASCADE: tl.constexpr, MERGE: tl.constexpr, GROUP_ROWS: tl.constexpr, MAX_SLOTS: tl.constexpr,
-    ROTATE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    CASCADE: tl.constexpr, MERGE: tl.constexpr, GROUP_ROWS: tl.constexpr, MAX_SLOTS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, kv head, split): all GROUP query heads share each K/V tile load.
 
@@ -201,11 +188,7 @@ def _decode_kernel(
     `_decode_reduce_kernel` merges the partials.
     MERGE (several splits, no CASCADE): only the splits that hold a KV tile run, and the last of them to finish
     merges their partials itself (`arrivals` counts them per (sequence, kv head)); a context of one tile writes the
-    output directly. A short context thus costs no second kernel, and a long one no extra launch.
-    ROTATE (no CASCADE): q_ptr holds the rows of the fused q/k/v projection (q heads, k heads, v heads), and this
-    kernel does what `_rotate_and_store_kernel` does for a decode step: the q/k norm (QK_NORM) and RoPE of each row's
-    token, and its K/V store at slot_mapping (split 0 stores; every split uses the new K/V from registers). Nothing
-    the previous kernel writes is then in the cache, so the last KV tile is requested before waiting for it."""
+    output directly. A short context thus costs no second kernel, and a long one no extra launch."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -234,65 +217,24 @@ def _decode_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     kc_head = k_cache_ptr + kvh * stride_kc_h
     vc_head = v_cache_ptr + kvh * stride_vc_h
-    loop_hi = hi
-    if ROTATE:  # the range's last tile (which holds the new token in the last split) is peeled off the loop
-        position = tl.load(positions_ptr + b)  # the new token's: seq_len - 1
-        last_lo = lo + tl.maximum(tl.cdiv(hi - lo, BLOCK_N) - 1, 0) * BLOCK_N
-        loop_hi = last_lo
-        last_pos = last_lo + tl.arange(0, BLOCK_N)
-        last_valid = last_pos < hi
-        last_k, last_v = _load_kv_tile(bt_row, kc_head, vc_head, last_pos, last_valid & (last_pos != position), d,
-                                       d_mask, stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk,
-                                       stride_vc_off, stride_vc_d, BLOCK_SIZE,
-                                       q_ptr.dtype.element_ty)  # (BLOCK_N, BLOCK_D) each
     wait_for_previous(PDL)
 
-    if ROTATE:
-        dtype = q_ptr.dtype.element_ty
-        table = tl.maximum(position, 0) * stride_cos + tl.where(d < HEAD_DIM // 2, d, d - HEAD_DIM // 2)
-        # The reference casts the fp32 tables to the model dtype before rotating.
-        cos = tl.load(cos_ptr + table, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-        sin = tl.load(sin_ptr + table, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-        qkv_row = q_ptr + b.to(tl.int64) * stride_qb
-        q = _normed_rotated(qkv_row, heads, g_mask, d, d_mask, q_norm_ptr, eps, cos, sin, dtype, HEAD_DIM,
-                            QK_NORM).to(dtype)  # (BLOCK_G, BLOCK_D)
-        num_heads = GROUP * tl.num_programs(1)
-        k_head = num_heads + kvh + tl.arange(0, 1)  # (1,)
-        new_k = to_cache_dtype(_normed_rotated(qkv_row, k_head, k_head >= 0, d, d_mask, k_norm_ptr, eps, cos, sin,
-                                               dtype, HEAD_DIM, QK_NORM).to(dtype),
-                               k_cache_ptr.dtype.element_ty)  # (1, BLOCK_D)
-        v_at = qkv_row + (k_head + tl.num_programs(1))[:, None] * HEAD_DIM + d[None, :]
-        new_v = to_cache_dtype(tl.load(v_at, mask=d_mask[None, :], other=0.0),
-                               v_cache_ptr.dtype.element_ty)  # (1, BLOCK_D)
-        slot = tl.load(slot_mapping_ptr + b)
-        if (split == 0) & (slot >= 0):  # padding rows of a graph bucket write no K/V
-            blk = slot // BLOCK_SIZE
-            off = slot % BLOCK_SIZE
-            store = d_mask[None, :]
-            tl.store(kc_head + blk * stride_kc_blk + off * stride_kc_off + d[None, :] * stride_kc_d, new_k, mask=store)
-            tl.store(vc_head + blk * stride_vc_blk + off * stride_vc_off + d[None, :] * stride_vc_d, new_v, mask=store)
-        is_new = (last_pos == position)[:, None]  # read as the cache will hold them
-        last_k = tl.where(is_new, new_k.to(dtype), last_k)
-        last_v = tl.where(is_new, new_v.to(dtype), last_v)
-    else:
-        # BLOCK_G is padded to >= 16 rows because tl.dot needs it; the padding rows are zero queries, never stored.
-        q = tl.load(
-            q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-            mask=g_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )  # (BLOCK_G, BLOCK_D)
+    # BLOCK_G is padded to >= 16 rows because tl.dot needs it; the padding rows are zero queries, never stored.
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_G, BLOCK_D)
+    q = _dot_query(q, k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i, l_i, acc = _attend_kv_range(
-        q, m_i, l_i, acc, lo, loop_hi, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
+        q, m_i, l_i, acc, lo, hi, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
         stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
         BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
-    if ROTATE:
-        if hi > lo:
-            m_i, l_i, acc = _softmax_tile(q, last_k, last_v, last_valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     # Empty ranges (padding rows, splits past the context) leave l_i == 0 and acc == 0: they output zeros.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -378,6 +320,7 @@ def _shared_prefix_kernel(
         mask=live[:, None] & d_mask[None, :],
         other=0.0,
     )  # (BLOCK_M, BLOCK_D)
+    q = _dot_query(q, k_cache_ptr.dtype.element_ty)
 
     tiles_per_split = tl.cdiv(tl.cdiv(shared_len, BLOCK_N), num_splits)
     lo = split * tiles_per_split * BLOCK_N
@@ -459,47 +402,8 @@ def decode_attention(
     # finished splits. The engine keeps one for all layers and steps (graphs capture its address); None: a fresh one.
     split_arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (B, H, D)
-    return _decode(q, q.shape, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, num_splits,
-                   shared_prefix_len, num_prefix_splits, split_arrivals, rotation=None)
-
-
-def rotation_fuses(batch: int, num_kv_heads: int, device: torch.device, cascade: bool) -> bool:
-    """Whether a decode step of `batch` rows should leave its q/k norm, RoPE and K/V store to decode attention
-    (`rotate_store_and_decode`): where the KV is split, that is at small batches, whose steps are chains of short
-    kernels. There it spares a launch per layer and lets attention request its KV before the projection ends;
-    at large batches the separate kernel keeps attention's pipelined KV loop whole."""
-    return FUSE_ROTATION and not cascade and _default_num_splits(batch, num_kv_heads, device) > 1
-
-
-def rotate_store_and_decode(
-    rotation: DecodeRotation,  # the step's q/k/v projection rows, before the q/k norm and RoPE
-    num_heads: int,
-    k_cache: torch.Tensor,  # (NB, BS, KVH, D)
-    v_cache: torch.Tensor,  # (NB, BS, KVH, D)
-    block_tables: torch.Tensor,  # (B, M) int32
-    seq_lens: torch.Tensor,  # (B,) int32, 0 = padding row (outputs zeros)
-    scale: float,
-    sliding_window: int | None = None,
-    *,
-    num_splits: int | None = None,
-    split_arrivals: torch.Tensor | None = None,
-) -> torch.Tensor:  # (B, H, D)
-    """rotary_triton.rotate_and_store (q/k norm, RoPE, the K/V store) then decode_attention, in one launch."""
-    qkv = rotation.qkv
-    head_dim = k_cache.shape[-1]
-    assert qkv.stride(1) == 1 and rotation.cos.stride(1) == 1, "qkv rows and the cos/sin tables must be contiguous"
-    assert qkv.shape[1] == (num_heads + 2 * k_cache.shape[2]) * head_dim, f"qkv {tuple(qkv.shape)}"
-    return _decode(qkv, (qkv.shape[0], num_heads, head_dim), k_cache, v_cache, block_tables, seq_lens, scale,
-                   sliding_window, num_splits, None, None, split_arrivals, rotation)
-
-
-def _decode(q: torch.Tensor, q_shape: tuple[int, int, int], k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
-            num_splits: int | None, shared_prefix_len: torch.Tensor | None, num_prefix_splits: int | None,
-            split_arrivals: torch.Tensor | None, rotation: DecodeRotation | None) -> torch.Tensor:
-    """decode_attention of q (B, H, D), or with a rotation, of the queries it holds unrotated (q is then its qkv)."""
-    batch, num_heads, head_dim = q_shape
-    out = torch.empty(q_shape, dtype=q.dtype, device=q.device)
+    batch, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if batch == 0:
         return out
@@ -514,8 +418,6 @@ def _decode(q: torch.Tensor, q_shape: tuple[int, int, int], k_cache: torch.Tenso
     # fp32 tiles hold twice the bytes (and tf32x3 splits each into three): smaller tiles avoid register spills.
     wide = block_d > 128 or q.dtype == torch.float32
     block_n = 32 if wide else 64
-    if rotation is not None:
-        block_n = min(block_n, ROTATION_BLOCK_N)
     prefix_block_m = 32 if wide else 64
     prefix_tiles = triton.cdiv(batch * group, prefix_block_m)
     if cascade and num_prefix_splits is None:
@@ -532,28 +434,17 @@ def _decode(q: torch.Tensor, q_shape: tuple[int, int, int], k_cache: torch.Tenso
     merge = not cascade and num_splits > 1
     if merge and (split_arrivals is None or split_arrivals.numel() < batch * num_kv_heads):
         split_arrivals = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
-    if rotation is None:
-        q_strides = q.stride()
-        unused = seq_lens  # a pointer the kernel never reads without ROTATE
-        rotation_args = (unused, unused, unused, unused, unused, 0.0, unused, 0)
-    else:
-        q_strides = (q.stride(0), head_dim, 1)
-        q_norm, k_norm, eps = rotation.qk_norm if rotation.qk_norm is not None else (q, q, 0.0)  # unread without
-        rotation_args = (rotation.positions, rotation.cos, rotation.sin, q_norm, k_norm, eps, rotation.slot_mapping,
-                         rotation.cos.stride(0))
     dot_precision = _dot_precision(q.dtype)
     pdl = launch_options(q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, shared_prefix_len if cascade else seq_lens, out, mid_o, mid_lse,
         split_arrivals if merge else seq_lens, scale * _LOG2E, sliding_window or _NO_WINDOW,
-        *rotation_args,
-        *q_strides, *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         num_splits, num_slots,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision, CASCADE=cascade, MERGE=merge, GROUP_ROWS=triton.next_power_of_2(group),
-        MAX_SLOTS=_MAX_SPLITS, ROTATE=rotation is not None,
-        QK_NORM=rotation is not None and rotation.qk_norm is not None,
+        MAX_SLOTS=_MAX_SPLITS,
         # A third stage keeps one more K/V tile in flight: 3-10% faster on bf16 at batch 64-256 on the H200
         # (benchmarks/sweep_decode_attention.py); the fp32 tiles stay at two for their shared memory.
         num_warps=4, num_stages=2 if wide else 3, **pdl,
@@ -611,6 +502,7 @@ def _prefill_kernel(
         mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # (BLOCK_M, BLOCK_D)
+    q = _dot_query(q, k_cache_ptr.dtype.element_ty)
 
     kvh = h // GROUP
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt

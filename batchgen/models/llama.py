@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from batchgen.layers.activation import SiluAndMul
-from batchgen.layers.attention import Attention, AttentionMetadata, DecodeRotation
+from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.compiled import compiled
 from batchgen.layers.fused import norm_then_gate_up, norm_then_linear
 from batchgen.layers.linear import Linear
@@ -51,8 +51,7 @@ class LlamaAttention(nn.Module):
         self._norm_and_rotate = compiled(norm_and_rotate)
 
     def use_triton(self) -> None:
-        """q/k norm, RoPE and the K/V cache store as one Triton kernel, for CUDA inputs; inside the decode attention
-        kernel where that takes them (small batches, with attention_triton.FUSE_ROTATION)."""
+        """q/k norm, RoPE and the K/V cache store as one Triton kernel, for CUDA inputs."""
         from batchgen.layers.rotary_triton import rotate_and_store
 
         self._rotate_and_store = rotate_and_store
@@ -62,9 +61,6 @@ class LlamaAttention(nn.Module):
         num_tokens = qkv.shape[0]
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         if self._rotate_and_store is not None and qkv.is_cuda:
-            if self.attn.rotates_in_decode(meta, num_tokens):
-                rotation = DecodeRotation(qkv, positions, self.rotary.cos, self.rotary.sin, norms, meta.slot_mapping)
-                return self.o_proj(self.attn.attend_rotating(rotation, meta))
             q = self._rotate_and_store(qkv, positions, self.rotary.cos, self.rotary.sin, norms, self.attn.k_cache,
                                        self.attn.v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads)
             return self.o_proj(self.attn.attend(q, meta))  # (T, hidden)

@@ -3,7 +3,8 @@
 For each batch size: run a short generation so the bucket's graph holds a real decode step, replay that graph
 under torch.profiler, and list the kernels by GPU time per step (microseconds), with launches per step.
 
-Usage: python -m benchmarks.profile_decode [--batches 1 64] [--context 512] [--replays 20] [--top 20] [--out DIR]
+Usage: python -m benchmarks.profile_decode [--batches 1 64] [--context 512] [--replays 20] [--top 20]
+                                          [--kv-cache-dtype fp8] [--out DIR]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.sampling_params import SamplingParams
 from benchmarks.common import (
+    add_kv_cache_dtype_argument,
     add_out_argument,
     build_engine,
     environment,
@@ -61,17 +63,21 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens of each request")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--top", type=int, default=20, help="kernels listed per batch size")
+    add_kv_cache_dtype_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.exit(0, "profile_decode needs CUDA: it profiles CUDA-graph replays\n")
 
-    engine = build_engine(qwen3_model_config(), max_model_len=4096, max_num_seqs=max(args.batches))
+    engine = build_engine(qwen3_model_config(), max_model_len=4096, max_num_seqs=max(args.batches),
+                          kv_cache_dtype=args.kv_cache_dtype)
     try:
         results = [kernel_times(engine, batch, args.context, args.replays) for batch in args.batches]
     finally:
         engine.close()
-    save_json(args.out, "profile_decode", {"environment": environment(), "results": results})
+    suffix = "_fp8" if args.kv_cache_dtype == "fp8" else ""
+    save_json(args.out, "profile_decode" + suffix, {"environment": environment(),
+                                                    "kv_cache_dtype": args.kv_cache_dtype, "results": results})
     for result in results:
         print(f"\n## profile_decode: batch {result['batch']} (graph {result['padded_size']}), context "
               f"{result['context']}: {result['kernel_us_per_step']:.0f} us of kernels, "

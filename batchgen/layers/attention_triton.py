@@ -417,7 +417,9 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     # fp32 tiles hold twice the bytes (and tf32x3 splits each into three): smaller tiles avoid register spills.
     wide = block_d > 128 or q.dtype == torch.float32
-    block_n = 32 if wide else 64
+    # fp8 tiles of 128 positions hold the bytes of 16-bit ones of 64: on the H200 they read an fp8 cache 22% faster
+    # than 64-position ones at batch 256 (sweep_decode_attention --kv-cache-dtype fp8).
+    block_n = 32 if wide else 128 if k_cache.element_size() == 1 else 64
     prefix_block_m = 32 if wide else 64
     prefix_tiles = triton.cdiv(batch * group, prefix_block_m)
     if cascade and num_prefix_splits is None:

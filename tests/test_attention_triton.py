@@ -1,8 +1,8 @@
 """The Triton paged-attention ops against the plain-PyTorch reference, on fresh random inputs of many shapes.
 
 Runs on CUDA; without a GPU, `TRITON_INTERPRET=1 pytest tests/test_attention_triton.py` runs the same cases, scaled
-down, through Triton's CPU interpreter (it needs numpy<2.4; bf16 attention, fp8 stores and CUDA-graph capture run on
-CUDA only).
+down, through Triton's CPU interpreter (it needs numpy<2.4; bf16 attention over a bf16 cache, fp8 stores and
+CUDA-graph capture run on CUDA only).
 """
 
 from __future__ import annotations

@@ -109,8 +109,7 @@ def main() -> None:
     for r in results:
         r["floor_fraction"] = floor_ms / r["decode_forward_ms"] if r["decode_forward_ms"] else None
     variants = {"_tiny": args.tiny, "_unfused": args.unfused, "_no_pdl": args.no_pdl,
-                "_unfused_silu": args.unfused_silu}
-    variants["_fp8"] = args.kv_cache_dtype == "fp8"
+                "_unfused_silu": args.unfused_silu, "_fp8": args.kv_cache_dtype == "fp8"}
     suffix = "".join(name for name, on in variants.items() if on)
     save_json(args.out, "b1_latency" + suffix, {
         "environment": environment(), "gemv_fusions": not args.unfused, "pdl": not args.no_pdl,

@@ -18,8 +18,8 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from batchgen.engine.llm_engine import resolve_kv_cache_dtype
 from batchgen.layers import attention_triton as at
-from batchgen.layers.attention_torch import FP8_DTYPE
 from benchmarks.bench_attention import (
     BLOCK_SIZE,
     DTYPE,
@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
-    cache_dtype = FP8_DTYPE if args.kv_cache_dtype == "fp8" else DTYPE
+    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, DTYPE)
     scale = HEAD_DIM**-0.5
     results = []
     for batch, (lo, hi) in itertools.product(args.batches, ((100, 2048), (512, 512), (2048, 2048))):

@@ -17,25 +17,20 @@ def upload_packed(arrays: Sequence[np.ndarray], device: torch.device, pinned: bo
     """The arrays on the device, each with its host shape and dtype: views into one byte buffer that one
     (non-blocking, from pinned memory when `pinned`) copy fills. A step's eager inputs are a handful of arrays of a
     few KB each, where every separate copy costs the host a pinned staging buffer and a launch of its own."""
-    offsets, total = [], 0
+    spans, total = [], 0  # each array's elements in the buffer seen as its dtype
     for array in arrays:
-        offsets.append(total)
+        start = total // array.itemsize
+        spans.append(slice(start, start + array.size))
         total += -(-array.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
     host = torch.empty(max(total, _ALIGN_BYTES), dtype=torch.uint8, pin_memory=pinned)
     # The whole buffer seen once per dtype (it is a multiple of 64 bytes long): each array is then one slice.
     dtypes = {array.dtype for array in arrays}
     staging = {dtype: host.numpy().view(dtype) for dtype in dtypes}
-    for array, offset in zip(arrays, offsets, strict=True):
-        start = offset // array.itemsize
-        staging[array.dtype][start:start + array.size] = array.ravel()
+    for array, span in zip(arrays, spans, strict=True):
+        staging[array.dtype][span] = array.ravel()
     device_bytes = host.to(device, non_blocking=True)
     packed = {dtype: device_bytes.view(_torch_dtype(dtype)) for dtype in dtypes}
-    uploaded = []
-    for array, offset in zip(arrays, offsets, strict=True):
-        start = offset // array.itemsize
-        view = packed[array.dtype][start:start + array.size]
-        uploaded.append(view if array.ndim == 1 else view.view(array.shape))
-    return uploaded
+    return [packed[array.dtype][span].view(array.shape) for array, span in zip(arrays, spans, strict=True)]
 
 
 @cache

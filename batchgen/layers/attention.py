@@ -73,9 +73,11 @@ class Attention(nn.Module):
         """Attention over the cache, which already holds this step's K/V."""
         q = q.view(-1, self.num_heads, self.head_dim)
         if meta.is_decode:
+            # A window cuts the shared prefix differently for every row: windowed layers never cascade.
+            shared = meta.shared_prefix_len if self.sliding_window is None else None
             out = self.ops.decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
                                             sliding_window=self.sliding_window,
-                                            shared_prefix_len=self._shared_prefix_len(meta),
+                                            shared_prefix_len=shared,
                                             split_arrivals=meta.split_arrivals)
         else:
             out = self.ops.prefill_attention(
@@ -84,6 +86,3 @@ class Attention(nn.Module):
             )
         return out.reshape(-1, self.num_heads * self.head_dim)
 
-    def _shared_prefix_len(self, meta: AttentionMetadata) -> torch.Tensor | None:
-        # A window cuts the shared prefix differently for every row: windowed layers never cascade.
-        return meta.shared_prefix_len if self.sliding_window is None else None

@@ -147,21 +147,15 @@ def _attend_kv_range(
         k, v = _load_kv_tile(block_table, kc_head, vc_head, pos, valid, d, d_mask,
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
                              BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
-        m_i, l_i, acc = _softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
     return m_i, l_i, acc
-
-
-@triton.jit
-def _softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of the queries q over a K/V tile whose `valid` positions count (at least one)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
 
 
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
@@ -366,8 +360,8 @@ def _decode_reduce_kernel(
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _default_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
@@ -378,7 +372,7 @@ def _default_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> 
     if device.type != "cuda":
         return 1
     programs = batch * num_kv_heads
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = _sm_count(device)
     if programs >= sms:
         return 1
     return min(_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(sms, programs)))

@@ -24,8 +24,8 @@ ENABLED = True  # read at each launch (set it before the engine captures its gra
 
 
 @functools.cache
-def _hopper_or_later(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -33,7 +33,7 @@ def pdl_enabled(device: torch.device) -> bool:
     have no griddepcontrol instruction), never Triton's CPU interpreter."""
     if not ENABLED or device.type != "cuda":
         return False
-    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+    return _hopper_or_later(device)
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:

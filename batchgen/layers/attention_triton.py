@@ -21,6 +21,9 @@ not cascade (a window would cut the prefix differently for every row).
 An fp8 cache (float8_e4m3fn, Triton's fp8e4nv: compute capability 8.9 or newer) is written clamped to its range and
 read as tiles converted to fp16 (or fp32 for fp32 queries) before tl.dot, with the queries in that dtype too
 (`_dot_query`); a cache in the query's dtype compiles exactly as before.
+
+Context lengths are read as int32 whatever the dtype of their tensor (the CUDA-graph buffers hold int64): int64
+lengths make every position and tile bound of the KV loop 64-bit.
 """
 
 from __future__ import annotations
@@ -186,7 +189,7 @@ def _decode_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)  # the step's inputs, written before any of its kernels ran
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)  # the step's inputs, written before any of its kernels ran
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -484,7 +487,7 @@ def _prefill_kernel(
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     if tile * BLOCK_M >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     ctx_len = seq_len - q_len  # cached prefix before this chunk
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)

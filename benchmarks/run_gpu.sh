@@ -51,6 +51,8 @@ step prefix_cache 240 "$PY" -m benchmarks.prefix_cache
 step bench_attention 60 "$PY" -m benchmarks.bench_attention
 step sweep_decode_attention 200 "$PY" -m benchmarks.sweep_decode_attention
 step sweep_decode_attention_fp8 120 "$PY" -m benchmarks.sweep_decode_attention --kv-cache-dtype fp8 --batches 256
+step sweep_decode_splits 90 "$PY" -m benchmarks.sweep_decode_splits
+step sweep_decode_splits_fp8 90 "$PY" -m benchmarks.sweep_decode_splits --kv-cache-dtype fp8
 step bench_cascade_attention 60 "$PY" -m benchmarks.bench_cascade_attention
 step bench_linear 90 "$PY" -m benchmarks.bench_linear
 step main_job_cold 150 "$PY" -m benchmarks.main_job --fresh-caches

@@ -49,16 +49,16 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, block_n, 
 
     arrivals = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=q.device)
 
-    def run():  # as the engine launches it: the last split to finish merges the partials
+    def run():  # as the engine launches it: one split is a compile of its own; with more, the last to finish merges
         at._decode_kernel[(batch, NUM_KV_HEADS, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, seq_lens, out, mid_o, mid_lse, arrivals,
             scale * at._LOG2E, at._NO_WINDOW,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
             splits, splits,
             GROUP=num_heads // NUM_KV_HEADS, HEAD_DIM=head_dim, BLOCK_SIZE=BLOCK_SIZE,
-            BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n, DOT_PRECISION="tf32", CASCADE=False, MERGE=True,
+            BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n, DOT_PRECISION="tf32", CASCADE=False, MERGE=splits > 1,
             GROUP_ROWS=triton.next_power_of_2(num_heads // NUM_KV_HEADS), MAX_SLOTS=at._MAX_SPLITS, PDL=False,
-            num_warps=warps, num_stages=stages,
+            num_warps=warps, num_stages=stages, **at.register_cap(block_n, q.device),
         )  # fmt: skip
         return out
 

@@ -367,18 +367,32 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _default_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Split the KV (flash-decoding) only when (sequence, kv head) programs alone cannot fill the GPU.
+# Programs per SM that the split KV aims for, by tile positions (the sweep in benchmarks/RESULTS.md, tenth session:
+# H200, batches 8 to 256, contexts 100-2048). More, shorter programs even out ragged contexts until the merge costs
+# more than they gain; fp8's 128-position tiles reach that point at fewer. fp32's 32-position tiles, and the cascade
+# kernels, split only to fill the SMs once, as they were tuned.
+_PROGRAMS_PER_SM = {64: 14, 128: 8}
+
+
+def register_cap(block_n: int, device: torch.device) -> dict[str, int]:
+    """The decode kernel's launch option that bounds its registers. Left alone, ptxas gives the one-split fp8
+    compile (128-position tiles) 200-205 registers a thread: two programs an SM. Capped for three, it spills nothing
+    and reads 9-12% faster at batch 64-256 on the H200."""
+    return {"maxnreg": 168} if block_n == 128 and device.type == "cuda" else {}
+
+
+def _default_num_splits(programs: int, device: torch.device, block_n: int | None = None) -> int:
+    """Splits of each of `programs` KV ranges (flash-decoding): enough for the launch to hold the programs per SM
+    that its tile size wants (`_PROGRAMS_PER_SM`).
 
     Depends only on the batch bucket and static config, so each captured graph keeps a fixed launch config.
     """
     if device.type != "cuda":
         return 1
-    programs = batch * num_kv_heads
-    sms = _sm_count(device)
-    if programs >= sms:
+    target = _PROGRAMS_PER_SM.get(block_n, 1) * _sm_count(device)
+    if programs >= target:
         return 1
-    return min(_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(sms, programs)))
+    return min(_MAX_SPLITS, triton.next_power_of_2(triton.cdiv(target, programs)))
 
 
 def decode_attention(
@@ -405,22 +419,22 @@ def decode_attention(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    if num_splits is None:
-        num_splits = _default_num_splits(batch, num_kv_heads, q.device)
-    assert 1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0, \
-        f"num_splits must be a power of two up to {_MAX_SPLITS}"
     cascade = shared_prefix_len is not None
-    assert not (cascade and sliding_window), "the shared-prefix kernel has no sliding window"
     block_d = max(16, triton.next_power_of_2(head_dim))
     # fp32 tiles hold twice the bytes (and tf32x3 splits each into three): smaller tiles avoid register spills.
     wide = block_d > 128 or q.dtype == torch.float32
     # fp8 tiles of 128 positions hold the bytes of 16-bit ones of 64: on the H200 they read an fp8 cache 22% faster
     # than 64-position ones at batch 256 (sweep_decode_attention --kv-cache-dtype fp8).
     block_n = 32 if wide else 128 if k_cache.element_size() == 1 else 64
+    if num_splits is None:
+        num_splits = _default_num_splits(batch * num_kv_heads, q.device, None if cascade else block_n)
+    assert 1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0, \
+        f"num_splits must be a power of two up to {_MAX_SPLITS}"
+    assert not (cascade and sliding_window), "the shared-prefix kernel has no sliding window"
     prefix_block_m = 32 if wide else 64
     prefix_tiles = triton.cdiv(batch * group, prefix_block_m)
     if cascade and num_prefix_splits is None:
-        num_prefix_splits = _default_num_splits(prefix_tiles, num_kv_heads, q.device)
+        num_prefix_splits = _default_num_splits(prefix_tiles * num_kv_heads, q.device)
     num_slots = num_splits + (num_prefix_splits if cascade else 0)
     assert num_slots <= 2 * _MAX_SPLITS, f"num_prefix_splits must be at most {_MAX_SPLITS}"
     if num_slots > 1:
@@ -446,7 +460,7 @@ def decode_attention(
         MAX_SLOTS=_MAX_SPLITS,
         # A third stage keeps one more K/V tile in flight: 3-10% faster on bf16 at batch 64-256 on the H200
         # (benchmarks/sweep_decode_attention.py); the fp32 tiles stay at two for their shared memory.
-        num_warps=4, num_stages=2 if wide else 3, **pdl,
+        num_warps=4, num_stages=2 if wide else 3, **pdl, **register_cap(block_n, q.device),
     )  # fmt: skip
     if cascade:
         _shared_prefix_kernel[(prefix_tiles, num_kv_heads, num_prefix_splits)](

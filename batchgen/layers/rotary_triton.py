@@ -18,7 +18,7 @@ from batchgen.layers.pdl import launch_options, wait_for_previous
 @triton.jit
 def _rms_normed(x1, x2, weight_ptr, i, i_mask, eps, dtype: tl.constexpr, HALF: tl.constexpr,
                 HEAD_DIM: tl.constexpr):
-    """RMSNorm of a head given as halves (1, BLOCK_HALF) in fp32, rounded like the reference: weight * x.to(dtype).
+    """RMSNorm of heads given as halves (heads, BLOCK_HALF) in fp32, rounded like the reference: weight * x.to(dtype).
 
     i: (1, BLOCK_HALF) offsets into the first half of the weight."""
     rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
@@ -36,12 +36,15 @@ def _rotate_and_store_kernel(
     stride_qkv_t, stride_cos_p, stride_qo_t, stride_qo_h,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_vc_blk, stride_vc_off, stride_vc_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program per (token, q head) and per (token, kv head): small programs, so a decode step's few tokens
-    still spread over many SMs."""
+    """Two programs per token: its q heads, and its k and v heads, each as a (heads, BLOCK_HALF) tile per half.
+
+    A program per head would wait on the same chain of dependent loads (position, then tables and rows) as many
+    times as there are heads: at batch 256 that was 8 us a layer on an H200."""
     t = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    is_kv = tl.program_id(1) == 1
     dtype = q_out_ptr.dtype.element_ty
     wait_for_previous(PDL)
     pos = tl.load(positions_ptr + t)
@@ -51,34 +54,37 @@ def _rotate_and_store_kernel(
     cos = tl.load(cos_ptr + pos * stride_cos_p + i, mask=i_mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos_p + i, mask=i_mask, other=0.0).to(dtype).to(tl.float32)
     row = qkv_ptr + t * stride_qkv_t
-    if head < NUM_HEADS:
+    if not is_kv:
+        head = tl.arange(0, BLOCK_Q_HEADS)[:, None]
+        mask = (head < NUM_HEADS) & i_mask
         q_at = row + head * HEAD_DIM + i
-        q1 = tl.load(q_at, mask=i_mask, other=0.0).to(tl.float32)
-        q2 = tl.load(q_at + HALF, mask=i_mask, other=0.0).to(tl.float32)
+        q1 = tl.load(q_at, mask=mask, other=0.0).to(tl.float32)
+        q2 = tl.load(q_at + HALF, mask=mask, other=0.0).to(tl.float32)
         if QK_NORM:
             q1, q2 = _rms_normed(q1, q2, q_norm_ptr, i, i_mask, eps, dtype, HALF, HEAD_DIM)
         q_out = q_out_ptr + t * stride_qo_t + head * stride_qo_h + i
-        tl.store(q_out, (q1 * cos - q2 * sin).to(dtype), mask=i_mask)
-        tl.store(q_out + HALF, (q2 * cos + q1 * sin).to(dtype), mask=i_mask)
+        tl.store(q_out, (q1 * cos - q2 * sin).to(dtype), mask=mask)
+        tl.store(q_out + HALF, (q2 * cos + q1 * sin).to(dtype), mask=mask)
     else:
         slot = tl.load(slot_mapping_ptr + t)
         if slot >= 0:  # padding rows of a graph bucket write no K/V
-            g = head - NUM_HEADS
+            g = tl.arange(0, BLOCK_KV_HEADS)[:, None]
+            mask = (g < NUM_KV_HEADS) & i_mask
             blk = slot // BLOCK_SIZE
             off = slot % BLOCK_SIZE
             k_at = row + (NUM_HEADS + g) * HEAD_DIM + i
-            k1 = tl.load(k_at, mask=i_mask, other=0.0).to(tl.float32)
-            k2 = tl.load(k_at + HALF, mask=i_mask, other=0.0).to(tl.float32)
+            k1 = tl.load(k_at, mask=mask, other=0.0).to(tl.float32)
+            k2 = tl.load(k_at + HALF, mask=mask, other=0.0).to(tl.float32)
             if QK_NORM:
                 k1, k2 = _rms_normed(k1, k2, k_norm_ptr, i, i_mask, eps, dtype, HALF, HEAD_DIM)
             cache_dtype = k_cache_ptr.dtype.element_ty
             k_out = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + g * stride_kc_h + i
-            tl.store(k_out, to_cache_dtype((k1 * cos - k2 * sin).to(dtype), cache_dtype), mask=i_mask)
-            tl.store(k_out + HALF, to_cache_dtype((k2 * cos + k1 * sin).to(dtype), cache_dtype), mask=i_mask)
+            tl.store(k_out, to_cache_dtype((k1 * cos - k2 * sin).to(dtype), cache_dtype), mask=mask)
+            tl.store(k_out + HALF, to_cache_dtype((k2 * cos + k1 * sin).to(dtype), cache_dtype), mask=mask)
             v_at = k_at + NUM_KV_HEADS * HEAD_DIM
             v_out = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_off + g * stride_vc_h + i
-            tl.store(v_out, to_cache_dtype(tl.load(v_at, mask=i_mask), cache_dtype), mask=i_mask)
-            tl.store(v_out + HALF, to_cache_dtype(tl.load(v_at + HALF, mask=i_mask), cache_dtype), mask=i_mask)
+            tl.store(v_out, to_cache_dtype(tl.load(v_at, mask=mask), cache_dtype), mask=mask)
+            tl.store(v_out + HALF, to_cache_dtype(tl.load(v_at + HALF, mask=mask), cache_dtype), mask=mask)
 
 
 def rotate_and_store(
@@ -101,13 +107,14 @@ def rotate_and_store(
         return q
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)  # unread without QK_NORM
     half = head_dim // 2
-    _rotate_and_store_kernel[(num_tokens, num_heads + num_kv_heads)](
+    _rotate_and_store_kernel[(num_tokens, 2)](
         qkv, positions, cos, sin, q_weight, k_weight, q, k_cache, v_cache, slot_mapping, eps,
         qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1], QK_NORM=qk_norm is not None,
-        num_warps=1, **launch_options(qkv.device),
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_Q_HEADS=triton.next_power_of_2(num_heads),
+        BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=k_cache.shape[1],
+        QK_NORM=qk_norm is not None, num_warps=4, **launch_options(qkv.device),
     )  # fmt: skip
     return q

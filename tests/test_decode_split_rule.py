@@ -1,0 +1,43 @@
+"""The decode kernel's default KV split count: what each CUDA-graph bucket launches (no GPU needed to choose it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from batchgen.layers import attention_triton  # noqa: E402
+
+SMS, KV_HEADS = 132, 8
+
+
+@pytest.mark.parametrize("block_n", [None, 32, 64, 128], ids=str)  # None: the cascade kernels
+def test_split_counts_fit_the_kernel_and_never_grow_with_the_batch(monkeypatch: pytest.MonkeyPatch,
+                                                                   block_n: int | None) -> None:
+    monkeypatch.setattr(attention_triton, "_sm_count", lambda device: SMS)
+    target = attention_triton._PROGRAMS_PER_SM.get(block_n, 1) * SMS
+    counts = [attention_triton._default_num_splits(batch * KV_HEADS, torch.device("cuda"), block_n)
+              for batch in range(1, 513)]
+    for batch, splits in enumerate(counts, start=1):
+        programs = batch * KV_HEADS
+        assert 1 <= splits <= attention_triton._MAX_SPLITS and splits & (splits - 1) == 0
+        assert (splits == 1) == (programs >= target), batch  # a launch at its target reads each context whole
+        assert programs * splits >= target or splits == attention_triton._MAX_SPLITS, batch
+        assert splits == 1 or programs * splits // 2 < target, batch  # the fewest splits that reach it
+    assert counts == sorted(counts, reverse=True)
+
+
+def test_fp8_tiles_never_split_more_than_16_bit_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8's 128-position tiles reach the point where merges cost more than balance gains at fewer programs."""
+    monkeypatch.setattr(attention_triton, "_sm_count", lambda device: SMS)
+    cuda = torch.device("cuda")
+    for batch in range(1, 513):
+        sixteen_bit, fp8 = (attention_triton._default_num_splits(batch * KV_HEADS, cuda, n) for n in (64, 128))
+        assert fp8 <= sixteen_bit, batch
+    assert attention_triton._default_num_splits(48 * KV_HEADS, cuda, 128) < \
+        attention_triton._default_num_splits(48 * KV_HEADS, cuda, 64)
+
+
+def test_off_cuda_reads_each_context_whole() -> None:
+    assert attention_triton._default_num_splits(8, torch.device("cpu"), 64) == 1

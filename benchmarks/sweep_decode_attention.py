@@ -65,15 +65,20 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, block_n, 
     return run
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+def parse_sweep_args(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, torch.dtype]:
+    """The attention sweeps' arguments with --kv-cache-dtype and --out, and the cache dtype; exits without CUDA."""
     add_kv_cache_dtype_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
-    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, DTYPE)
+    return args, resolve_kv_cache_dtype(args.kv_cache_dtype, DTYPE)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    args, cache_dtype = parse_sweep_args(parser)
     scale = HEAD_DIM**-0.5
     results = []
     for batch, (lo, hi) in itertools.product(args.batches, ((100, 2048), (512, 512), (2048, 2048))):

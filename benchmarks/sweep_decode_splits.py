@@ -11,16 +11,14 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import sys
 
 import torch
 from triton.testing import do_bench
 
-from batchgen.engine.llm_engine import resolve_kv_cache_dtype
 from batchgen.layers import attention_triton as at
-from benchmarks.bench_attention import DTYPE, HEAD_DIM, NUM_KV_HEADS
-from benchmarks.common import add_kv_cache_dtype_argument, add_out_argument, environment, markdown_table, save_json
-from benchmarks.sweep_decode_attention import ragged_inputs
+from benchmarks.bench_attention import HEAD_DIM, NUM_KV_HEADS
+from benchmarks.common import environment, markdown_table, save_json
+from benchmarks.sweep_decode_attention import parse_sweep_args, ragged_inputs
 
 BATCHES = (8, 16, 32, 48, 64, 96, 128, 192, 256)
 CONTEXTS = ((100, 2048), (1000, 1000))
@@ -28,13 +26,7 @@ SPLITS = (1, 2, 4, 8, 16)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_kv_cache_dtype_argument(parser)
-    add_out_argument(parser)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
-    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, DTYPE)
+    args, cache_dtype = parse_sweep_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     rows = []
     for (lo, hi), batch in itertools.product(CONTEXTS, BATCHES):
         q, k_cache, v_cache, block_tables, seq_lens = ragged_inputs(batch, lo, hi, cache_dtype)

@@ -101,7 +101,7 @@ def main() -> None:
             if best is None or ms < best["ms"]:
                 best = row
         # The engine's own launch: its tile for the cache, 4 warps, 3 stages, its split count for the batch.
-        engine_tile = 128 if cache_dtype.itemsize == 1 else 64
+        engine_tile = at.decode_tile(HEAD_DIM, DTYPE, cache_dtype)
         engine = {"batch": batch, "ctx": f"{lo}-{hi}", "block_n": engine_tile, "warps": 4, "stages": 3,
                   "splits": at._default_num_splits(batch * NUM_KV_HEADS, inputs[0].device, engine_tile)}
         engine_row = next((r for r in results if all(r[key] == value for key, value in engine.items())), best)

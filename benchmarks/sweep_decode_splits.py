@@ -37,8 +37,8 @@ def main() -> None:
             run = functools.partial(at.decode_attention, q, k_cache, v_cache, block_tables, seq_lens, HEAD_DIM**-0.5,
                                     num_splits=splits, split_arrivals=arrivals)
             row["default" if splits is None else f"{splits}"] = do_bench(run, return_mode="median") * 1e3
-        block_n = 128 if cache_dtype.itemsize == 1 else 64
-        row["default_splits"] = at._default_num_splits(batch * NUM_KV_HEADS, q.device, block_n)
+        tile = at.decode_tile(HEAD_DIM, q.dtype, cache_dtype)
+        row["default_splits"] = at._default_num_splits(batch * NUM_KV_HEADS, q.device, tile)
         rows.append(row)
     suffix = "_fp8" if args.kv_cache_dtype == "fp8" else ""
     save_json(args.out, "sweep_decode_splits" + suffix,

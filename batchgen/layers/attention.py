@@ -76,8 +76,7 @@ class Attention(nn.Module):
             # A window cuts the shared prefix differently for every row: windowed layers never cascade.
             shared = meta.shared_prefix_len if self.sliding_window is None else None
             out = self.ops.decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                            sliding_window=self.sliding_window,
-                                            shared_prefix_len=shared,
+                                            sliding_window=self.sliding_window, shared_prefix_len=shared,
                                             split_arrivals=meta.split_arrivals)
         else:
             out = self.ops.prefill_attention(
@@ -85,4 +84,3 @@ class Attention(nn.Module):
                 meta.max_query_len, meta.max_seq_len, sliding_window=self.sliding_window,
             )
         return out.reshape(-1, self.num_heads * self.head_dim)
-

@@ -374,6 +374,20 @@ def _sm_count(device: torch.device) -> int:
 _PROGRAMS_PER_SM = {64: 14, 128: 8}
 
 
+def _wide(head_dim: int, q_dtype: torch.dtype) -> bool:
+    """Whether tiles get fewer rows: fp32 ones hold twice the bytes (and tf32x3 splits each into three), and heads
+    over 128 wide more; smaller tiles avoid register spills."""
+    return triton.next_power_of_2(head_dim) > 128 or q_dtype == torch.float32
+
+
+def decode_tile(head_dim: int, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+    """KV positions per tile of the decode kernel. fp8 tiles of 128 positions hold the bytes of 16-bit ones of 64:
+    on the H200 they read an fp8 cache 22% faster than 64-position ones at batch 256 (sweep_decode_attention)."""
+    if _wide(head_dim, q_dtype):
+        return 32
+    return 128 if cache_dtype.itemsize == 1 else 64
+
+
 def register_cap(block_n: int, device: torch.device) -> dict[str, int]:
     """The decode kernel's launch option that bounds its registers. Left alone, ptxas gives the one-split fp8
     compile (128-position tiles) 200-205 registers a thread: two programs an SM. Capped for three, it spills nothing
@@ -421,11 +435,8 @@ def decode_attention(
     group = num_heads // num_kv_heads
     cascade = shared_prefix_len is not None
     block_d = max(16, triton.next_power_of_2(head_dim))
-    # fp32 tiles hold twice the bytes (and tf32x3 splits each into three): smaller tiles avoid register spills.
-    wide = block_d > 128 or q.dtype == torch.float32
-    # fp8 tiles of 128 positions hold the bytes of 16-bit ones of 64: on the H200 they read an fp8 cache 22% faster
-    # than 64-position ones at batch 256 (sweep_decode_attention --kv-cache-dtype fp8).
-    block_n = 32 if wide else 128 if k_cache.element_size() == 1 else 64
+    wide = _wide(head_dim, q.dtype)
+    block_n = decode_tile(head_dim, q.dtype, k_cache.dtype)
     if num_splits is None:
         num_splits = _default_num_splits(batch * num_kv_heads, q.device, None if cascade else block_n)
     assert 1 <= num_splits <= _MAX_SPLITS and num_splits & (num_splits - 1) == 0, \
@@ -571,8 +582,7 @@ def prefill_attention(
         return out
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     block_d = max(16, triton.next_power_of_2(head_dim))
-    # fp32 tiles hold twice the bytes (and tf32x3 splits each into three): smaller tiles avoid register spills.
-    wide = block_d > 128 or q.dtype == torch.float32
+    wide = _wide(head_dim, q.dtype)
     block_m = 32 if wide else 64
     block_n = 32 if wide else 64
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_heads, batch)](

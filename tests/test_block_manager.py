@@ -152,6 +152,22 @@ def test_uncached_prompt_blocks_are_those_missing_from_the_cache():
     request = make_request(1, prompt=[1, 2, 5, 6, 7, 8, 9])
     assert manager.uncached_prompt_blocks(request) == set(request.block_hashes[1:3])
     assert len(request.block_hashes) == 3
+    assert manager.uncached_prompt_blocks(request, num_hits=2) == {request.block_hashes[2]}
+
+
+def test_hash_prompt_hashes_the_full_prompt_blocks_of_requests_that_use_the_cache():
+    manager = BlockManager(num_blocks=10, block_size=2)
+    request = make_request(0, prompt=[1, 2, 3, 4, 5])
+    manager.hash_prompt(request)
+    assert request.block_hashes == hash_blocks(None, [1, 2, 3, 4], 2)
+    assert manager.num_cached_blocks == 0  # hashed, not cached: nothing is computed yet
+    opted_out = make_request(1, prompt=[1, 2, 3, 4, 5])
+    opted_out.use_prefix_cache = False
+    manager.hash_prompt(opted_out)
+    off = BlockManager(num_blocks=10, block_size=2, enable_prefix_caching=False)
+    uncached = make_request(2, prompt=[1, 2, 3])
+    off.hash_prompt(uncached)
+    assert opted_out.block_hashes == [] and uncached.block_hashes == []
 
 
 def test_an_entirely_cached_prompt_still_computes_its_last_token():

@@ -531,3 +531,12 @@ def test_later_samples_join_at_once_without_prefix_caching():
     assert list(scheduler.waiting) == samples
     output, _ = run_step(scheduler)
     assert output.num_seqs == 3 and output.num_cached_tokens == 0
+
+
+def test_a_prompt_is_hashed_when_it_arrives_not_in_the_step_that_admits_it():
+    scheduler = make_scheduler(block_size=4)
+    (request,) = add_requests(scheduler, [10])
+    assert len(request.block_hashes) == 2  # its full blocks, before any step
+    hashes = list(request.block_hashes)
+    run_step(scheduler)
+    assert request.block_hashes == hashes

@@ -30,3 +30,16 @@ def test_a_pending_token_in_a_chunk_reads_the_previous_step_sample():
                                previous_sample_rows={id(request): 5})
     assert inputs.input_ids.tolist() == [10, 11, 30, PENDING_TOKEN]
     assert inputs.pending_source.tolist() == [-1, -1, -1, 5]
+    assert inputs.has_pending_tokens
+
+
+def test_a_chunk_past_the_prompt_joins_prompt_slices_in_order():
+    # A recompute after preemption reaches into the outputs; the other chunks are slices of their prompts.
+    first = Request(0, [10, 11, 12], SamplingParams(), block_ids=[0, 1])
+    recomputed = Request(1, [20, 21], SamplingParams(), output_token_ids=[40, 41, 42], block_ids=[2, 3, 4])
+    last = Request(2, [50, 51, 52, 53], SamplingParams(), block_ids=[5, 6], num_computed_tokens=2)
+    step = SchedulerOutput([first, recomputed, last], [2, 4, 2], [], 8, 0)
+    inputs = build_step_inputs(step, block_size=2, tables=BlockTables(width=3))
+    assert inputs.input_ids.tolist() == [10, 11, 20, 21, 40, 41, 52, 53]
+    assert inputs.positions.tolist() == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert not inputs.has_pending_tokens

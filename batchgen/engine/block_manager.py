@@ -106,13 +106,21 @@ class BlockManager:
             hits.append(block_id)
         return PrefixLookup(hits, None)
 
-    def uncached_prompt_blocks(self, request: Request) -> set[bytes]:
-        """The hashes of the request's full prompt blocks that are not in the cache (yet)."""
+    def hash_prompt(self, request: Request) -> None:
+        """Hashes the request's full prompt blocks ahead of its admission, as vLLM does when a request arrives: a job
+        adds rows between steps, while the device runs the step in flight, instead of inside the step that admits
+        them."""
+        if self.enable_prefix_caching and request.use_prefix_cache:
+            self._hash_full_blocks(request, request.num_prompt_tokens)
+
+    def uncached_prompt_blocks(self, request: Request, num_hits: int = 0) -> set[bytes]:
+        """The hashes of the request's full prompt blocks that are not in the cache (yet); num_hits: its leading
+        blocks just found in the cache, which need no second look."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
             return set()
         num_full = self._hash_full_blocks(request, request.num_prompt_tokens)
         cached = self._cached
-        return {h for h in request.block_hashes[:num_full] if h not in cached}
+        return {h for h in request.block_hashes[num_hits:num_full] if h not in cached}
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's blocks filled by its first `num_computed_tokens` tokens, whose KV is written."""
@@ -168,10 +176,14 @@ class BlockManager:
     def try_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """`allocate` if the free blocks suffice (`can_allocate`), counting them once; whether it allocated."""
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
-        if num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
+        if computed_blocks:
+            if num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
+                return False
+            self._take_cached_blocks(request, computed_blocks)
+        elif num_new_blocks > len(self._free):
             return False
-        self._take_cached_blocks(request, computed_blocks)
-        request.block_ids.extend(self._take_free_blocks(num_new_blocks))
+        if num_new_blocks:
+            request.block_ids.extend(self._take_free_blocks(num_new_blocks))
         return True
 
     def _take_cached_blocks(self, request: Request, block_ids: Sequence[int]) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from functools import cached_property
+
+import numpy as np
 
 from batchgen.sampling_params import SamplingParams
 
@@ -56,6 +59,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @cached_property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as int64, for the step inputs: a prefill chunk of the prompt is then one slice of it. Made
+        when the scheduler receives the request, not in the step that admits it."""
+        return np.array(self.prompt_token_ids, dtype=np.int64)
 
     @property
     def num_output_tokens(self) -> int:

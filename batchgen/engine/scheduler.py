@@ -168,6 +168,8 @@ class Scheduler:
         if error is not None:
             raise ValueError(f"request {request.request_id} can never run: {error}")
         request.status = RequestStatus.WAITING
+        self.block_manager.hash_prompt(request)
+        request.prompt_array  # noqa: B018 (made now, between steps)
         if self._waits_for_first_sample(request):
             self._siblings.setdefault(id(request.first_sample), []).append(request)
         else:
@@ -328,7 +330,7 @@ class Scheduler:
                     break  # a long queue is not scanned whole at every step
                 continue
             # Before allocating: the allocation may evict cached blocks, which would then count as uncached here.
-            uncached = block_manager.uncached_prompt_blocks(request)
+            uncached = block_manager.uncached_prompt_blocks(request, len(cached_blocks))
             num_new = self._admission_tokens(request, cached_blocks, step.budget)
             if not block_manager.try_allocate(request, num_new, cached_blocks):
                 break

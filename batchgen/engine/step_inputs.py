@@ -26,6 +26,7 @@ class StepInputs:
     # (T,) int64: where input_ids holds PENDING_TOKEN, the row of the previous step's sampled ids that holds the
     # token (still on the device); -1 elsewhere.
     pending_source: np.ndarray
+    has_pending_tokens: bool  # some row of pending_source is not -1
     max_query_len: int
     max_seq_len: int
 
@@ -36,10 +37,6 @@ class StepInputs:
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
-
-    @property
-    def has_pending_tokens(self) -> bool:
-        return bool((self.pending_source >= 0).any())
 
 
 def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTables,
@@ -74,6 +71,7 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
         max_query_len=max(counts),
         max_seq_len=max(ends),
         pending_source=tokens.pending_source,
+        has_pending_tokens=tokens.has_pending,
     )
 
 
@@ -84,37 +82,43 @@ class _Tokens(NamedTuple):
     positions: np.ndarray
     rows: np.ndarray  # each token's index among the step's requests
     pending_source: np.ndarray  # as StepInputs.pending_source
+    has_pending: bool
 
 
 def _one_token_each(requests: list[Request], ends: list[int], previous_sample_rows: dict[int, int] | None) -> _Tokens:
     """The decode-shaped step: each request's token at position end - 1."""
     token_ids = [request.token_id(end - 1) for request, end in zip(requests, ends, strict=True)]
-    if PENDING_TOKEN in token_ids:  # only the previous step's tokens can still be pending: earlier ones are committed
+    has_pending = PENDING_TOKEN in token_ids  # only the previous step's tokens can still be pending
+    if has_pending:
         pending_source = np.array([previous_sample_rows[id(request)] if token_id == PENDING_TOKEN else -1
                                    for request, token_id in zip(requests, token_ids, strict=True)], dtype=np.int64)
     else:
         pending_source = np.full(len(token_ids), -1, dtype=np.int64)
     return _Tokens(np.array(token_ids, dtype=np.int64), np.array(ends, dtype=np.int64) - 1, np.arange(len(ends)),
-                   pending_source)
+                   pending_source, has_pending)
 
 
 def _chunks(requests: list[Request], counts: list[int], ends: list[int], query_ends: list[int],
             previous_sample_rows: dict[int, int] | None) -> _Tokens:
     """A step with multi-token chunks: request i's tokens are positions [ends[i] - counts[i], ends[i])."""
-    token_ids: list[int] = []
+    pieces: list[np.ndarray] = []
     pending: list[tuple[int, int, int]] = []  # (first, end) token indices in the step and the previous sample row
     for request, num_tokens, end, query_end in zip(requests, counts, ends, query_ends, strict=True):
+        if end <= request.num_prompt_tokens:  # most chunks: a slice of the prompt
+            pieces.append(request.prompt_array[end - num_tokens:end])
+            continue
         chunk = request.token_ids(end - num_tokens, end)
-        token_ids += chunk
+        pieces.append(np.array(chunk, dtype=np.int64))
         if chunk[-1] == PENDING_TOKEN:  # pending slots are the last ones: a chunk with one ends with one
             pending.append((query_end - num_tokens + chunk.index(PENDING_TOKEN), query_end,
                             previous_sample_rows[id(request)]))
-    pending_source = np.full(len(token_ids), -1, dtype=np.int64)
+    input_ids = np.concatenate(pieces)
+    pending_source = np.full(len(input_ids), -1, dtype=np.int64)
     for first, last, sample_row in pending:
         pending_source[first:last] = sample_row
     num_scheduled = np.array(counts, dtype=np.int64)
     # A token's position is its index in the step plus its request's (end - query end).
     offsets = np.array([end - query_end for end, query_end in zip(ends, query_ends, strict=True)], dtype=np.int64)
-    positions = np.repeat(offsets, num_scheduled) + np.arange(len(token_ids), dtype=np.int64)
-    return _Tokens(np.array(token_ids, dtype=np.int64), positions, np.repeat(np.arange(len(counts)), num_scheduled),
-                   pending_source)
+    positions = np.repeat(offsets, num_scheduled) + np.arange(len(input_ids), dtype=np.int64)
+    return _Tokens(input_ids, positions, np.repeat(np.arange(len(counts)), num_scheduled),
+                   pending_source, bool(pending))

@@ -27,13 +27,14 @@ queue) and the allocation retried; when the request itself is the most recent on
 scheduled this step. Admission never preempts: a waiting request is admitted only when blocks for its chunk are
 free, and not at all in a step that preempted, so freed memory goes to the running requests first.
 
-Prefix caching (see block_manager.py): an admitted request (new or preempted) starts past its leading tokens found
-in the cache. A block enters the cache at `commit`, not at `advance`: only then has its step run and are all its
-tokens known. A waiting request whose next uncached block is a prompt block another request is computing (admitted
-in this step, or running but not yet committed) waits, and later requests go ahead of it: once that block is
-cached it shares it instead of computing a copy (many rows sharing a system prompt compute it once, not once per
-row admitted with the first). The other samples of a prompt (n > 1) wait aside until the first sample has committed
-its first token, so its prompt blocks are cached and they share them; then they join the front of the waiting queue.
+Prefix caching (see block_manager.py): a prompt's full blocks are hashed when it arrives, between steps; an admitted
+request (new or preempted) starts past its leading tokens found in the cache. A block enters the cache at `commit`,
+not at `advance`: only then has its step run and are all its tokens known. A waiting request whose next uncached
+block is a prompt block another request is computing (admitted in this step, or running but not yet committed)
+waits, and later requests go ahead of it: once that block is cached it shares it instead of computing a copy (many
+rows sharing a system prompt compute it once, not once per row admitted with the first). The other samples of a
+prompt (n > 1) wait aside until the first sample has committed its first token, so its prompt blocks are cached and
+they share them; then they join the front of the waiting queue.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ class Scheduler:
             raise ValueError(f"request {request.request_id} can never run: {error}")
         request.status = RequestStatus.WAITING
         self.block_manager.hash_prompt(request)
-        request.prompt_array  # noqa: B018 (made now, between steps)
+        request.prompt_array  # noqa: B018 (made now, between steps: the prefill step slices it)
         if self._waits_for_first_sample(request):
             self._siblings.setdefault(id(request.first_sample), []).append(request)
         else:

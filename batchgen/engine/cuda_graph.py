@@ -91,7 +91,7 @@ class GraphCaptureBuffers:
         staged[1, :n] = inputs.positions
         staged[2, :n] = inputs.slot_mapping
         staged[3, :n] = inputs.seq_lens
-        staged[4, :n] = inputs.pending_source
+        staged[4, :n] = -1 if inputs.pending_source is None else inputs.pending_source
         self.packed[:, :size].copy_(packed, non_blocking=True)
         block_tables = torch.from_numpy(inputs.block_tables)
         self.block_tables[:n].copy_(block_tables.pin_memory() if self.pinned else block_tables, non_blocking=True)

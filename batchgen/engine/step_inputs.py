@@ -24,9 +24,8 @@ class StepInputs:
     sample_rows: list[int]  # indices into the scheduled requests that sample a token this step
     sample_token_index: np.ndarray  # (S,) int64: flattened token index whose hidden state gives each sample's logits
     # (T,) int64: where input_ids holds PENDING_TOKEN, the row of the previous step's sampled ids that holds the
-    # token (still on the device); -1 elsewhere.
-    pending_source: np.ndarray
-    has_pending_tokens: bool  # some row of pending_source is not -1
+    # token (still on the device); -1 elsewhere. None when no token is pending.
+    pending_source: np.ndarray | None
     max_query_len: int
     max_seq_len: int
 
@@ -37,6 +36,10 @@ class StepInputs:
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+    @property
+    def has_pending_tokens(self) -> bool:
+        return self.pending_source is not None
 
 
 def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTables,
@@ -71,7 +74,6 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
         max_query_len=max(counts),
         max_seq_len=max(ends),
         pending_source=tokens.pending_source,
-        has_pending_tokens=tokens.has_pending,
     )
 
 
@@ -81,21 +83,18 @@ class _Tokens(NamedTuple):
     input_ids: np.ndarray
     positions: np.ndarray
     rows: np.ndarray  # each token's index among the step's requests
-    pending_source: np.ndarray  # as StepInputs.pending_source
-    has_pending: bool
+    pending_source: np.ndarray | None  # as StepInputs.pending_source
 
 
 def _one_token_each(requests: list[Request], ends: list[int], previous_sample_rows: dict[int, int] | None) -> _Tokens:
     """The decode-shaped step: each request's token at position end - 1."""
     token_ids = [request.token_id(end - 1) for request, end in zip(requests, ends, strict=True)]
-    has_pending = PENDING_TOKEN in token_ids  # only the previous step's tokens can still be pending
-    if has_pending:
+    pending_source = None
+    if PENDING_TOKEN in token_ids:  # only the previous step's tokens can still be pending: earlier ones are committed
         pending_source = np.array([previous_sample_rows[id(request)] if token_id == PENDING_TOKEN else -1
                                    for request, token_id in zip(requests, token_ids, strict=True)], dtype=np.int64)
-    else:
-        pending_source = np.full(len(token_ids), -1, dtype=np.int64)
     return _Tokens(np.array(token_ids, dtype=np.int64), np.array(ends, dtype=np.int64) - 1, np.arange(len(ends)),
-                   pending_source, has_pending)
+                   pending_source)
 
 
 def _chunks(requests: list[Request], counts: list[int], ends: list[int], query_ends: list[int],
@@ -113,12 +112,13 @@ def _chunks(requests: list[Request], counts: list[int], ends: list[int], query_e
             pending.append((query_end - num_tokens + chunk.index(PENDING_TOKEN), query_end,
                             previous_sample_rows[id(request)]))
     input_ids = np.concatenate(pieces)
-    pending_source = np.full(len(input_ids), -1, dtype=np.int64)
-    for first, last, sample_row in pending:
-        pending_source[first:last] = sample_row
+    pending_source = None
+    if pending:
+        pending_source = np.full(len(input_ids), -1, dtype=np.int64)
+        for first, last, sample_row in pending:
+            pending_source[first:last] = sample_row
     num_scheduled = np.array(counts, dtype=np.int64)
     # A token's position is its index in the step plus its request's (end - query end).
     offsets = np.array([end - query_end for end, query_end in zip(ends, query_ends, strict=True)], dtype=np.int64)
     positions = np.repeat(offsets, num_scheduled) + np.arange(len(input_ids), dtype=np.int64)
-    return _Tokens(input_ids, positions, np.repeat(np.arange(len(counts)), num_scheduled),
-                   pending_source, bool(pending))
+    return _Tokens(input_ids, positions, np.repeat(np.arange(len(counts)), num_scheduled), pending_source)

@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from batchgen.layers.linear_triton import MAX_M, LinearConfig, beats_cublas, default_config, small_m_linear
+from batchgen.layers.linear_triton import (
+    MAX_M,
+    LinearConfig,
+    beats_cublas,
+    default_config,
+    launch_thread_cap,
+    small_m_linear,
+)
 from batchgen.models.hf_config import read_hf_config
 from benchmarks.common import (
     QWEN3,
@@ -119,7 +126,7 @@ def run_sweep(shapes: dict[str, tuple[int, int, int]], args: argparse.Namespace,
     rows = []
     for name, (n, k, _) in shapes.items():
         weights = weight_copies(n, k, dtype, args.rotate_mib * 2**20)
-        default = default_config(n, k, dtype.itemsize)
+        default = default_config(n, k, dtype.itemsize, launch_thread_cap(torch.device("cuda")))
         for m in args.sweep_ms:
             x = torch.randn(m, k, device="cuda").to(dtype)
             for config in sweep_configs(n, k, dtype.itemsize):
@@ -182,7 +189,7 @@ def main() -> None:
     results = []
     for name, (n, k, per_step) in shapes.items():
         weights = weight_copies(n, k, dtype, args.rotate_mib * 2**20)
-        config = default_config(n, k, dtype.itemsize)
+        config = default_config(n, k, dtype.itemsize, launch_thread_cap(torch.device("cuda")))
         for m in args.ms:
             x = torch.randn(m, k, device="cuda").to(dtype)
             check(x, weights[0])

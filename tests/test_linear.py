@@ -35,6 +35,29 @@ def test_linear_is_a_drop_in_nn_linear() -> None:
     assert torch.equal(ours(x), plain(x))
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
+def test_default_config_under_a_thread_cap() -> None:
+    """Capped at a quarter of an H200 (132 SMs x 2048 threads): programs take the fewest doublings of their rows
+    that bring the launch under the cap; the lm_head, which no MAX_BLOCK_N brings under it, keeps its programs."""
+    from batchgen.layers.linear_triton import MAX_BLOCK_N, default_config
+
+    cap = 132 * 2048 // 4
+    for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]:  # Qwen3-0.6B, lm_head last
+        uncapped, capped = default_config(n, k, 2), default_config(n, k, 2, max_threads=cap)
+        assert (capped.block_k, capped.num_warps) == (uncapped.block_k, uncapped.num_warps)
+
+        def threads(block_n: int, n: int = n, warps: int = capped.num_warps) -> int:
+            return -(-n // block_n) * 32 * warps
+
+        if threads(MAX_BLOCK_N) > cap:
+            assert capped == uncapped
+        else:
+            assert threads(capped.block_n) <= cap
+            assert capped.block_n == uncapped.block_n or threads(capped.block_n // 2) > cap
+    assert default_config(4096, 1024, 2, max_threads=cap).block_n == 8  # qkv: 512 programs of 128 threads
+    assert default_config(151936, 1024, 2, max_threads=cap) == default_config(151936, 1024, 2)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="use_triton imports the Triton kernel")
 def test_switched_linear_falls_back_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from batchgen.layers import linear_triton

@@ -122,7 +122,8 @@ def test_strided_operands() -> None:
 
 
 def test_default_config_fills_the_gpu() -> None:
-    """On the Qwen3 layers: at least 256 programs, two 16-byte weight loads per thread, all of K in one step."""
+    """On the Qwen3 layers, uncapped: at least 256 programs, two 16-byte weight loads per thread, all of K in one
+    step."""
     for n, k in QWEN3_SHAPES:
         config = default_config(n, k, 2)
         assert -(-n // config.block_n) >= 256

@@ -8,6 +8,7 @@ in fp32. The launch depends only on the shapes and never syncs with the host, so
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -147,8 +148,9 @@ def _load_summed(x_rows, res_rows, stride_xk, offs_k, mask, HAS_RESIDUAL: tl.con
     return x
 
 
-def default_config(n: int, k: int, element_size: int) -> LinearConfig:
-    """Launch parameters for an (n, k) weight.
+def default_config(n: int, k: int, element_size: int, max_threads: int | None = None) -> LinearConfig:
+    """Launch parameters for an (n, k) weight; max_threads: the most threads a launch should take
+    (`launch_thread_cap`), None for no cap.
 
     A decode GEMV is latency-bound: a 1024x1024 bf16 weight (2 MB) is about what an H100 keeps in flight at once, so
     every weight byte should be requested in the first round trip. ptxas issues a thread's loads all at once only
@@ -156,6 +158,10 @@ def default_config(n: int, k: int, element_size: int) -> LinearConfig:
     so each thread loads two 16-byte vectors of weight, the warps of a program split K (up to 8 KB of a row per
     load; one cross-warp reduction at the end), and programs are small and many: 2 rows of a 1024-wide weight per
     4-warp program, still at least 256 programs (2 per SM of a 132-SM GPU) where N is small.
+
+    Under the cap, a program then takes twice the rows (loads) as often as needed, up to MAX_BLOCK_N: in a decode
+    step the next kernel's programs start (PDL) only in the slots this one leaves free, to request their weight
+    while it runs. A weight too large to fit under the cap even so (an lm_head) keeps the small programs.
     """
     vec = 16 // element_size  # elements per 16-byte load
     block_k = min(triton.next_power_of_2(k), 8192 // element_size)
@@ -163,7 +169,27 @@ def default_config(n: int, k: int, element_size: int) -> LinearConfig:
     block_n = max(1, min(16, 2 * 32 * vec * num_warps // block_k))
     while block_n > 1 and triton.cdiv(n, block_n) < 256:
         block_n //= 2
+    threads_per_row_block = 32 * num_warps
+    if max_threads is not None and triton.cdiv(n, MAX_BLOCK_N) * threads_per_row_block <= max_threads:
+        while triton.cdiv(n, block_n) * threads_per_row_block > max_threads:
+            block_n *= 2
     return LinearConfig(block_n, block_k, num_warps)
+
+
+MAX_BLOCK_N = 16  # the most weight rows per program that the launch cap asks for
+# A launch takes at most this share of the threads the GPU holds at once (benchmarks/RESULTS.md, twelfth session:
+# with a quarter, the Qwen3-0.6B decode step at batch 1 and 8 was 3% and 6% faster than with no cap; an eighth
+# helped batch 8 more and batch 1 less).
+LAUNCH_SHARE = 4
+
+
+@functools.cache
+def launch_thread_cap(device: torch.device) -> int | None:
+    """The most threads a GEMV launch on `device` takes (default_config's max_threads); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count * properties.max_threads_per_multi_processor // LAUNCH_SHARE
 
 
 def small_m_linear(
@@ -221,7 +247,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
             residual_out.copy_(x + residual)
         return out
     if config is None:
-        config = default_config(n, k, weight.element_size())
+        config = default_config(n, k, weight.element_size(), launch_thread_cap(x.device))
     block_n = max(2, config.block_n) if silu_and_mul else config.block_n  # a gate and an up row at least
     unused = weight  # a pointer the kernel never reads, for arguments that this X_OP does not take
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](

@@ -46,13 +46,16 @@ def _rotate_and_store_kernel(
     t = tl.program_id(0).to(tl.int64)
     is_kv = tl.program_id(1) == 1
     dtype = q_out_ptr.dtype.element_ty
-    wait_for_previous(PDL)
+    # Positions, slots and the tables are the step's inputs, written before any of its kernels ran: their two
+    # dependent round trips overlap the QKV projection (PDL); only the qkv row waits for it.
     pos = tl.load(positions_ptr + t)
+    slot = tl.load(slot_mapping_ptr + t)
     i = tl.arange(0, BLOCK_HALF)[None, :]  # (1, BLOCK_HALF): each head is rotated as two halves
     i_mask = i < HALF
     # The reference casts the fp32 tables to the model dtype before rotating.
     cos = tl.load(cos_ptr + pos * stride_cos_p + i, mask=i_mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos_p + i, mask=i_mask, other=0.0).to(dtype).to(tl.float32)
+    wait_for_previous(PDL)
     row = qkv_ptr + t * stride_qkv_t
     if not is_kv:
         head = tl.arange(0, BLOCK_Q_HEADS)[:, None]
@@ -66,7 +69,6 @@ def _rotate_and_store_kernel(
         tl.store(q_out, (q1 * cos - q2 * sin).to(dtype), mask=mask)
         tl.store(q_out + HALF, (q2 * cos + q1 * sin).to(dtype), mask=mask)
     else:
-        slot = tl.load(slot_mapping_ptr + t)
         if slot >= 0:  # padding rows of a graph bucket write no K/V
             g = tl.arange(0, BLOCK_KV_HEADS)[:, None]
             mask = (g < NUM_KV_HEADS) & i_mask

@@ -45,15 +45,13 @@ def test_default_config_under_a_thread_cap() -> None:
     for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]:  # Qwen3-0.6B, lm_head last
         uncapped, capped = default_config(n, k, 2), default_config(n, k, 2, max_threads=cap)
         assert (capped.block_k, capped.num_warps) == (uncapped.block_k, uncapped.num_warps)
-
-        def threads(block_n: int, n: int = n, warps: int = capped.num_warps) -> int:
-            return -(-n // block_n) * 32 * warps
-
-        if threads(MAX_BLOCK_N) > cap:
+        threads = {block_n: -(-n // block_n) * 32 * capped.num_warps  # the launch's threads, by rows per program
+                   for block_n in (max(1, capped.block_n // 2), capped.block_n, MAX_BLOCK_N)}
+        if threads[MAX_BLOCK_N] > cap:
             assert capped.block_n == 2 * uncapped.block_n
         else:
-            assert threads(capped.block_n) <= cap
-            assert capped.block_n == uncapped.block_n or threads(capped.block_n // 2) > cap
+            assert threads[capped.block_n] <= cap
+            assert capped.block_n == uncapped.block_n or threads[max(1, capped.block_n // 2)] > cap
     assert default_config(4096, 1024, 2, max_threads=cap).block_n == 8  # qkv: 512 programs of 128 threads
     assert default_config(151936, 1024, 2, max_threads=cap).block_n == 4
 

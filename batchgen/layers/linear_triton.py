@@ -169,14 +169,14 @@ def default_config(n: int, k: int, element_size: int, max_threads: int | None = 
     block_n = max(1, min(16, 2 * 32 * vec * num_warps // block_k))
     while block_n > 1 and triton.cdiv(n, block_n) < 256:
         block_n //= 2
-    threads_per_row_block = 32 * num_warps
+    threads_per_program = 32 * num_warps
     if max_threads is None:
         return LinearConfig(block_n, block_k, num_warps)
-    if triton.cdiv(n, MAX_BLOCK_N) * threads_per_row_block > max_threads:
+    if triton.cdiv(n, MAX_BLOCK_N) * threads_per_program > max_threads:
         # Many waves long whatever the block: bandwidth-bound, it reads faster with twice the bytes in flight per
         # thread (bench_linear --sweep, H200, the Qwen3-0.6B lm_head: 69.7 us against 92.9).
         return LinearConfig(2 * block_n, block_k, num_warps)
-    while triton.cdiv(n, block_n) * threads_per_row_block > max_threads:
+    while triton.cdiv(n, block_n) * threads_per_program > max_threads:
         block_n *= 2
     return LinearConfig(block_n, block_k, num_warps)
 

@@ -193,6 +193,28 @@ def test_chunked_prefill_equals_one_shot() -> None:
     _assert_close(chunked, prefill(0, prompt_len))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="short tiles are chosen for CUDA launches only")
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+def test_decode_of_short_and_long_contexts_in_a_sparse_launch(monkeypatch: pytest.MonkeyPatch,
+                                                              kv_cache_dtype: str) -> None:
+    """A launch of 10 (sequence, kv head) pairs at 16 splits on a 132-SM GPU reads contexts of up to 16 short tiles
+    in short tiles and longer ones in the kernel's own, row by row; both match the reference."""
+    monkeypatch.setattr(attention_triton, "_sm_count", lambda device: 132)
+    num_heads, num_kv_heads, head_dim, block_size, dtype = 8, 2, 128, 16, bf16
+    seq_lens = torch.tensor([512, 513, 2000, 33, 1], dtype=torch.int32)  # the limit, one past it, long, short
+    tile = attention_triton.decode_tile(head_dim, dtype, cache_dtype(kv_cache_dtype, dtype))
+    assert attention_triton._default_num_splits(len(seq_lens) * num_kv_heads, torch.device(DEVICE), tile) == 16
+    assert attention_triton.short_context_positions(len(seq_lens) * num_kv_heads, 16, tile,
+                                                    torch.device(DEVICE)) == 512
+    gen = torch.Generator().manual_seed(4)
+    k_cache, v_cache, block_tables = _paged_cache(seq_lens.tolist(), block_size, num_kv_heads, head_dim,
+                                                  cache_dtype(kv_cache_dtype, dtype), gen)
+    q = (2 * torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)).to(dtype).to(DEVICE)
+    args = (q, k_cache, v_cache, block_tables, seq_lens.to(DEVICE), head_dim**-0.5)
+
+    _assert_close(attention_triton.decode_attention(*args), attention_torch.decode_attention(*args))
+
+
 # (window, num_splits): windows shorter than one KV tile, spanning several, and longer than every context
 @pytest.mark.parametrize(("window", "num_splits"), [(1, 1), (8, 1), (8, 4), (50, 2), (4096, 1)], ids=str)
 def test_decode_with_sliding_window_matches_reference(window: int, num_splits: int) -> None:
@@ -259,10 +281,11 @@ def test_store_kv_matches_reference(num_kv_heads: int, head_dim: int, block_size
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA-graph capture needs a GPU")
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
-@pytest.mark.parametrize("num_splits", [1, None])
-def test_decode_replays_in_cuda_graph(num_splits: int | None, kv_cache_dtype: str) -> None:
-    """Captured once, the decode kernel follows new seq_lens and block tables written in place before each replay."""
-    batch, num_heads, num_kv_heads, head_dim, block_size, max_ctx, dtype = 8, 16, 8, 128, 16, 1024, bf16
+@pytest.mark.parametrize(("batch", "num_splits"), [(8, 1), (8, None), (2, None)], ids=str)
+def test_decode_replays_in_cuda_graph(batch: int, num_splits: int | None, kv_cache_dtype: str) -> None:
+    """Captured once, the decode kernel follows new seq_lens and block tables written in place before each replay
+    (at batch 2 a context takes short tiles or not by its length, inside the graph)."""
+    num_heads, num_kv_heads, head_dim, block_size, max_ctx, dtype = 16, 8, 128, 16, 1024, bf16
     gen = torch.Generator().manual_seed(2)
     num_blocks = batch * max_ctx // block_size
     width = max_ctx // block_size

@@ -41,3 +41,20 @@ def test_fp8_tiles_never_split_more_than_16_bit_ones(monkeypatch: pytest.MonkeyP
 
 def test_off_cuda_reads_each_context_whole() -> None:
     assert attention_triton._default_num_splits(8, torch.device("cpu"), 64) == 1
+
+
+def test_short_tiles_only_where_the_most_splits_leave_the_sms_sparse(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_triton, "_sm_count", lambda device: SMS)
+    cuda, short = torch.device("cuda"), attention_triton.SHORT_TILE
+    for block_n in (64, 128):
+        limits = []
+        for batch in range(1, 65):
+            programs = batch * KV_HEADS
+            splits = attention_triton._default_num_splits(programs, cuda, block_n)
+            limit = attention_triton.short_context_positions(programs, splits, block_n, cuda)
+            assert limit in (0, splits * short), batch  # one short tile a split, at most
+            assert (limit > 0) == (splits > 1 and programs * splits <= 2 * SMS), batch
+            limits.append(limit)
+        assert limits[:2] == [16 * short] * 2 and not any(limits[2:])  # batches 1 and 2 of 8 kv heads
+    assert attention_triton.short_context_positions(KV_HEADS, 16, short, cuda) == 0  # tiles already short
+    assert attention_triton.short_context_positions(KV_HEADS, 16, 64, torch.device("cpu")) == 0

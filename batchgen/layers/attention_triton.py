@@ -164,7 +164,7 @@ def _attend_kv_range(
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
 # a second) whenever that width first changes divisibility. The split count is chosen per batch-size bucket: as a
 # plain (unspecialized) argument, one compile serves every bucket's CUDA graph.
-@triton.jit(do_not_specialize=["stride_bt", "window", "num_splits", "num_slots"])
+@triton.jit(do_not_specialize=["stride_bt", "window", "num_splits", "num_slots", "short_context"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, shared_len_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     arrivals_ptr, qk_scale, window,
@@ -173,9 +173,10 @@ def _decode_kernel(
     stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
     stride_bt,
     stride_ob, stride_oh, stride_od,
-    num_splits, num_slots,
+    num_splits, num_slots, short_context,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SHORT_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     CASCADE: tl.constexpr, MERGE: tl.constexpr, GROUP_ROWS: tl.constexpr, MAX_SLOTS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, kv head, split): all GROUP query heads share each K/V tile load.
@@ -185,7 +186,10 @@ def _decode_kernel(
     `_decode_reduce_kernel` merges the partials.
     MERGE (several splits, no CASCADE): only the splits that hold a KV tile run, and the last of them to finish
     merges their partials itself (`arrivals` counts them per (sequence, kv head)); a context of one tile writes the
-    output directly. A short context thus costs no second kernel, and a long one no extra launch."""
+    output directly. A short context thus costs no second kernel, and a long one no extra launch.
+    SHORT_N < BLOCK_N (a compile of its own, for launches of few programs: `short_context_positions`): a context of
+    at most `short_context` positions is split in tiles of SHORT_N positions, over more programs that each read less;
+    longer ones keep BLOCK_N tiles."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -200,17 +204,20 @@ def _decode_kernel(
     first = tl.maximum(seq_len - window, 0)  # the window's first position
     if CASCADE:
         first = tl.maximum(first, tl.load(shared_len_ptr))
-    # With one split this is [first, seq_len).
-    num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
+    num_positions = seq_len - first
+    tile = BLOCK_N
+    if SHORT_N < BLOCK_N:
+        tile = tl.where(num_positions <= short_context, SHORT_N, BLOCK_N)
+    # Whole tiles per split; with one split the range is [first, seq_len).
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(num_positions, tile), num_splits), 1) * tile
     final = num_slots == 1
     if MERGE:
-        active = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)  # an empty context (padding row): split 0
+        active = tl.maximum(tl.cdiv(num_positions, split_len), 1)  # an empty context (padding row): split 0
         if split >= active:
             return
         final = active == 1
-    lo = first + split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+    lo = first + split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     kc_head = k_cache_ptr + kvh * stride_kc_h
     vc_head = v_cache_ptr + kvh * stride_vc_h
@@ -227,11 +234,19 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    m_i, l_i, acc = _attend_kv_range(
-        q, m_i, l_i, acc, lo, hi, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
-        stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
-        BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
-    )  # fmt: skip
+    # Without short tiles, tile == SHORT_N is a constant True: only the first loop compiles (in BLOCK_N tiles).
+    if tile == SHORT_N:
+        m_i, l_i, acc = _attend_kv_range(
+            q, m_i, l_i, acc, lo, hi, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
+            stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
+            BLOCK_SIZE, SHORT_N, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        m_i, l_i, acc = _attend_kv_range(
+            q, m_i, l_i, acc, lo, hi, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
+            stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
+            BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
 
     # Empty ranges (padding rows, splits past the context) leave l_i == 0 and acc == 0: they output zeros.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -395,6 +410,26 @@ def register_cap(block_n: int, device: torch.device) -> dict[str, int]:
     return {"maxnreg": 168} if block_n == 128 and device.type == "cuda" else {}
 
 
+# Short contexts in sparse launches read their KV in tiles of this many positions (benchmarks/RESULTS.md,
+# thirteenth session: a Qwen3-0.6B decode step at batch 1 on the H200, contexts of 128-384 positions, 24 us faster
+# with a 16-bit cache and 54 with fp8; no faster at batch 4, slower at 8 and past one short tile a split).
+SHORT_TILE = 32
+_SHORT_TILE_PROGRAMS_PER_SM = 2  # a launch with at most this many programs an SM at its most splits is sparse
+
+
+def short_context_positions(programs: int, num_splits: int, block_n: int, device: torch.device) -> int:
+    """The longest context that the decode kernel reads in SHORT_TILE-position tiles; 0 for none.
+
+    A launch of few (sequence, kv head) pairs puts at most a few programs on each SM even at its most splits, and a
+    context of a few tiles leaves most of those splits empty: in tiles of half the size, twice as many programs read
+    it, each half as much. A context past one short tile per split keeps the kernel's own tile."""
+    if device.type != "cuda" or num_splits == 1 or block_n <= SHORT_TILE:
+        return 0
+    if programs * num_splits > _SHORT_TILE_PROGRAMS_PER_SM * _sm_count(device):
+        return 0
+    return num_splits * SHORT_TILE
+
+
 def _default_num_splits(programs: int, device: torch.device, block_n: int | None = None) -> int:
     """Splits of each of `programs` KV ranges (flash-decoding): enough for the launch to hold the programs per SM
     that its tile size wants (`_PROGRAMS_PER_SM`).
@@ -456,6 +491,7 @@ def decode_attention(
     # A separate compile for one split: the merge's registers would cost the single pass occupancy at large batch
     # (b1_latency at batch 64: 1.76 -> 1.93 ms on the H200).
     merge = not cascade and num_splits > 1
+    short_context = short_context_positions(batch * num_kv_heads, num_splits, block_n, q.device) if merge else 0
     if merge and (split_arrivals is None or split_arrivals.numel() < batch * num_kv_heads):
         split_arrivals = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
     dot_precision = _dot_precision(q.dtype)
@@ -464,10 +500,11 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, shared_prefix_len if cascade else seq_lens, out, mid_o, mid_lse,
         split_arrivals if merge else seq_lens, scale * _LOG2E, sliding_window or _NO_WINDOW,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        num_splits, num_slots,
+        num_splits, num_slots, short_context,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision, CASCADE=cascade, MERGE=merge, GROUP_ROWS=triton.next_power_of_2(group),
+        SHORT_N=SHORT_TILE if short_context else block_n, DOT_PRECISION=dot_precision, CASCADE=cascade,
+        MERGE=merge, GROUP_ROWS=triton.next_power_of_2(group),
         MAX_SLOTS=_MAX_SPLITS,
         # A third stage keeps one more K/V tile in flight: 3-10% faster on bf16 at batch 64-256 on the H200
         # (benchmarks/sweep_decode_attention.py); the fp32 tiles stay at two for their shared memory.

@@ -19,17 +19,20 @@ from batchgen.layers.pdl import launch_options, wait_for_previous
 
 MAX_M = 8  # the most rows of x one launch takes: all of them sit in registers next to the weight tile
 # Above M = 1 the kernel's time grows with BLOCK_M * N (every row of the tile meets every weight row in registers)
-# while cuBLAS's stays flat: on an H200 (benchmarks/bench_linear.py) it is ahead up to about this many outputs.
-MAX_OUTPUTS = 12288
+# while cuBLAS's stays flat. In Qwen3-0.6B decode steps on an H200 (benchmarks/RESULTS.md, thirteenth session) the
+# kernel was ahead for the qkv (N = 4096) and gate/up (6144) projections at M = 4 and behind for qkv at M = 8.
+MAX_OUTPUTS = 24576
 # A weight this small is read in a couple of microseconds by cuBLAS too (the launch dominates): the kernel would only
 # add a compile per shape to a fresh process (the main job's 128-wide GPT-2 has no weight above 256 KB).
 MIN_WEIGHT_BYTES = 1 << 20
 
 
 def block_m(m: int) -> int:
-    """The row tile of an m-row launch: 1, or MAX_M for every m > 1, so that a weight shape compiles at most twice
-    (once per tile) however many batch sizes the CUDA graphs capture."""
-    return 1 if m == 1 else MAX_M
+    """The row tile of an m-row launch: m rounded up to a power of two, so that a weight shape compiles at most four
+    times (tiles of 1, 2, 4 and 8 rows) however many batch sizes the CUDA graphs capture. One tile of MAX_M rows for
+    every m > 1 compiled less, but did four times the work at M = 2: a Qwen3-0.6B decode step at batch 2 took 1.05
+    ms against 0.78 with tiles of 2 rows (H200)."""
+    return triton.next_power_of_2(m)
 
 
 def beats_cublas(m: int, n: int, weight_bytes: int) -> bool:

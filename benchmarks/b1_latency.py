@@ -1,11 +1,11 @@
 """b1_latency: decode ms per token of the Qwen3-0.6B shape (dummy bf16 weights), graph vs eager, against the floor.
 
 One request (128 prompt tokens, random ids < 10000, seed 0; 256 new tokens, greedy, ignore_eos), eager, graph
-without async scheduling (graph_sync) and graph; then the graph engine at batch 8, 64 and 256 (each 128 + 256).
+without async scheduling (graph_sync) and graph; then the graph engine at batch 2, 4, 8, 64 and 256 (each 128 + 256).
 The weight-read floor of a decode step is weight bytes / measured device-to-device copy bandwidth: no step can read
 all weights faster.
 
-Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 8 64 256] [--tiny] [--unfused | --unfused-silu]
+Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 2 4 8 64 256] [--tiny] [--unfused | --unfused-silu]
                                        [--no-pdl] [--kv-cache-dtype fp8] [--out DIR]
 (--unfused turns off the norm and SiLU fusions into the GEMV and --unfused-silu only the SiLU one,
 batchgen/layers/fused.py; --no-pdl turns off the programmatic dependent launches, batchgen/layers/pdl.py.)
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--batches", type=int, nargs="*", default=[8, 64, 256],
+    parser.add_argument("--batches", type=int, nargs="*", default=[2, 4, 8, 64, 256],
                         help="graph-mode batch sizes after batch 1")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth-test copy")

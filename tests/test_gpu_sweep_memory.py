@@ -26,7 +26,10 @@ def shakespeare_config(*overrides: str) -> Config:
 
 def test_three_jobs_in_one_process_return_gpu_memory(tmp_path: Path):
     torch.cuda.synchronize()
-    gc.collect()  # earlier tests' garbage and cached blocks are not the jobs' to give back
+    # Earlier tests' garbage, cached blocks and cuBLAS workspaces (which empty_cache keeps) are not the jobs' to give
+    # back: a job's close() frees every workspace, so one left from before would read as memory returned twice.
+    gc.collect()
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     start = torch.cuda.memory_reserved()
     setups = [["engine.enforce_eager=true"], ["engine.enforce_eager=false"],

@@ -27,6 +27,7 @@ from batchgen.layers.linear_triton import (
     MAX_M,
     LinearConfig,
     beats_cublas,
+    block_m,
     default_config,
     launch_thread_cap,
     small_m_linear,
@@ -126,8 +127,8 @@ def run_sweep(shapes: dict[str, tuple[int, int, int]], args: argparse.Namespace,
     rows = []
     for name, (n, k, _) in shapes.items():
         weights = weight_copies(n, k, dtype, args.rotate_mib * 2**20)
-        default = default_config(n, k, dtype.itemsize, launch_thread_cap(torch.device("cuda")))
         for m in args.sweep_ms:
+            default = default_config(n, k, dtype.itemsize, launch_thread_cap(torch.device("cuda")), block_m(m))
             x = torch.randn(m, k, device="cuda").to(dtype)
             for config in sweep_configs(n, k, dtype.itemsize):
                 row: dict[str, Any] = {"layer": name, "n": n, "k": k, "m": m, **config._asdict(),
@@ -189,8 +190,8 @@ def main() -> None:
     results = []
     for name, (n, k, per_step) in shapes.items():
         weights = weight_copies(n, k, dtype, args.rotate_mib * 2**20)
-        config = default_config(n, k, dtype.itemsize, launch_thread_cap(torch.device("cuda")))
         for m in args.ms:
+            config = default_config(n, k, dtype.itemsize, launch_thread_cap(torch.device("cuda")), block_m(m))
             x = torch.randn(m, k, device="cuda").to(dtype)
             check(x, weights[0])
             cublas_ms = graph_ms_per_call(lambda w, x=x: F.linear(x, w), weights, args.calls, args.replays)

@@ -56,6 +56,20 @@ def test_default_config_under_a_thread_cap() -> None:
     assert default_config(151936, 1024, 2, max_threads=cap).block_n == 4
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
+def test_tiles_of_several_rows_take_the_single_rows_programs_with_half_the_warps() -> None:
+    from batchgen.layers.linear_triton import default_config
+
+    cap = 132 * 2048 // 4
+    for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1024, 128)]:
+        one_row = default_config(n, k, 2, max_threads=cap)
+        for rows in (2, 4, 8):
+            config = default_config(n, k, 2, max_threads=cap, rows=rows)
+            assert (config.block_n, config.block_k) == (one_row.block_n, one_row.block_k)
+            assert config.num_warps == max(1, one_row.num_warps // 2)
+    assert default_config(1024, 128, 2, rows=4).num_warps == 1  # a program of one warp keeps it
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="use_triton imports the Triton kernel")
 def test_switched_linear_falls_back_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from batchgen.layers import linear_triton

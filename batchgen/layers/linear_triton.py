@@ -151,9 +151,24 @@ def _load_summed(x_rows, res_rows, stride_xk, offs_k, mask, HAS_RESIDUAL: tl.con
     return x
 
 
-def default_config(n: int, k: int, element_size: int, max_threads: int | None = None) -> LinearConfig:
-    """Launch parameters for an (n, k) weight; max_threads: the most threads a launch should take
-    (`launch_thread_cap`), None for no cap.
+def default_config(n: int, k: int, element_size: int, max_threads: int | None = None,
+                   rows: int = 1) -> LinearConfig:
+    """Launch parameters for an (n, k) weight and a row tile of `rows` (`block_m`); max_threads: the most threads a
+    launch should take (`launch_thread_cap`), None for no cap.
+
+    A tile of several rows takes the single row's programs with half the warps. Every row of the tile adds BLOCK_N
+    partial sums to the reduction across a program's threads at the end; with half the threads, each taking twice
+    the span of K, that reduction is half as wide (Qwen3-0.6B decode steps on an H200, benchmarks/RESULTS.md,
+    thirteenth session: 26, 72 and 35 us faster at batch 2, 4 and 8).
+    """
+    config = _single_row_config(n, k, element_size, max_threads)
+    if rows > 1:
+        return config._replace(num_warps=max(1, config.num_warps // 2))
+    return config
+
+
+def _single_row_config(n: int, k: int, element_size: int, max_threads: int | None) -> LinearConfig:
+    """default_config of a one-row tile.
 
     A decode GEMV is latency-bound: a 1024x1024 bf16 weight (2 MB) is about what an H100 keeps in flight at once, so
     every weight byte should be requested in the first round trip. ptxas issues a thread's loads all at once only
@@ -255,7 +270,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
             residual_out.copy_(x + residual)
         return out
     if config is None:
-        config = default_config(n, k, weight.element_size(), launch_thread_cap(x.device))
+        config = default_config(n, k, weight.element_size(), launch_thread_cap(x.device), block_m(num_rows))
     block_n = max(2, config.block_n) if silu_and_mul else config.block_n  # a gate and an up row at least
     unused = weight  # a pointer the kernel never reads, for arguments that this X_OP does not take
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](

@@ -421,8 +421,8 @@ def short_context_positions(programs: int, num_splits: int, block_n: int, device
     """The longest context that the decode kernel reads in SHORT_TILE-position tiles; 0 for none.
 
     A launch of few (sequence, kv head) pairs puts at most a few programs on each SM even at its most splits, and a
-    context of a few tiles leaves most of those splits empty: in tiles of half the size, twice as many programs read
-    it, each half as much. A context past one short tile per split keeps the kernel's own tile."""
+    context of a few tiles leaves most of those splits empty: in shorter tiles, more programs read it, each less. A
+    context past one short tile per split keeps the kernel's own tile."""
     if device.type != "cuda" or num_splits == 1 or block_n <= SHORT_TILE:
         return 0
     if programs * num_splits > _SHORT_TILE_PROGRAMS_PER_SM * _sm_count(device):

@@ -284,7 +284,7 @@ def test_store_kv_matches_reference(num_kv_heads: int, head_dim: int, block_size
 @pytest.mark.parametrize(("batch", "num_splits"), [(8, 1), (8, None), (2, None)], ids=str)
 def test_decode_replays_in_cuda_graph(batch: int, num_splits: int | None, kv_cache_dtype: str) -> None:
     """Captured once, the decode kernel follows new seq_lens and block tables written in place before each replay
-    (at batch 2 a context takes short tiles or not by its length, inside the graph)."""
+    (at batch 2, on a GPU of 128 SMs or more, a context takes short tiles or not by its length, inside the graph)."""
     num_heads, num_kv_heads, head_dim, block_size, max_ctx, dtype = 16, 8, 128, 16, 1024, bf16
     gen = torch.Generator().manual_seed(2)
     num_blocks = batch * max_ctx // block_size

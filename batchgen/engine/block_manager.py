@@ -176,14 +176,11 @@ class BlockManager:
     def try_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """`allocate` if the free blocks suffice (`can_allocate`), counting them once; whether it allocated."""
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
-        if computed_blocks:
-            if num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
-                return False
-            self._take_cached_blocks(request, computed_blocks)
-        elif num_new_blocks > len(self._free):
+        if num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
             return False
-        if num_new_blocks:
-            request.block_ids.extend(self._take_free_blocks(num_new_blocks))
+        if computed_blocks:  # most allocations have no cache hits to take
+            self._take_cached_blocks(request, computed_blocks)
+        request.block_ids.extend(self._take_free_blocks(num_new_blocks))
         return True
 
     def _take_cached_blocks(self, request: Request, block_ids: Sequence[int]) -> None:
@@ -201,6 +198,8 @@ class BlockManager:
 
     def _num_unreferenced(self, block_ids: Sequence[int]) -> int:
         """Those of the blocks in the free queue: referencing them takes free space."""
+        if not block_ids:
+            return 0
         blocks = self.blocks
         return sum(1 for block_id in block_ids if blocks[block_id].ref_count == 0)
 

@@ -82,8 +82,11 @@ def _small_m_linear_kernel(
     w_rows = w_ptr + rows[None, :, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None, None] * stride_xm
     # The first weight chunk is requested before anything else: the norm's pass over x runs while it is in flight,
-    # and with PDL so does the end of the kernel that writes x.
+    # and with PDL so does the end of the kernel that writes x. So is the norm's weight: loaded after the wait, it
+    # came only after the pass over x (its reduction's barrier), one more round trip on every fused launch.
     w_first = _load_weight(w_rows, stride_wk, 0, K, BLOCK_K)
+    if X_OP == ADD_RMS_NORM:
+        norm_w_first = _load_norm_weight(norm_w_ptr, 0, K, BLOCK_K)
     wait_for_previous(PDL)
     if X_OP == ADD_RMS_NORM:
         res_rows = res_ptr + offs_m[:, None, None] * stride_rm
@@ -115,7 +118,7 @@ def _small_m_linear_kernel(
                 h = h_first.to(tl.float32)
             else:
                 h = _load_summed(x_rows, res_rows, stride_xk, offs_k, mask, HAS_RESIDUAL).to(tl.float32)
-            norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            norm_w = norm_w_first if k0 == 0 else _load_norm_weight(norm_w_ptr, k0, K, BLOCK_K)
             x = (norm_w * (h * inv_rms).to(dtype).to(tl.float32)).to(dtype)
         else:
             x = tl.load(x_rows + offs_k * stride_xk, mask=mask, other=0.0)
@@ -139,6 +142,12 @@ def _load_weight(w_rows, stride_wk, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: 
     else:
         w = tl.load(w_rows + offs_k * stride_wk, mask=offs_k < K, other=0.0, eviction_policy="evict_first")
     return w
+
+
+@triton.jit
+def _load_norm_weight(norm_w_ptr, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_k = k0 + tl.arange(0, BLOCK_K)[None, None, :]
+    return tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
 
 
 @triton.jit

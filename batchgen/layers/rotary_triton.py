@@ -16,14 +16,11 @@ from batchgen.layers.pdl import launch_options, wait_for_previous
 
 
 @triton.jit
-def _rms_normed(x1, x2, weight_ptr, i, i_mask, eps, dtype: tl.constexpr, HALF: tl.constexpr,
-                HEAD_DIM: tl.constexpr):
+def _rms_normed(x1, x2, w1, w2, eps, dtype: tl.constexpr, HEAD_DIM: tl.constexpr):
     """RMSNorm of heads given as halves (heads, BLOCK_HALF) in fp32, rounded like the reference: weight * x.to(dtype).
 
-    i: (1, BLOCK_HALF) offsets into the first half of the weight."""
+    w1, w2: (1, BLOCK_HALF) halves of the norm weight, fp32."""
     rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
-    w1 = tl.load(weight_ptr + i, mask=i_mask, other=0.0).to(tl.float32)
-    w2 = tl.load(weight_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)
     y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     return y1, y2
@@ -46,8 +43,8 @@ def _rotate_and_store_kernel(
     t = tl.program_id(0).to(tl.int64)
     is_kv = tl.program_id(1) == 1
     dtype = q_out_ptr.dtype.element_ty
-    # Positions, slots and the tables are the step's inputs, written before any of its kernels ran: their two
-    # dependent round trips overlap the QKV projection (PDL); only the qkv row waits for it.
+    # Positions, slots, the tables and the norm weights are the step's inputs or the model's, written before any of
+    # its kernels ran: their dependent round trips overlap the QKV projection (PDL); only the qkv row waits for it.
     pos = tl.load(positions_ptr + t)
     slot = tl.load(slot_mapping_ptr + t)
     i = tl.arange(0, BLOCK_HALF)[None, :]  # (1, BLOCK_HALF): each head is rotated as two halves
@@ -55,6 +52,10 @@ def _rotate_and_store_kernel(
     # The reference casts the fp32 tables to the model dtype before rotating.
     cos = tl.load(cos_ptr + pos * stride_cos_p + i, mask=i_mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos_p + i, mask=i_mask, other=0.0).to(dtype).to(tl.float32)
+    if QK_NORM:
+        norm_ptr = tl.where(is_kv, k_norm_ptr, q_norm_ptr)
+        norm_w1 = tl.load(norm_ptr + i, mask=i_mask, other=0.0).to(tl.float32)
+        norm_w2 = tl.load(norm_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)
     wait_for_previous(PDL)
     row = qkv_ptr + t * stride_qkv_t
     if not is_kv:
@@ -64,7 +65,7 @@ def _rotate_and_store_kernel(
         q1 = tl.load(q_at, mask=mask, other=0.0).to(tl.float32)
         q2 = tl.load(q_at + HALF, mask=mask, other=0.0).to(tl.float32)
         if QK_NORM:
-            q1, q2 = _rms_normed(q1, q2, q_norm_ptr, i, i_mask, eps, dtype, HALF, HEAD_DIM)
+            q1, q2 = _rms_normed(q1, q2, norm_w1, norm_w2, eps, dtype, HEAD_DIM)
         q_out = q_out_ptr + t * stride_qo_t + head * stride_qo_h + i
         tl.store(q_out, (q1 * cos - q2 * sin).to(dtype), mask=mask)
         tl.store(q_out + HALF, (q2 * cos + q1 * sin).to(dtype), mask=mask)
@@ -75,18 +76,22 @@ def _rotate_and_store_kernel(
             blk = slot // BLOCK_SIZE
             off = slot % BLOCK_SIZE
             k_at = row + (NUM_HEADS + g) * HEAD_DIM + i
+            v_at = k_at + NUM_KV_HEADS * HEAD_DIM
+            # Every load before the first store: the compiler cannot tell that a cache store leaves the qkv row
+            # alone, so a load placed after one waits for it (on an H200, V's two halves took two more round trips).
             k1 = tl.load(k_at, mask=mask, other=0.0).to(tl.float32)
             k2 = tl.load(k_at + HALF, mask=mask, other=0.0).to(tl.float32)
+            v1 = tl.load(v_at, mask=mask)
+            v2 = tl.load(v_at + HALF, mask=mask)
             if QK_NORM:
-                k1, k2 = _rms_normed(k1, k2, k_norm_ptr, i, i_mask, eps, dtype, HALF, HEAD_DIM)
+                k1, k2 = _rms_normed(k1, k2, norm_w1, norm_w2, eps, dtype, HEAD_DIM)
             cache_dtype = k_cache_ptr.dtype.element_ty
             k_out = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + g * stride_kc_h + i
             tl.store(k_out, to_cache_dtype((k1 * cos - k2 * sin).to(dtype), cache_dtype), mask=mask)
             tl.store(k_out + HALF, to_cache_dtype((k2 * cos + k1 * sin).to(dtype), cache_dtype), mask=mask)
-            v_at = k_at + NUM_KV_HEADS * HEAD_DIM
             v_out = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_off + g * stride_vc_h + i
-            tl.store(v_out, to_cache_dtype(tl.load(v_at, mask=mask), cache_dtype), mask=mask)
-            tl.store(v_out + HALF, to_cache_dtype(tl.load(v_at + HALF, mask=mask), cache_dtype), mask=mask)
+            tl.store(v_out, to_cache_dtype(v1, cache_dtype), mask=mask)
+            tl.store(v_out + HALF, to_cache_dtype(v2, cache_dtype), mask=mask)
 
 
 def rotate_and_store(

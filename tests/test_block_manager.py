@@ -114,10 +114,10 @@ def test_full_computed_blocks_are_cached_and_shared_by_reference():
     second = make_request(1, prompt=list(range(9)) + [99, 98, 97])  # shares two full blocks and one more token
     assert admit(manager, second) == [0, 1]
     assert second.num_computed_tokens == 8 and second.block_ids == [0, 1, 3]
-    assert [manager.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
+    assert [manager.ref_counts[i] for i in range(4)] == [2, 2, 1, 1]
     assert manager.num_used_blocks == 4
     manager.free(first)
-    assert [manager.blocks[i].ref_count for i in range(4)] == [1, 1, 0, 1]
+    assert [manager.ref_counts[i] for i in range(4)] == [1, 1, 0, 1]
     assert manager.num_used_blocks == 3
 
 
@@ -177,7 +177,7 @@ def test_an_entirely_cached_prompt_still_computes_its_last_token():
     assert admit(manager, again) == [0]  # the second block is recomputed, so that the last token has logits
     assert again.num_computed_tokens == 4 and again.block_ids == [0, 2]
     compute(manager, again)
-    assert manager.blocks[2].block_hash is None and manager.num_cached_blocks == 2  # the duplicate stays unhashed
+    assert manager.block_hashes[2] is None and manager.num_cached_blocks == 2  # the duplicate stays unhashed
     longer = make_request(2, 9)
     assert admit(manager, longer) == [0, 1] and longer.num_computed_tokens == 8
 

@@ -71,7 +71,7 @@ def test_samples_share_the_prompt_blocks(llm):
     samples = engine.scheduler.running
     shared = samples[0].block_ids[:4]
     assert all(sample.block_ids[:4] == shared for sample in samples)
-    assert [engine.scheduler.block_manager.blocks[b].ref_count for b in shared] == [3] * 4
+    assert [engine.scheduler.block_manager.ref_counts[b] for b in shared] == [3] * 4
     finished = []
     while engine.has_unfinished_requests:
         done, record = engine.step()

@@ -293,7 +293,7 @@ def check_invariants(scheduler: Scheduler, output: SchedulerOutput, mixed: bool)
         # The model runner replays a decode graph for a step without prefill tokens, without re-checking its rows.
         assert output.num_prefill_tokens or (num_tokens == 1 and request.num_computed_tokens + 1 == request.num_tokens)
     owned = Counter(block for r in scheduler.running for block in r.block_ids)
-    assert all(manager.blocks[block].ref_count == count for block, count in owned.items()), "a wrong ref count"
+    assert all(manager.ref_counts[block] == count for block, count in owned.items()), "a wrong ref count"
     assert len(owned) == manager.num_used_blocks
     assert manager.num_free_blocks + manager.num_used_blocks == manager.num_total_blocks
     assert all(r.block_ids == [] and r.num_computed_tokens == 0 for r in scheduler.waiting)
@@ -419,7 +419,7 @@ def test_a_later_request_computes_only_what_the_cache_lacks():
     output, _ = run_step(scheduler)
     assert scheduled(output) == {1: 7} and output.num_cached_tokens == 8  # two full blocks hit
     assert second.num_cached_tokens == 8 and second.block_ids[:2] == first.block_ids[:2]
-    assert [scheduler.block_manager.blocks[b].ref_count for b in first.block_ids] == [2, 2, 1, 1]
+    assert [scheduler.block_manager.ref_counts[b] for b in first.block_ids] == [2, 2, 1, 1]
     run_to_completion(scheduler)
     assert scheduler.block_manager.num_used_blocks == 0 and scheduler.block_manager.num_cached_blocks > 0
 
@@ -512,7 +512,7 @@ def test_later_samples_wait_for_the_first_sample_prompt_then_share_its_blocks():
     assert output.num_cached_tokens == 16
     shared = samples[0].block_ids[:2]
     assert all(s.block_ids[:2] == shared for s in samples)
-    assert [scheduler.block_manager.blocks[b].ref_count for b in shared] == [3, 3]
+    assert [scheduler.block_manager.ref_counts[b] for b in shared] == [3, 3]
     assert scheduler.block_manager.num_used_blocks == 2 + 3  # the shared prompt blocks and one tail block each
     run_to_completion(scheduler)
     assert all(s.num_output_tokens == 4 for s in samples)

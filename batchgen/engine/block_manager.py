@@ -17,7 +17,6 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from batchgen.engine.request import Request
@@ -26,13 +25,6 @@ from batchgen.engine.request import Request
 class PrefixLookup(NamedTuple):
     block_ids: list[int]  # the cached blocks of the request's leading tokens
     next_hash: bytes | None  # the hash of the first full block after them, which the request would compute itself
-
-
-@dataclass
-class KVBlock:
-    block_id: int
-    ref_count: int = 0
-    block_hash: bytes | None = None  # set while the block holds a full block of computed tokens
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
@@ -57,14 +49,17 @@ class BlockManager:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Per block, as flat lists rather than an object per block: an admission touches a few entries of each, and
+        # on a host whose caches the forward has just flushed every object it reads costs a cache miss.
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks  # set while the block holds full computed tokens
         # Blocks with no reference, in eviction order (front first); an OrderedDict used as an ordered set.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id, for referenced and free blocks alike
 
     @property
     def num_total_blocks(self) -> int:
-        return len(self.blocks)
+        return len(self.ref_counts)
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,7 +68,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self._free)
+        return len(self.ref_counts) - len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -130,13 +125,14 @@ class BlockManager:
         if num_full <= request.num_hashed_blocks:
             return
         num_hashed = self._hash_full_blocks(request, num_full * self.block_size)
-        hashes, cached = request.block_hashes, self._cached
+        hashes, cached, block_hashes, block_ids = request.block_hashes, self._cached, self.block_hashes, \
+            request.block_ids
         for index in range(request.num_hashed_blocks, num_hashed):
-            block = self.blocks[request.block_ids[index]]
+            block_id = block_ids[index]
             # A block recomputed next to a cached copy (a prompt whose last block was a hit) stays unhashed.
-            if block.block_hash is None and hashes[index] not in cached:
-                block.block_hash = hashes[index]
-                cached[hashes[index]] = block.block_id
+            if block_hashes[block_id] is None and hashes[index] not in cached:
+                block_hashes[block_id] = hashes[index]
+                cached[hashes[index]] = block_id
         request.num_hashed_blocks = max(request.num_hashed_blocks, num_hashed)
 
     def _hash_full_blocks(self, request: Request, num_tokens: int) -> int:
@@ -185,8 +181,11 @@ class BlockManager:
 
     def _take_cached_blocks(self, request: Request, block_ids: Sequence[int]) -> None:
         """References cache hits and appends them to the request's blocks, as already hashed."""
+        free, ref_counts = self._free, self.ref_counts
         for block_id in block_ids:
-            self._reference(self.blocks[block_id])
+            if ref_counts[block_id] == 0:
+                del free[block_id]
+            ref_counts[block_id] += 1
         request.block_ids.extend(block_ids)
         request.num_hashed_blocks += len(block_ids)
 
@@ -200,35 +199,30 @@ class BlockManager:
         """Those of the blocks in the free queue: referencing them takes free space."""
         if not block_ids:
             return 0
-        blocks = self.blocks
-        return sum(1 for block_id in block_ids if blocks[block_id].ref_count == 0)
+        ref_counts = self.ref_counts
+        return sum(1 for block_id in block_ids if ref_counts[block_id] == 0)
 
     def free(self, request: Request) -> None:
+        free, ref_counts, block_hashes = self._free, self.ref_counts, self.block_hashes
         for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)
+            ref_counts[block_id] -= 1
+            if ref_counts[block_id] == 0:
+                free[block_id] = None
+                if block_hashes[block_id] is None:
+                    free.move_to_end(block_id, last=False)
         request.block_ids.clear()
         request.num_hashed_blocks = 0
 
-    def _reference(self, block: KVBlock) -> None:
-        if block.ref_count == 0:
-            del self._free[block.block_id]
-        block.ref_count += 1
-
     def _take_free_blocks(self, count: int) -> list[int]:
         """The first `count` blocks of the free queue, referenced once; cached ones are evicted."""
-        free, blocks, cached = self._free, self.blocks, self._cached
+        free, ref_counts, block_hashes, cached = self._free, self.ref_counts, self.block_hashes, self._cached
         taken = []
         for _ in range(count):
             block_id, _ = free.popitem(last=False)
-            block = blocks[block_id]
-            if block.block_hash is not None:  # evict: the space is needed, the cached KV goes
-                del cached[block.block_hash]
-                block.block_hash = None
-            block.ref_count = 1
+            block_hash = block_hashes[block_id]
+            if block_hash is not None:  # evict: the space is needed, the cached KV goes
+                del cached[block_hash]
+                block_hashes[block_id] = None
+            ref_counts[block_id] = 1
             taken.append(block_id)
         return taken

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from functools import cached_property
 
 import numpy as np
 
@@ -21,7 +20,7 @@ class RequestStatus(Enum):
     FINISHED = auto()
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     request_id: int
     prompt_token_ids: list[int]
@@ -55,16 +54,19 @@ class Request:
     # Per generated token (and per prompt token, the first None) when sampling_params asks for logprobs.
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)  # prompt_array
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @cached_property
+    @property
     def prompt_array(self) -> np.ndarray:
         """The prompt as int64, for the step inputs: a prefill chunk of the prompt is then one slice of it. Made
         when the scheduler receives the request, not in the step that admits it."""
-        return np.array(self.prompt_token_ids, dtype=np.int64)
+        if self._prompt_array is None:
+            self._prompt_array = np.array(self.prompt_token_ids, dtype=np.int64)
+        return self._prompt_array
 
     @property
     def num_output_tokens(self) -> int:

@@ -86,20 +86,30 @@ class BlockManager:
         return self.lookup_prefix(request).block_ids
 
     def lookup_prefix(self, request: Request) -> PrefixLookup:
-        """computed_blocks, and the hash of the first full block the request would compute itself, in one pass over
-        its block hashes (the scheduler asks both of every request it tries to admit)."""
+        """computed_blocks, and the hash of the first full block the request would compute itself."""
+        block_ids, next_hash, _ = self.lookup_admission(request)
+        return PrefixLookup(block_ids, next_hash)
+
+    def lookup_admission(self, request: Request) -> tuple[list[int], bytes | None, set[bytes]]:
+        """lookup_prefix's two answers and uncached_prompt_blocks past its hits, in one pass over the request's block
+        hashes: what the scheduler asks of every request it tries to admit (a prefill step admits dozens)."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
-            return PrefixLookup([], None)
-        hashes = request.block_hashes
-        num_full = self._hash_full_blocks(request, request.num_tokens - 1)
-        cached = self._cached
+            return [], None, set()
+        hashes, cached, size = request.block_hashes, self._cached, self.block_size
+        prompt_len = len(request.prompt_token_ids)
+        num_prompt_full, num_full = prompt_len // size, (prompt_len + len(request.output_token_ids) - 1) // size
+        if len(hashes) < max(num_prompt_full, num_full):  # hashed on arrival, unless it has outputs since
+            num_prompt_full = self._hash_full_blocks(request, prompt_len)
+            num_full = self._hash_full_blocks(request, request.num_tokens - 1)
         hits = []
+        next_hash = None
         for index in range(num_full):
             block_id = cached.get(hashes[index])
             if block_id is None:
-                return PrefixLookup(hits, hashes[index])
+                next_hash = hashes[index]
+                break
             hits.append(block_id)
-        return PrefixLookup(hits, None)
+        return hits, next_hash, {h for h in hashes[len(hits):num_prompt_full] if h not in cached}
 
     def hash_prompt(self, request: Request) -> None:
         """Hashes the request's full prompt blocks ahead of its admission, as vLLM does when a request arrives: a job
@@ -172,9 +182,12 @@ class BlockManager:
     def try_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """`allocate` if the free blocks suffice (`can_allocate`), counting them once; whether it allocated."""
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
-        if num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
+        if not computed_blocks:  # most allocations have no cache hits to take
+            if num_new_blocks > len(self._free):
+                return False
+        elif num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
             return False
-        if computed_blocks:  # most allocations have no cache hits to take
+        else:
             self._take_cached_blocks(request, computed_blocks)
         request.block_ids.extend(self._take_free_blocks(num_new_blocks))
         return True

@@ -324,14 +324,13 @@ class Scheduler:
         deferred: list[Request] = []
         while self.waiting and step.budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
-            cached_blocks, next_hash = block_manager.lookup_prefix(request)
+            # Before allocating: the allocation may evict cached blocks, which would then count as uncached.
+            cached_blocks, next_hash, uncached = block_manager.lookup_admission(request)
             if next_hash is not None and next_hash in in_flight:
                 deferred.append(self.waiting.popleft())  # it will find that block in the cache instead
                 if len(deferred) >= max_num_seqs:
                     break  # a long queue is not scanned whole at every step
                 continue
-            # Before allocating: the allocation may evict cached blocks, which would then count as uncached here.
-            uncached = block_manager.uncached_prompt_blocks(request, len(cached_blocks))
             num_new = self._admission_tokens(request, cached_blocks, step.budget)
             if not block_manager.try_allocate(request, num_new, cached_blocks):
                 break

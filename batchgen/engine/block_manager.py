@@ -95,12 +95,9 @@ class BlockManager:
         hashes: what the scheduler asks of every request it tries to admit (a prefill step admits dozens)."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
             return [], None, set()
-        hashes, cached, size = request.block_hashes, self._cached, self.block_size
-        prompt_len = len(request.prompt_token_ids)
-        num_prompt_full, num_full = prompt_len // size, (prompt_len + len(request.output_token_ids) - 1) // size
-        if len(hashes) < max(num_prompt_full, num_full):  # hashed on arrival, unless it has outputs since
-            num_prompt_full = self._hash_full_blocks(request, prompt_len)
-            num_full = self._hash_full_blocks(request, request.num_tokens - 1)
+        num_full = self._hash_full_blocks(request, request.num_tokens - 1)
+        num_prompt_full = self._hash_full_blocks(request, request.num_prompt_tokens)
+        hashes, cached = request.block_hashes, self._cached
         hits = []
         next_hash = None
         for index in range(num_full):
@@ -182,12 +179,9 @@ class BlockManager:
     def try_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """`allocate` if the free blocks suffice (`can_allocate`), counting them once; whether it allocated."""
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
-        if not computed_blocks:  # most allocations have no cache hits to take
-            if num_new_blocks > len(self._free):
-                return False
-        elif num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
+        if num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
             return False
-        else:
+        if computed_blocks:  # most allocations have no cache hits to take
             self._take_cached_blocks(request, computed_blocks)
         request.block_ids.extend(self._take_free_blocks(num_new_blocks))
         return True

@@ -155,7 +155,6 @@ def test_uncached_prompt_blocks_are_those_missing_from_the_cache():
     assert manager.uncached_prompt_blocks(request, num_hits=2) == {request.block_hashes[2]}
 
 
-
 def test_lookup_admission_answers_as_lookup_prefix_and_uncached_prompt_blocks():
     manager = BlockManager(num_blocks=12, block_size=2)
     compute(manager, make_request(0, prompt=[1, 2, 3, 4, 5]))
@@ -164,6 +163,7 @@ def test_lookup_admission_answers_as_lookup_prefix_and_uncached_prompt_blocks():
         request = make_request(seq_id, prompt=prompt)
         assert (hits, next_hash) == manager.lookup_prefix(request)
         assert uncached == manager.uncached_prompt_blocks(request, num_hits=len(hits))
+
 
 def test_hash_prompt_hashes_the_full_prompt_blocks_of_requests_that_use_the_cache():
     manager = BlockManager(num_blocks=10, block_size=2)

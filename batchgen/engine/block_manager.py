@@ -132,8 +132,8 @@ class BlockManager:
         if num_full <= request.num_hashed_blocks:
             return
         num_hashed = self._hash_full_blocks(request, num_full * self.block_size)
-        hashes, cached, block_hashes, block_ids = request.block_hashes, self._cached, self.block_hashes, \
-            request.block_ids
+        hashes, cached, block_hashes = request.block_hashes, self._cached, self.block_hashes
+        block_ids = request.block_ids
         for index in range(request.num_hashed_blocks, num_hashed):
             block_id = block_ids[index]
             # A block recomputed next to a cached copy (a prompt whose last block was a hit) stays unhashed.

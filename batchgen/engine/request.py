@@ -54,7 +54,8 @@ class Request:
     # Per generated token (and per prompt token, the first None) when sampling_params asks for logprobs.
     logprobs: list | None = None
     prompt_logprobs: list | None = None
-    _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)  # prompt_array
+    # prompt_array's value, made on its first use (a slots class has no instance dict for cached_property).
+    _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -58,3 +58,14 @@ def test_short_tiles_only_where_the_most_splits_leave_the_sms_sparse(monkeypatch
         assert limits[:2] == [16 * short] * 2 and not any(limits[2:])  # batches 1 and 2 of 8 kv heads
     assert attention_triton.short_context_positions(KV_HEADS, 16, short, cuda) == 0  # tiles already short
     assert attention_triton.short_context_positions(KV_HEADS, 16, 64, torch.device("cpu")) == 0
+
+
+def test_reads_kv_early_exactly_where_the_launch_takes_short_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_triton, "_sm_count", lambda device: SMS)
+    cuda, bf16, fp8 = torch.device("cuda"), torch.bfloat16, torch.float8_e4m3fn
+    early = [attention_triton.decode_reads_kv_early(batch, KV_HEADS, 128, bf16, bf16, cuda) for batch in range(1, 9)]
+    assert early == [True, True] + [False] * 6  # batches 1 and 2 of 8 kv heads (the short-tile rule above)
+    assert attention_triton.decode_reads_kv_early(1, KV_HEADS, 128, bf16, fp8, cuda)
+    assert attention_triton.decode_reads_kv_early(4, 4, 128, bf16, bf16, cuda)  # fewer kv heads: sparse longer
+    assert not attention_triton.decode_reads_kv_early(1, KV_HEADS, 128, torch.float32, torch.float32, cuda)  # 32s
+    assert not attention_triton.decode_reads_kv_early(1, KV_HEADS, 128, bf16, bf16, torch.device("cpu"))

@@ -51,6 +51,12 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.ops: ModuleType = attention_torch
 
+    def decode_reads_kv_early(self, batch: int, q_dtype: torch.dtype) -> bool:
+        """Whether this layer's decode attention of `batch` rows (no cascade) reads its KV before its PDL wait."""
+        reads_early = getattr(self.ops, "decode_reads_kv_early", None)
+        return reads_early is not None and reads_early(batch, self.num_kv_heads, self.head_dim, q_dtype,
+                                                       self.k_cache.dtype, self.k_cache.device)
+
     def forward(
         self,
         q: torch.Tensor,  # (T, H * D) or (T, H, D)

@@ -116,6 +116,21 @@ def store_kv(
 
 
 @triton.jit
+def _kv_tile_pointers(
+    block_table, kc_head, vc_head, pos, valid,
+    d, stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Pointers to the K and V rows of cache positions `pos` of one kv head, through a block table (whose entries
+    are read where `valid`): (len(pos), BLOCK_D) each."""
+    blk = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    off = pos % BLOCK_SIZE
+    k_ptrs = kc_head + (blk * stride_kc_blk + off * stride_kc_off)[:, None] + d[None, :] * stride_kc_d
+    v_ptrs = vc_head + (blk * stride_vc_blk + off * stride_vc_off)[:, None] + d[None, :] * stride_vc_d
+    return k_ptrs, v_ptrs
+
+
+@triton.jit
 def _load_kv_tile(
     block_table, kc_head, vc_head, pos, valid, d, d_mask,
     stride_kc_blk, stride_kc_off, stride_kc_d,
@@ -125,14 +140,28 @@ def _load_kv_tile(
     """The K and V rows of cache positions `pos` (zeros where not `valid`) of one kv head, through a block table,
     in DTYPE (the query's, see _dot_query): an fp8 cache's tiles are converted for tl.dot; a cache in DTYPE compiles
     no conversion."""
-    blk = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    off = pos % BLOCK_SIZE
+    k_ptrs, v_ptrs = _kv_tile_pointers(block_table, kc_head, vc_head, pos, valid, d, stride_kc_blk, stride_kc_off,
+                                       stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d, BLOCK_SIZE)
     kv_mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(kc_head + (blk * stride_kc_blk + off * stride_kc_off)[:, None] + d[None, :] * stride_kc_d,
-                mask=kv_mask, other=0.0)
-    v = tl.load(vc_head + (blk * stride_vc_blk + off * stride_vc_off)[:, None] + d[None, :] * stride_vc_d,
-                mask=kv_mask, other=0.0)
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     return k.to(DTYPE), v.to(DTYPE)
+
+
+@triton.jit
+def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of the queries q (rows, BLOCK_D) over a K/V tile (BLOCK_N, BLOCK_D) whose positions
+    are `valid`: the updated running max, sum and accumulator (log2 units). A tile with no valid position leaves
+    them as they were."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) would be NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -150,15 +179,37 @@ def _attend_kv_range(
         k, v = _load_kv_tile(block_table, kc_head, vc_head, pos, valid, d, d_mask,
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
                              BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_tile_read_early(
+    q_ptrs, q_mask, lo, hi, seq_len, block_table, kc_head, vc_head, d, d_mask, qk_scale,
+    stride_kc_blk, stride_kc_off, stride_kc_d,
+    stride_vc_blk, stride_vc_off, stride_vc_d,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Waits for the previous kernel (`wait_for_previous`) and attends over one tile of positions [lo, hi), hi <=
+    lo + BLOCK_N, reading it before the wait: a decode step's positions before its own (seq_len - 1) are the KV of
+    earlier steps; only its own row, which the kernel before stores, is read after the wait."""
+    pos = lo + tl.arange(0, BLOCK_N)
+    valid = pos < hi
+    k_ptrs, v_ptrs = _kv_tile_pointers(block_table, kc_head, vc_head, pos, valid, d, stride_kc_blk, stride_kc_off,
+                                       stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d, BLOCK_SIZE)
+    earlier = (valid & (pos < seq_len - 1))[:, None] & d_mask[None, :]
+    k = tl.load(k_ptrs, mask=earlier, other=0.0)
+    v = tl.load(v_ptrs, mask=earlier, other=0.0)
+    wait_for_previous(PDL)
+    own = (valid & (pos == seq_len - 1))[:, None] & d_mask[None, :]
+    k = tl.where(own, tl.load(k_ptrs, mask=own, other=0.0), k)
+    v = tl.where(own, tl.load(v_ptrs, mask=own, other=0.0), v)
+    q = _dot_query(tl.load(q_ptrs, mask=q_mask, other=0.0), kc_head.dtype.element_ty)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    return _attend_tile(q, k.to(q.dtype), v.to(q.dtype), valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
 
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
@@ -188,8 +239,8 @@ def _decode_kernel(
     merges their partials itself (`arrivals` counts them per (sequence, kv head)); a context of one tile writes the
     output directly. A short context thus costs no second kernel, and a long one no extra launch.
     SHORT_N < BLOCK_N (a compile of its own, for launches of few programs: `short_context_positions`): a context of
-    at most `short_context` positions is split in tiles of SHORT_N positions, over more programs that each read less;
-    longer ones keep BLOCK_N tiles."""
+    at most `short_context` positions is split in tiles of SHORT_N positions, over more programs that each read less,
+    one tile each, which they read before the wait (`_attend_tile_read_early`); longer ones keep BLOCK_N tiles."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -221,27 +272,23 @@ def _decode_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     kc_head = k_cache_ptr + kvh * stride_kc_h
     vc_head = v_cache_ptr + kvh * stride_vc_h
-    wait_for_previous(PDL)
-
     # BLOCK_G is padded to >= 16 rows because tl.dot needs it; the padding rows are zero queries, never stored.
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # (BLOCK_G, BLOCK_D)
-    q = _dot_query(q, k_cache_ptr.dtype.element_ty)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    # Without short tiles, tile == SHORT_N is a constant True: only the first loop compiles (in BLOCK_N tiles).
-    if tile == SHORT_N:
-        m_i, l_i, acc = _attend_kv_range(
-            q, m_i, l_i, acc, lo, hi, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd  # (BLOCK_G, BLOCK_D)
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    if tile == SHORT_N and SHORT_N < BLOCK_N:
+        # A short context holds one short tile a split, and most of it is earlier steps' KV: read before the wait,
+        # it is off the path that follows the kernel before (which, under pdl.early_start, runs long).
+        m_i, l_i, acc = _attend_tile_read_early(
+            q_ptrs, q_mask, lo, hi, seq_len, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
             stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
-            BLOCK_SIZE, SHORT_N, DOT_PRECISION,
+            BLOCK_SIZE, SHORT_N, BLOCK_G, BLOCK_D, DOT_PRECISION, PDL,
         )  # fmt: skip
     else:
+        wait_for_previous(PDL)
+        q = _dot_query(tl.load(q_ptrs, mask=q_mask, other=0.0), k_cache_ptr.dtype.element_ty)
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         m_i, l_i, acc = _attend_kv_range(
             q, m_i, l_i, acc, lo, hi, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
             stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
@@ -428,6 +475,15 @@ def short_context_positions(programs: int, num_splits: int, block_n: int, device
     if programs * num_splits > _SHORT_TILE_PROGRAMS_PER_SM * _sm_count(device):
         return 0
     return num_splits * SHORT_TILE
+
+
+def decode_reads_kv_early(batch: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
+                          cache_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a decode launch of `batch` rows (no cascade) reads short contexts' KV before its PDL wait: the sparse
+    launches do (`short_context_positions`), so a step of them gains from `pdl.early_start`."""
+    block_n = decode_tile(head_dim, q_dtype, cache_dtype)
+    programs = batch * num_kv_heads
+    return short_context_positions(programs, _default_num_splits(programs, device, block_n), block_n, device) > 0
 
 
 def _default_num_splits(programs: int, device: torch.device, block_n: int | None = None) -> int:

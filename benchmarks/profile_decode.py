@@ -37,7 +37,9 @@ def kernel_times(engine: LLMEngine, batch: int, context: int, replays: int) -> d
     run_engine(engine, [(random_prompt(context, seed=i), params) for i in range(batch)])
     graphs = engine.runner.graphs
     size = graphs.padded_size(batch)
-    graph = graphs.graphs[(size, False)]  # random prompts share no prefix: the plain graph
+    # Random prompts share no prefix: no cascade. The variant the last decode step chose (by its contexts).
+    early = context + params.max_tokens <= graphs.early_read_limit(size) and (size, False, True) in graphs.graphs
+    graph = graphs.graphs[(size, False, early)]
     graph.replay()  # the buffers still hold the last decode step of the run above
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -63,9 +63,13 @@ def test_short_tiles_only_where_the_most_splits_leave_the_sms_sparse(monkeypatch
 def test_reads_kv_early_exactly_where_the_launch_takes_short_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention_triton, "_sm_count", lambda device: SMS)
     cuda, bf16, fp8 = torch.device("cuda"), torch.bfloat16, torch.float8_e4m3fn
-    early = [attention_triton.decode_reads_kv_early(batch, KV_HEADS, 128, bf16, bf16, cuda) for batch in range(1, 9)]
-    assert early == [True, True] + [False] * 6  # batches 1 and 2 of 8 kv heads (the short-tile rule above)
-    assert attention_triton.decode_reads_kv_early(1, KV_HEADS, 128, bf16, fp8, cuda)
-    assert attention_triton.decode_reads_kv_early(4, 4, 128, bf16, bf16, cuda)  # fewer kv heads: sparse longer
-    assert not attention_triton.decode_reads_kv_early(1, KV_HEADS, 128, torch.float32, torch.float32, cuda)  # 32s
-    assert not attention_triton.decode_reads_kv_early(1, KV_HEADS, 128, bf16, bf16, torch.device("cpu"))
+
+    def limit(batch: int, kv_heads: int = KV_HEADS, q_dtype=bf16, cache_dtype=bf16, device=cuda) -> int:
+        return attention_triton.decode_early_read_limit(batch, kv_heads, 128, q_dtype, cache_dtype, device)
+
+    short = 16 * attention_triton.SHORT_TILE
+    assert [limit(batch) for batch in range(1, 9)] == [short, short] + [0] * 6  # as the short-tile rule above
+    assert limit(1, cache_dtype=fp8) == short
+    assert limit(4, kv_heads=4) > 0  # fewer kv heads: sparse up to a larger batch
+    assert limit(1, q_dtype=torch.float32, cache_dtype=torch.float32) == 0  # fp32 tiles are short already
+    assert limit(1, device=torch.device("cpu")) == 0

@@ -6,8 +6,9 @@ static buffers first; padded rows get slot -1 (write no KV) and context length 0
 Steps whose rows share a KV prefix replay a bucket's cascade variant (`attention_triton`), which computes the shared
 length inside the graph. Each is captured on first use, so jobs without shared prefixes never pay for them.
 
-A bucket whose attention reads its KV before its PDL wait is captured under `pdl.early_start`: on an H200, a
-Qwen3-0.6B step took 19 us less at batch 1 and 50 at batch 2 (benchmarks/RESULTS.md, fourteenth session).
+A bucket whose attention reads short contexts' KV before its PDL wait also has an early-start variant, captured
+under `pdl.early_start`, which steps whose contexts all fit replay (`early_read_limit`): on an H200, a Qwen3-0.6B
+step took 41 us less at batch 1 and 48 at batch 2 (benchmarks/RESULTS.md, fourteenth session).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -101,6 +103,12 @@ class GraphCaptureBuffers:
         self.block_tables[:n].copy_(block_tables.pin_memory() if self.pinned else block_tables, non_blocking=True)
 
 
+class GraphKey(NamedTuple):
+    size: int  # the bucket
+    cascade: bool  # the shared-prefix variant
+    early: bool  # captured under pdl.early_start
+
+
 @dataclass
 class CaptureStats:
     sizes: list[int]
@@ -119,12 +127,13 @@ class CudaGraphRunner:
         self.last_sampled = last_sampled  # (max_num_seqs,) int64: the previous step's sampled ids
         self.sizes = sorted(sizes)
         self.cascade = cascade  # whether steps may replay cascade variants
-        # Keyed by (bucket, cascade); each graph's logits are its own static output.
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        # Keyed by (bucket, cascade, early start); each graph's logits are its own static output.
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[GraphKey, torch.Tensor] = {}
         self._pool = None
         self._attention = [module for module in model.modules() if isinstance(module, Attention)]
         self._dtype = next(model.parameters(), torch.empty(0)).dtype  # the queries'
+        self._early_read_limits: dict[int, int] = {}  # by bucket, see early_read_limit
 
     def _forward(self, size: int, cascade: bool = False) -> torch.Tensor:
         b = self.buffers
@@ -132,60 +141,78 @@ class CudaGraphRunner:
         hidden = self.model(input_ids, b.positions[:size], b.metadata(size, cascade))
         return self.model.compute_logits(hidden)
 
-    def _early_start(self, size: int, cascade: bool) -> bool:
-        """Whether the bucket's kernels let the next start before they wait (`pdl.early_start`): only where every
-        layer's attention reads its KV before its own wait, which the cascade kernels do not. Otherwise a step of
-        more resident kernels holds up the attention's reads (batch 4 was 23-73 us slower)."""
-        if cascade or not self._attention:
-            return False
-        return all(layer.decode_reads_kv_early(size, self._dtype) for layer in self._attention)
+    def early_read_limit(self, size: int) -> int:
+        """The longest context that every layer's decode attention at this bucket reads before its PDL wait; 0 for
+        none. A step whose contexts all fit replays the bucket's early-start variant (`pdl.early_start`): its
+        kernels let the next start before they wait. Elsewhere more resident kernels hold up the attention's reads
+        after its wait (batch 4 was 23-73 us slower, contexts of 2,048 at batch 1 64 us)."""
+        if size not in self._early_read_limits:
+            limits = [layer.decode_early_read_limit(size, self._dtype) for layer in self._attention]
+            self._early_read_limits[size] = min(limits, default=0)
+        return self._early_read_limits[size]
 
-    def _capture_one(self, size: int, cascade: bool) -> None:
+    def _capture_one(self, key: GraphKey) -> None:
+        size, cascade, early = key
         # Warm-up and capture must not write into real KV blocks. Both are queued after any step still in flight,
         # whose inputs the buffers already hold; the next replay stages its own.
         self.buffers.slot_mapping.fill_(-1)
-        with pdl.early_start(self._early_start(size, cascade)):
+        with pdl.early_start(early):
             self._forward(size, cascade)  # warm-up: lazy initialisation and autotuning stay out of the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self.logits[(size, cascade)] = self._forward(size, cascade)
-        self.graphs[(size, cascade)] = graph
+                self.logits[key] = self._forward(size, cascade)
+        self.graphs[key] = graph
         torch.cuda.synchronize()
 
     def capture(self) -> CaptureStats:
-        """Capture every bucket; a bucket that runs out of memory is dropped with a warning, not fatal."""
+        """Capture every bucket, with its early-start variant where it has one (up front: its kernels compile apart
+        from the plain ones, which a job would otherwise wait for in mid-run); a graph that runs out of memory is
+        dropped with a warning, not fatal (a bucket without any runs eagerly)."""
         start = time.perf_counter()
         before = torch.cuda.memory_reserved()
         self._pool = torch.cuda.graph_pool_handle()
         seconds_per_size: dict[int, float] = {}
         for size in sorted(self.sizes, reverse=True):
             size_start = time.perf_counter()
-            try:
-                self._capture_one(size, cascade=False)
-                seconds_per_size[size] = time.perf_counter() - size_start
-            except torch.OutOfMemoryError:
-                log.warning("CUDA-graph capture ran out of memory at batch size %d; that bucket runs eagerly", size)
-                self.logits.pop((size, False), None)
-                torch.cuda.empty_cache()
-        self.sizes = sorted(size for size, _ in self.graphs)
+            for early in (False, True) if self.early_read_limit(size) else (False,):
+                key = GraphKey(size, cascade=False, early=early)
+                try:
+                    self._capture_one(key)
+                except torch.OutOfMemoryError:
+                    log.warning("CUDA-graph capture ran out of memory at batch size %d%s", size,
+                                " (early start)" if early else "")
+                    self.logits.pop(key, None)
+                    torch.cuda.empty_cache()
+            seconds_per_size[size] = time.perf_counter() - size_start
+        self.sizes = sorted({key.size for key in self.graphs})
         torch.cuda.synchronize()
         return CaptureStats(self.sizes, time.perf_counter() - start, torch.cuda.memory_reserved() - before,
-                            dict(sorted(seconds_per_size.items())))
+                            {size: seconds for size, seconds in sorted(seconds_per_size.items()) if size in self.sizes})
 
     def _capture_cascade(self, size: int) -> bool:
         """Whether the bucket's cascade variant is (now) captured; running out of memory only turns it off."""
-        if (size, True) not in self.graphs:
+        key = GraphKey(size, cascade=True, early=False)
+        if key not in self.graphs:
             try:
-                self._capture_one(size, cascade=True)
+                self._capture_one(key)
             except torch.OutOfMemoryError:
                 log.warning("CUDA-graph capture of cascade attention ran out of memory at batch size %d; such "
                             "steps replay the plain graph", size)
-                self.logits.pop((size, True), None)
+                self.logits.pop(key, None)
                 self.cascade = False
                 torch.cuda.empty_cache()
                 return False
         return True
+
+    def _key(self, inputs: StepInputs, size: int, cascade: bool) -> GraphKey:
+        """The variant of the bucket that the step replays."""
+        if cascade and self.cascade and self._capture_cascade(size):
+            return GraphKey(size, cascade=True, early=False)
+        early, plain = GraphKey(size, cascade=False, early=True), GraphKey(size, cascade=False, early=False)
+        if early in self.graphs and int(inputs.seq_lens.max(initial=0)) <= self.early_read_limit(size):
+            return early
+        return plain if plain in self.graphs else early
 
     def padded_size(self, n: int) -> int | None:
         return padded_size(self.sizes, n)
@@ -194,7 +221,7 @@ class CudaGraphRunner:
         """The graph's whole static logits (size, vocab), of which the first n rows are those of the pure-decode
         step's n <= size requests (the sampler graphs read the whole buffer). cascade: the rows share a KV prefix,
         so the bucket's cascade variant runs (captured now if this is its first use)."""
-        cascade = cascade and self.cascade and self._capture_cascade(size)
+        key = self._key(inputs, size, cascade)
         self.buffers.load(inputs, size)
-        self.graphs[(size, cascade)].replay()
-        return self.logits[(size, cascade)]
+        self.graphs[key].replay()
+        return self.logits[key]

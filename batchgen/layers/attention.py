@@ -51,11 +51,13 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.ops: ModuleType = attention_torch
 
-    def decode_reads_kv_early(self, batch: int, q_dtype: torch.dtype) -> bool:
-        """Whether this layer's decode attention of `batch` rows (no cascade) reads its KV before its PDL wait."""
-        reads_early = getattr(self.ops, "decode_reads_kv_early", None)
-        return reads_early is not None and reads_early(batch, self.num_kv_heads, self.head_dim, q_dtype,
-                                                       self.k_cache.dtype, self.k_cache.device)
+    def decode_early_read_limit(self, batch: int, q_dtype: torch.dtype) -> int:
+        """The longest context whose KV this layer's decode attention of `batch` rows (no cascade) reads before its
+        PDL wait; 0 for none."""
+        limit = getattr(self.ops, "decode_early_read_limit", None)
+        if limit is None:
+            return 0
+        return limit(batch, self.num_kv_heads, self.head_dim, q_dtype, self.k_cache.dtype, self.k_cache.device)
 
     def forward(
         self,

@@ -477,13 +477,13 @@ def short_context_positions(programs: int, num_splits: int, block_n: int, device
     return num_splits * SHORT_TILE
 
 
-def decode_reads_kv_early(batch: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
-                          cache_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a decode launch of `batch` rows (no cascade) reads short contexts' KV before its PDL wait: the sparse
-    launches do (`short_context_positions`), so a step of them gains from `pdl.early_start`."""
+def decode_early_read_limit(batch: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
+                            cache_dtype: torch.dtype, device: torch.device) -> int:
+    """The longest context whose KV a decode launch of `batch` rows (no cascade) reads before its PDL wait, 0 for
+    none: that of the short tiles of a sparse launch (`short_context_positions`)."""
     block_n = decode_tile(head_dim, q_dtype, cache_dtype)
     programs = batch * num_kv_heads
-    return short_context_positions(programs, _default_num_splits(programs, device, block_n), block_n, device) > 0
+    return short_context_positions(programs, _default_num_splits(programs, device, block_n), block_n, device)
 
 
 def _default_num_splits(programs: int, device: torch.device, block_n: int | None = None) -> int:

@@ -149,22 +149,6 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of the queries q (rows, BLOCK_D) over a K/V tile (BLOCK_N, BLOCK_D) whose positions
-    are `valid`: the updated running max, sum and accumulator (log2 units). A tile with no valid position leaves
-    them as they were."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) would be NaN
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _attend_kv_range(
     q, m_i, l_i, acc, lo, hi, block_table, kc_head, vc_head, d, d_mask, qk_scale,
     stride_kc_blk, stride_kc_off, stride_kc_d,
@@ -179,7 +163,14 @@ def _attend_kv_range(
         k, v = _load_kv_tile(block_table, kc_head, vc_head, pos, valid, d, d_mask,
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
                              BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
-        m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
     return m_i, l_i, acc
 
 
@@ -188,12 +179,12 @@ def _attend_tile_read_early(
     q_ptrs, q_mask, lo, hi, seq_len, block_table, kc_head, vc_head, d, d_mask, qk_scale,
     stride_kc_blk, stride_kc_off, stride_kc_d,
     stride_vc_blk, stride_vc_off, stride_vc_d,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Waits for the previous kernel (`wait_for_previous`) and attends over one tile of positions [lo, hi), hi <=
     lo + BLOCK_N, reading it before the wait: a decode step's positions before its own (seq_len - 1) are the KV of
-    earlier steps; only its own row, which the kernel before stores, is read after the wait."""
+    earlier steps; only its own row, which the kernel before stores, is read after the wait. Returns the running
+    max, sum and accumulator of `_attend_kv_range`."""
     pos = lo + tl.arange(0, BLOCK_N)
     valid = pos < hi
     k_ptrs, v_ptrs = _kv_tile_pointers(block_table, kc_head, vc_head, pos, valid, d, stride_kc_blk, stride_kc_off,
@@ -206,10 +197,13 @@ def _attend_tile_read_early(
     k = tl.where(own, tl.load(k_ptrs, mask=own, other=0.0), k)
     v = tl.where(own, tl.load(v_ptrs, mask=own, other=0.0), v)
     q = _dot_query(tl.load(q_ptrs, mask=q_mask, other=0.0), kc_head.dtype.element_ty)
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    return _attend_tile(q, k.to(q.dtype), v.to(q.dtype), valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_i = tl.max(s, 1)
+    p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])  # an empty range (padding row): all 0
+    l_i = tl.sum(p, 1)
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return m_i, l_i, acc
 
 
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
@@ -281,7 +275,7 @@ def _decode_kernel(
         m_i, l_i, acc = _attend_tile_read_early(
             q_ptrs, q_mask, lo, hi, seq_len, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
             stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
-            BLOCK_SIZE, SHORT_N, BLOCK_G, BLOCK_D, DOT_PRECISION, PDL,
+            BLOCK_SIZE, SHORT_N, DOT_PRECISION, PDL,
         )  # fmt: skip
     else:
         wait_for_previous(PDL)

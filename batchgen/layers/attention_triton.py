@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.layers import pdl
 from batchgen.layers.pdl import launch_options, wait_for_previous
 
 _MAX_SPLITS = 16  # of each sequence's own KV range, and (cascade) of the shared prefix
@@ -541,11 +542,15 @@ def decode_attention(
     # A separate compile for one split: the merge's registers would cost the single pass occupancy at large batch
     # (b1_latency at batch 64: 1.76 -> 1.93 ms on the H200).
     merge = not cascade and num_splits > 1
-    short_context = short_context_positions(batch * num_kv_heads, num_splits, block_n, q.device) if merge else 0
+    # Short tiles are read before the wait, which pays only in steps of kernels that start early; elsewhere (eager
+    # steps, a bucket's plain graph) the short compile's long-context loop ran slower than the plain compile's (a
+    # Qwen3-0.6B step at batch 1, contexts of 2,048: +31 us on an H200).
+    early = merge and pdl.starts_early()
+    short_context = short_context_positions(batch * num_kv_heads, num_splits, block_n, q.device) if early else 0
     if merge and (split_arrivals is None or split_arrivals.numel() < batch * num_kv_heads):
         split_arrivals = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
     dot_precision = _dot_precision(q.dtype)
-    pdl = launch_options(q.device)
+    pdl_options = launch_options(q.device)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, shared_prefix_len if cascade else seq_lens, out, mid_o, mid_lse,
         split_arrivals if merge else seq_lens, scale * _LOG2E, sliding_window or _NO_WINDOW,
@@ -558,7 +563,7 @@ def decode_attention(
         MAX_SLOTS=_MAX_SPLITS,
         # A third stage keeps one more K/V tile in flight: 3-10% faster on bf16 at batch 64-256 on the H200
         # (benchmarks/sweep_decode_attention.py); the fp32 tiles stay at two for their shared memory.
-        num_warps=4, num_stages=2 if wide else 3, **pdl, **register_cap(block_n, q.device),
+        num_warps=4, num_stages=2 if wide else 3, **pdl_options, **register_cap(block_n, q.device),
     )  # fmt: skip
     if cascade:
         _shared_prefix_kernel[(prefix_tiles, num_kv_heads, num_prefix_splits)](
@@ -568,13 +573,13 @@ def decode_attention(
             batch * group, num_splits, num_prefix_splits, num_slots,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_M=prefix_block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
-            num_warps=4, num_stages=2 if wide else 3, **pdl,
+            num_warps=4, num_stages=2 if wide else 3, **pdl_options,
         )  # fmt: skip
         _decode_reduce_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, *out.stride(),
             num_slots,
             HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SLOTS=2 * _MAX_SPLITS,
-            num_warps=4, **pdl,
+            num_warps=4, **pdl_options,
         )  # fmt: skip
     return out
 

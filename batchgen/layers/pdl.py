@@ -59,6 +59,11 @@ def early_start(enabled: bool = True) -> Iterator[None]:
         _early = previous
 
 
+def starts_early() -> bool:
+    """Whether launches now are inside `early_start` (enabled)."""
+    return _early
+
+
 def launch_options(device: torch.device) -> dict[str, int | bool]:
     """The kernel arguments of a PDL-aware launch: its PDL constexpr (OFF, ON or EARLY) and Triton's launch_pdl
     option, both on or both off (a kernel launched with PDL must wait before it reads what the previous kernel

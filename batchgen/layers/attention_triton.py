@@ -452,9 +452,10 @@ def register_cap(block_n: int, device: torch.device) -> dict[str, int]:
     return {"maxnreg": 168} if block_n == 128 and device.type == "cuda" else {}
 
 
-# Short contexts in sparse launches read their KV in tiles of this many positions (benchmarks/RESULTS.md,
-# thirteenth session: a Qwen3-0.6B decode step at batch 1 on the H200, contexts of 128-384 positions, 24 us faster
-# with a 16-bit cache and 54 with fp8; no faster at batch 4, slower at 8 and past one short tile a split).
+# Short contexts in sparse launches read their KV in tiles of this many positions, under pdl.early_start (see
+# decode_attention) (benchmarks/RESULTS.md, thirteenth session: a Qwen3-0.6B decode step at batch 1 on the H200,
+# contexts of 128-384 positions, 24 us faster with a 16-bit cache and 54 with fp8; no faster at batch 4, slower at 8
+# and past one short tile a split).
 SHORT_TILE = 32
 _SHORT_TILE_PROGRAMS_PER_SM = 2  # a launch with at most this many programs an SM at its most splits is sparse
 
@@ -474,8 +475,8 @@ def short_context_positions(programs: int, num_splits: int, block_n: int, device
 
 def decode_early_read_limit(batch: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
                             cache_dtype: torch.dtype, device: torch.device) -> int:
-    """The longest context whose KV a decode launch of `batch` rows (no cascade) reads before its PDL wait, 0 for
-    none: that of the short tiles of a sparse launch (`short_context_positions`)."""
+    """The longest context whose KV a decode launch of `batch` rows (no cascade) reads before its PDL wait under
+    pdl.early_start, 0 for none: that of the short tiles of a sparse launch (`short_context_positions`)."""
     block_n = decode_tile(head_dim, q_dtype, cache_dtype)
     programs = batch * num_kv_heads
     return short_context_positions(programs, _default_num_splits(programs, device, block_n), block_n, device)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from batchgen.engine.cuda_graph import GraphKey
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.sampling_params import SamplingParams
 from benchmarks.common import (
@@ -38,8 +39,9 @@ def kernel_times(engine: LLMEngine, batch: int, context: int, replays: int) -> d
     graphs = engine.runner.graphs
     size = graphs.padded_size(batch)
     # Random prompts share no prefix: no cascade. The variant the last decode step chose (by its contexts).
-    early = context + params.max_tokens <= graphs.early_read_limit(size) and (size, False, True) in graphs.graphs
-    graph = graphs.graphs[(size, False, early)]
+    early = GraphKey(size, cascade=False, early=True)
+    fits = context + params.max_tokens <= graphs.early_read_limit(size)
+    graph = graphs.graphs[early if fits and early in graphs.graphs else early._replace(early=False)]
     graph.replay()  # the buffers still hold the last decode step of the run above
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

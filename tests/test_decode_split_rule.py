@@ -73,3 +73,17 @@ def test_reads_kv_early_exactly_where_the_launch_takes_short_tiles(monkeypatch: 
     assert limit(4, kv_heads=4) > 0  # fewer kv heads: sparse up to a larger batch
     assert limit(1, q_dtype=torch.float32, cache_dtype=torch.float32) == 0  # fp32 tiles are short already
     assert limit(1, device=torch.device("cpu")) == 0
+
+
+def test_an_attention_layer_asks_its_ops_for_the_early_read_limit() -> None:
+    from batchgen.layers import attention_torch
+    from batchgen.layers.attention import Attention
+
+    layer = Attention(num_heads=16, num_kv_heads=KV_HEADS, head_dim=128, scale=0.1)
+    layer.k_cache = torch.empty(0, dtype=torch.float8_e4m3fn)
+    assert layer.decode_early_read_limit(1, torch.bfloat16) == 0  # the torch ops read nothing early
+    calls = []
+    layer.ops = type("Ops", (), {"decode_early_read_limit": staticmethod(lambda *args: calls.append(args) or 512)})
+    assert layer.decode_early_read_limit(2, torch.bfloat16) == 512
+    assert calls == [(2, KV_HEADS, 128, torch.bfloat16, torch.float8_e4m3fn, torch.device("cpu"))]
+    assert attention_torch.decode_early_read_limit(*calls[0]) == 0

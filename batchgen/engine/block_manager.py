@@ -86,27 +86,27 @@ class BlockManager:
         return self.lookup_prefix(request).block_ids
 
     def lookup_prefix(self, request: Request) -> PrefixLookup:
-        """computed_blocks, and the hash of the first full block the request would compute itself."""
-        block_ids, next_hash, _ = self.lookup_admission(request)
-        return PrefixLookup(block_ids, next_hash)
-
-    def lookup_admission(self, request: Request) -> tuple[list[int], bytes | None, set[bytes]]:
-        """lookup_prefix's two answers and uncached_prompt_blocks past its hits, in one pass over the request's block
-        hashes: what the scheduler asks of every request it tries to admit (a prefill step admits dozens)."""
+        """computed_blocks, and the hash of the first full block the request would compute itself, in one pass over
+        its block hashes (the scheduler asks both of every request it tries to admit)."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
-            return [], None, set()
+            return PrefixLookup([], None)
+        hashes = request.block_hashes
         num_full = self._hash_full_blocks(request, request.num_tokens - 1)
-        num_prompt_full = self._hash_full_blocks(request, request.num_prompt_tokens)
-        hashes, cached = request.block_hashes, self._cached
+        cached = self._cached
         hits = []
-        next_hash = None
         for index in range(num_full):
             block_id = cached.get(hashes[index])
             if block_id is None:
-                next_hash = hashes[index]
-                break
+                return PrefixLookup(hits, hashes[index])
             hits.append(block_id)
-        return hits, next_hash, {h for h in hashes[len(hits):num_prompt_full] if h not in cached}
+        return PrefixLookup(hits, None)
+
+    def lookup_admission(self, request: Request) -> tuple[list[int], bytes | None, set[bytes]]:
+        """lookup_prefix's two answers and uncached_prompt_blocks past its hits: what the scheduler asks of every
+        request it tries to admit, before allocating (an allocation may evict cached blocks, which would then count
+        as uncached)."""
+        hits, next_hash = self.lookup_prefix(request)
+        return hits, next_hash, self.uncached_prompt_blocks(request, len(hits))
 
     def hash_prompt(self, request: Request) -> None:
         """Hashes the request's full prompt blocks ahead of its admission, as vLLM does when a request arrives: a job

@@ -324,7 +324,6 @@ class Scheduler:
         deferred: list[Request] = []
         while self.waiting and step.budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
-            # Before allocating: the allocation may evict cached blocks, which would then count as uncached.
             cached_blocks, next_hash, uncached = block_manager.lookup_admission(request)
             if next_hash is not None and next_hash in in_flight:
                 deferred.append(self.waiting.popleft())  # it will find that block in the cache instead

@@ -54,10 +54,8 @@ class Attention(nn.Module):
     def decode_early_read_limit(self, batch: int, q_dtype: torch.dtype) -> int:
         """The longest context whose KV this layer's decode attention of `batch` rows (no cascade) reads before its
         PDL wait; 0 for none."""
-        limit = getattr(self.ops, "decode_early_read_limit", None)
-        if limit is None:
-            return 0
-        return limit(batch, self.num_kv_heads, self.head_dim, q_dtype, self.k_cache.dtype, self.k_cache.device)
+        return self.ops.decode_early_read_limit(batch, self.num_kv_heads, self.head_dim, q_dtype, self.k_cache.dtype,
+                                                self.k_cache.device)
 
     def forward(
         self,

@@ -109,6 +109,12 @@ def decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
+def decode_early_read_limit(batch: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
+                            cache_dtype: torch.dtype, device: torch.device) -> int:
+    """As attention_triton's: these ops never launch with PDL, so they read nothing before a wait (0)."""
+    return 0
+
+
 def prefill_attention(
     q: torch.Tensor,  # (T, H, D)
     k_cache: torch.Tensor,  # (NB, BS, KVH, D)

@@ -25,6 +25,7 @@ from torch import nn
 from batchgen.engine.step_inputs import StepInputs
 from batchgen.layers import pdl
 from batchgen.layers.attention import Attention, AttentionMetadata
+from batchgen.layers.sampler_triton import greedy_argmax
 from batchgen.layers.shared_prefix import shared_prefix_len
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,13 @@ class GraphCaptureBuffers:
         self.block_tables[:n].copy_(block_tables.pin_memory() if self.pinned else block_tables, non_blocking=True)
 
 
+class GraphOutputs(NamedTuple):
+    logits: torch.Tensor  # (size, vocab)
+    # (size,) int64: each row's argmax, also written into last_sampled: the whole sampling of a greedy step, in the
+    # graph (run eagerly after it, torch's argmax and its copies took 15 us of an H200 step at batch 1)
+    greedy_ids: torch.Tensor
+
+
 class GraphKey(NamedTuple):
     size: int  # the bucket
     cascade: bool  # the shared-prefix variant
@@ -127,19 +135,20 @@ class CudaGraphRunner:
         self.last_sampled = last_sampled  # (max_num_seqs,) int64: the previous step's sampled ids
         self.sizes = sorted(sizes)
         self.cascade = cascade  # whether steps may replay cascade variants
-        # Keyed by (bucket, cascade, early start); each graph's logits are its own static output.
+        # Keyed by (bucket, cascade, early start); each graph's outputs are its own static tensors.
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[GraphKey, torch.Tensor] = {}
+        self.outputs: dict[GraphKey, GraphOutputs] = {}
         self._pool = None
         self._attention = [module for module in model.modules() if isinstance(module, Attention)]
         self._dtype = next(model.parameters(), torch.empty(0)).dtype  # the queries'
         self._early_read_limits: dict[int, int] = {}  # by bucket, see early_read_limit
 
-    def _forward(self, size: int, cascade: bool = False) -> torch.Tensor:
+    def _forward(self, size: int, cascade: bool = False) -> GraphOutputs:
         b = self.buffers
         input_ids = fill_pending_tokens(b.input_ids[:size], b.pending_source[:size], self.last_sampled)
         hidden = self.model(input_ids, b.positions[:size], b.metadata(size, cascade))
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return GraphOutputs(logits, greedy_argmax(logits, self.last_sampled))
 
     def early_read_limit(self, size: int) -> int:
         """The longest context that every layer's decode attention at this bucket reads before its PDL wait; 0 for
@@ -161,7 +170,7 @@ class CudaGraphRunner:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self.logits[key] = self._forward(size, cascade)
+                self.outputs[key] = self._forward(size, cascade)
         self.graphs[key] = graph
         torch.cuda.synchronize()
 
@@ -182,7 +191,7 @@ class CudaGraphRunner:
                 except torch.OutOfMemoryError:
                     log.warning("CUDA-graph capture ran out of memory at batch size %d%s", size,
                                 " (early start)" if early else "")
-                    self.logits.pop(key, None)
+                    self.outputs.pop(key, None)
                     torch.cuda.empty_cache()
             seconds_per_size[size] = time.perf_counter() - size_start
         self.sizes = sorted({key.size for key in self.graphs})
@@ -199,7 +208,7 @@ class CudaGraphRunner:
             except torch.OutOfMemoryError:
                 log.warning("CUDA-graph capture of cascade attention ran out of memory at batch size %d; such "
                             "steps replay the plain graph", size)
-                self.logits.pop(key, None)
+                self.outputs.pop(key, None)
                 self.cascade = False
                 torch.cuda.empty_cache()
                 return False
@@ -217,11 +226,11 @@ class CudaGraphRunner:
     def padded_size(self, n: int) -> int | None:
         return padded_size(self.sizes, n)
 
-    def replay(self, inputs: StepInputs, size: int, cascade: bool = False) -> torch.Tensor:
-        """The graph's whole static logits (size, vocab), of which the first n rows are those of the pure-decode
-        step's n <= size requests (the sampler graphs read the whole buffer). cascade: the rows share a KV prefix,
-        so the bucket's cascade variant runs (captured now if this is its first use)."""
+    def replay(self, inputs: StepInputs, size: int, cascade: bool = False) -> GraphOutputs:
+        """The graph's whole static outputs, of which the first n rows are those of the pure-decode step's n <= size
+        requests (the sampler graphs read the whole logits buffer). cascade: the rows share a KV prefix, so the
+        bucket's cascade variant runs (captured now if this is its first use)."""
         key = self._key(inputs, size, cascade)
         self.buffers.load(inputs, size)
         self.graphs[key].replay()
-        return self.logits[key]
+        return self.outputs[key]

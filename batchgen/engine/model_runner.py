@@ -12,7 +12,13 @@ from torch import nn
 
 from batchgen.engine.block_tables import BlockTables
 from batchgen.engine.cascade import shares_long_prefix
-from batchgen.engine.cuda_graph import CaptureStats, CudaGraphRunner, GraphCaptureBuffers, fill_pending_tokens
+from batchgen.engine.cuda_graph import (
+    CaptureStats,
+    CudaGraphRunner,
+    GraphCaptureBuffers,
+    GraphOutputs,
+    fill_pending_tokens,
+)
 from batchgen.engine.logprobs_step import StepLogprobs, plan_prompt_logprobs, sampled_logprobs
 from batchgen.engine.request import Request
 from batchgen.engine.sampler_graph import SamplerGraphs
@@ -188,12 +194,12 @@ class ModelRunner:
         if graph_size:
             prepare_ms = (time.perf_counter() - start) * 1000
             timer.mark()
-            static_logits = self.graphs.replay(inputs, graph_size, cascade)
-            logits = static_logits[:inputs.num_tokens]
+            outputs = self.graphs.replay(inputs, graph_size, cascade)
+            logits = outputs.logits[:inputs.num_tokens]
             cascade = cascade and self.graphs.cascade  # off for good where a cascade capture ran out of memory
             timer.mark()
             self._add_bitmask(sampling, sample_requests)
-            output = self._graph_sample(sampling, graph_size, static_logits, logits)
+            output = self._graph_sample(sampling, graph_size, outputs, logits)
         else:
             input_ids, positions, meta, sample_token_index = self._to_device(inputs, cascade)
             prepare_ms = (time.perf_counter() - start) * 1000
@@ -230,13 +236,13 @@ class ModelRunner:
         if self.bitmask_provider is not None and requests:
             sampling.add_bitmask(self.bitmask_provider(requests), self.vocab_size, self._pinned)
 
-    def _graph_sample(self, sampling: StepSampling, size: int, static_logits: torch.Tensor,
+    def _graph_sample(self, sampling: StepSampling, size: int, outputs: GraphOutputs,
                       logits: torch.Tensor) -> SamplerOutput:
-        """Inside the sampler graph when any stage beyond argmax runs; the ids land in last_sampled.
-        static_logits: the forward graph's whole (size, vocab) buffer, whose first rows are the step's `logits`."""
+        """The forward graph's own argmax where the step is greedy and nothing else; else the sampler graph. Both
+        leave the ids in last_sampled. outputs: the forward graph's, whose first rows are the step's (`logits`)."""
         if not sampling.packed.features.any:
-            return self._eager_sample(sampling, logits, None)
-        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, static_logits, self.sampling_state)
+            return SamplerOutput(outputs.greedy_ids[:len(logits)], logits, None, None)
+        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, outputs.logits, self.sampling_state)
 
     def _sample_eager_logits(self, sampling: StepSampling, logits: torch.Tensor,
                              last_tokens: torch.Tensor | None) -> SamplerOutput:

@@ -143,12 +143,13 @@ class CudaGraphRunner:
         self._dtype = next(model.parameters(), torch.empty(0)).dtype  # the queries'
         self._early_read_limits: dict[int, int] = {}  # by bucket, see early_read_limit
 
-    def _forward(self, size: int, cascade: bool = False) -> GraphOutputs:
+    def _forward(self, size: int, cascade: bool, sampled_into: torch.Tensor) -> GraphOutputs:
+        """sampled_into: where the argmax goes besides the outputs (last_sampled in the graph)."""
         b = self.buffers
         input_ids = fill_pending_tokens(b.input_ids[:size], b.pending_source[:size], self.last_sampled)
         hidden = self.model(input_ids, b.positions[:size], b.metadata(size, cascade))
         logits = self.model.compute_logits(hidden)
-        return GraphOutputs(logits, greedy_argmax(logits, self.last_sampled))
+        return GraphOutputs(logits, greedy_argmax(logits, sampled_into))
 
     def early_read_limit(self, size: int) -> int:
         """The longest context that every layer's decode attention at this bucket reads before its PDL wait; 0 for
@@ -162,15 +163,17 @@ class CudaGraphRunner:
 
     def _capture_one(self, key: GraphKey) -> None:
         size, cascade, early = key
-        # Warm-up and capture must not write into real KV blocks. Both are queued after any step still in flight,
-        # whose inputs the buffers already hold; the next replay stages its own.
+        # Warm-up and capture must not write into real KV blocks, nor the warm-up into last_sampled. Both are queued
+        # after any step still in flight (a cascade variant is captured mid-run), whose inputs the buffers already
+        # hold and whose sampled ids the next step reads; the next replay stages its own.
         self.buffers.slot_mapping.fill_(-1)
         with pdl.early_start(early):
-            self._forward(size, cascade)  # warm-up: lazy initialisation and autotuning stay out of the graph
+            # warm-up: lazy initialisation and autotuning stay out of the graph
+            self._forward(size, cascade, torch.empty_like(self.last_sampled))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self.outputs[key] = self._forward(size, cascade)
+                self.outputs[key] = self._forward(size, cascade, self.last_sampled)
         self.graphs[key] = graph
         torch.cuda.synchronize()
 

@@ -8,7 +8,7 @@ from conftest import ARCHITECTURES
 from test_engine_greedy import MAX_TOKENS, hf_greedy_on, random_prompts
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.cuda_graph import CudaGraphRunner
+from batchgen.engine.cuda_graph import CudaGraphRunner, GraphOutputs
 from batchgen.engine.step_inputs import build_step_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -64,10 +64,10 @@ def test_graph_replay_equals_eager_for_every_bucket(tiny_model_dir, architecture
 def test_capture_out_of_memory_drops_only_that_bucket(tiny_model_dir, monkeypatch, caplog):
     capture_forward = CudaGraphRunner._forward
 
-    def forward(self, size: int, cascade: bool = False) -> torch.Tensor:
+    def forward(self, size: int, cascade: bool, sampled_into: torch.Tensor) -> GraphOutputs:
         if size == 8:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return capture_forward(self, size, cascade)
+        return capture_forward(self, size, cascade, sampled_into)
 
     monkeypatch.setattr(CudaGraphRunner, "_forward", forward)
     model_dir = str(tiny_model_dir("Qwen3ForCausalLM"))

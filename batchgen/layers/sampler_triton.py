@@ -74,7 +74,7 @@ def gumbel_argmax(logits: torch.Tensor, inv_temperatures: torch.Tensor, seeds: t
     return out
 
 
-_GREEDY_CHUNKS = 64  # programs per row: one program reading a 151,936-token row took 7.7 us of an H200 decode step
+_GREEDY_CHUNKS = 64  # programs per row: torch.argmax of a 151,936-logit row took 7.7 us of an H200 decode step
 
 
 @triton.jit

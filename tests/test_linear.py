@@ -36,14 +36,14 @@ def test_linear_is_a_drop_in_nn_linear() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
-def test_default_config_under_a_thread_cap() -> None:
+def test_warp_split_config_under_a_thread_cap() -> None:
     """Capped at a quarter of an H200 (132 SMs x 2048 threads): programs take the fewest doublings of their rows
     that bring the launch under the cap; the lm_head, which no MAX_BLOCK_N brings under it, takes twice the rows."""
-    from batchgen.layers.linear_triton import MAX_BLOCK_N, default_config
+    from batchgen.layers.linear_triton import MAX_BLOCK_N, warp_split_config
 
     cap = 132 * 2048 // 4
     for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]:  # Qwen3-0.6B, lm_head last
-        uncapped, capped = default_config(n, k, 2), default_config(n, k, 2, max_threads=cap)
+        uncapped, capped = warp_split_config(n, k, 2, None), warp_split_config(n, k, 2, cap)
         assert (capped.block_k, capped.num_warps) == (uncapped.block_k, uncapped.num_warps)
         threads = {block_n: -(-n // block_n) * 32 * capped.num_warps  # the launch's threads, by rows per program
                    for block_n in (max(1, capped.block_n // 2), capped.block_n, MAX_BLOCK_N)}
@@ -52,21 +52,37 @@ def test_default_config_under_a_thread_cap() -> None:
         else:
             assert threads[capped.block_n] <= cap
             assert capped.block_n == uncapped.block_n or threads[max(1, capped.block_n // 2)] > cap
-    assert default_config(4096, 1024, 2, max_threads=cap).block_n == 8  # qkv: 512 programs of 128 threads
-    assert default_config(151936, 1024, 2, max_threads=cap).block_n == 4
+    assert warp_split_config(4096, 1024, 2, cap).block_n == 8  # qkv: 512 programs of 128 threads
+    assert warp_split_config(151936, 1024, 2, cap).block_n == 4
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
-def test_tiles_of_several_rows_take_the_single_rows_programs_with_half_the_warps() -> None:
-    from batchgen.layers.linear_triton import default_config
+def test_one_row_tiles_take_two_warp_programs_under_the_cap() -> None:
+    """Qwen3-0.6B's projections: two warps a program, 16 weight loads of 16 bytes a thread, all of K in one step.
+    A launch that would pass the cap so (the lm_head, an 8B model's qkv) keeps the warp-split programs."""
+    from batchgen.layers.linear_triton import default_config, warp_split_config
+
+    cap = 132 * 2048 // 4
+    for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]:
+        config = default_config(n, k, 2, max_threads=cap)
+        assert config.num_warps == 2 and config.block_k >= k
+        assert config.block_n * config.block_k * 2 == 16 * 16 * 32 * 2
+        assert -(-n // config.block_n) * 64 <= cap
+    for n, k in [(151936, 1024), (6144, 4096)]:
+        assert default_config(n, k, 2, max_threads=cap) == warp_split_config(n, k, 2, cap)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
+def test_tiles_of_several_rows_take_the_warp_split_programs_with_half_the_warps() -> None:
+    from batchgen.layers.linear_triton import default_config, warp_split_config
 
     cap = 132 * 2048 // 4
     for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1024, 128)]:
-        one_row = default_config(n, k, 2, max_threads=cap)
+        split = warp_split_config(n, k, 2, cap)
         for rows in (2, 4, 8):
             config = default_config(n, k, 2, max_threads=cap, rows=rows)
-            assert (config.block_n, config.block_k) == (one_row.block_n, one_row.block_k)
-            assert config.num_warps == max(1, one_row.num_warps // 2)
+            assert (config.block_n, config.block_k) == (split.block_n, split.block_k)
+            assert config.num_warps == max(1, split.num_warps // 2)
     assert default_config(1024, 128, 2, rows=4).num_warps == 1  # a program of one warp keeps it
 
 

@@ -23,7 +23,13 @@ from batchgen.config import ModelConfig
 from batchgen.layers import fused, linear_triton
 from batchgen.layers.activation import silu_and_mul
 from batchgen.layers.linear import Linear
-from batchgen.layers.linear_triton import MAX_M, LinearConfig, add_rms_norm_linear, default_config, small_m_linear
+from batchgen.layers.linear_triton import (
+    MAX_M,
+    LinearConfig,
+    add_rms_norm_linear,
+    small_m_linear,
+    warp_split_config,
+)
 from batchgen.layers.norms import rms_norm
 from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model
@@ -121,11 +127,11 @@ def test_strided_operands() -> None:
     _assert_close(small_m_linear(x, weight, b), _reference(x, weight, b), f32)
 
 
-def test_default_config_fills_the_gpu() -> None:
+def test_warp_split_config_fills_the_gpu() -> None:
     """On the Qwen3 layers, uncapped: at least 256 programs, two 16-byte weight loads per thread, all of K in one
     step."""
     for n, k in QWEN3_SHAPES:
-        config = default_config(n, k, 2)
+        config = warp_split_config(n, k, 2, None)
         assert -(-n // config.block_n) >= 256
         assert config.block_n * config.block_k * 2 == 2 * 16 * 32 * config.num_warps
         assert config.block_k >= k and config.num_warps <= 8

@@ -165,19 +165,39 @@ def default_config(n: int, k: int, element_size: int, max_threads: int | None = 
     """Launch parameters for an (n, k) weight and a row tile of `rows` (`block_m`); max_threads: the most threads a
     launch should take (`launch_thread_cap`), None for no cap.
 
-    A tile of several rows takes the single row's programs with half the warps. Every row of the tile adds BLOCK_N
-    partial sums to the reduction across a program's threads at the end; with half the threads, each taking twice
-    the span of K, that reduction is half as wide (Qwen3-0.6B decode steps on an H200, benchmarks/RESULTS.md,
-    thirteenth session: 26, 72 and 35 us faster at batch 2, 4 and 8).
+    A one-row tile takes programs of two warps (`two_warp_config`) where their launch fits under the cap, and the
+    programs whose warps split K (`warp_split_config`) elsewhere (an lm_head). A tile of several rows takes the
+    latter with half the warps: every row of the tile adds BLOCK_N partial sums to the reduction across a program's
+    threads at the end; with half the threads, each taking twice the span of K, that reduction is half as wide
+    (Qwen3-0.6B decode steps on an H200, benchmarks/RESULTS.md, thirteenth session: 26, 72 and 35 us faster at
+    batch 2, 4 and 8).
     """
-    config = _single_row_config(n, k, element_size, max_threads)
+    config = warp_split_config(n, k, element_size, max_threads)
     if rows > 1:
         return config._replace(num_warps=max(1, config.num_warps // 2))
-    return config
+    two_warps = two_warp_config(n, k, element_size)
+    if max_threads is not None and triton.cdiv(n, two_warps.block_n) * 32 * two_warps.num_warps > max_threads:
+        return config
+    return two_warps
 
 
-def _single_row_config(n: int, k: int, element_size: int, max_threads: int | None) -> LinearConfig:
-    """default_config of a one-row tile.
+TWO_WARP_LOADS = 16  # 16-byte weight loads per thread in a two-warp program
+
+
+def two_warp_config(n: int, k: int, element_size: int) -> LinearConfig:
+    """Programs of two warps, each thread requesting TWO_WARP_LOADS 16-byte vectors of weight before the PDL wait:
+    the reduction across warps at the end is between two, and a launch takes fewer of the GPU's threads, so more of
+    the next kernel's programs start early. In Qwen3-0.6B decode steps at batch 1 on an H200 (benchmarks/RESULTS.md,
+    fifteenth session) the step took 26 us less than with `warp_split_config`'s programs (bf16 KV; 45 with fp8);
+    8 loads a thread saved 18 us, and 32 loads, or programs of one warp or four, were slower."""
+    vec = 16 // element_size  # elements per 16-byte load
+    block_k = min(triton.next_power_of_2(k), 8192 // element_size)
+    loads_per_row = max(1, block_k // (2 * 32 * vec))
+    return LinearConfig(max(1, TWO_WARP_LOADS // loads_per_row), block_k, 2)
+
+
+def warp_split_config(n: int, k: int, element_size: int, max_threads: int | None) -> LinearConfig:
+    """Programs whose warps split K, the base of default_config's tiles of several rows.
 
     A decode GEMV is latency-bound: a 1024x1024 bf16 weight (2 MB) is about what an H100 keeps in flight at once, so
     every weight byte should be requested in the first round trip. ptxas issues a thread's loads all at once only

@@ -192,3 +192,25 @@ def test_a_repeated_step_reuses_its_packed_rows_with_the_new_positions():
     again = build_step_sampling(requests[:5], None, pinned=False, last=last).packed
     assert again.floats is previous.floats and again.ints is not previous.ints  # shared parameters, new positions
     assert previous.floats is not reused_floats  # other requests, or another order: packed afresh
+
+
+def test_a_given_argmax_serves_the_greedy_rows_unless_a_stage_changes_the_logits():
+    """A decode graph hands the sampler its argmax: the greedy rows take it (the same ids as the sampler's own), and
+    where penalties change the logits first the sampler takes its own argmax."""
+    rows = 12
+    params = mixed_params(rows)
+    seeds, positions = [3000 + i for i in range(rows)], [5 * i for i in range(rows)]
+    logits = logits_for(rows, seed=4)
+    tensors = SamplingTensors.from_params(params, seeds, positions, "cpu")
+    own = run_sampler(logits, tensors).token_ids
+    greedy = tensors.temperatures == 0
+    assert greedy.any() and not greedy.all()
+    assert torch.equal(run_sampler(logits, tensors, logits.argmax(dim=-1)).token_ids, own)
+    marked = torch.full((rows,), VOCAB - 1)  # not the argmax of any row: shows where the given ids are taken
+    assert torch.equal(run_sampler(logits, tensors, marked).token_ids, torch.where(greedy, marked, own))
+
+    state = SamplingStateRows(torch.zeros(2, VOCAB), torch.zeros(2, VOCAB, dtype=torch.bool), torch.zeros(2, VOCAB),
+                              torch.zeros(2, VOCAB, dtype=torch.bool))
+    tensors.penalties = PenaltyTensors(state, torch.ones(rows, dtype=torch.int64), torch.ones(rows),
+                                       torch.zeros(rows), torch.zeros(rows), torch.zeros(rows))
+    assert torch.equal(run_sampler(logits, tensors, marked).token_ids, own)

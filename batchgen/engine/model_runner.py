@@ -242,7 +242,8 @@ class ModelRunner:
         leave the ids in last_sampled. outputs: the forward graph's, whose first rows are the step's (`logits`)."""
         if not sampling.packed.features.any:
             return SamplerOutput(outputs.greedy_ids[:len(logits)], logits, None, None)
-        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, outputs.logits, self.sampling_state)
+        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, outputs.logits, self.sampling_state,
+                                       outputs.greedy_ids)
 
     def _sample_eager_logits(self, sampling: StepSampling, logits: torch.Tensor,
                              last_tokens: torch.Tensor | None) -> SamplerOutput:

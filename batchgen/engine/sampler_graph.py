@@ -54,34 +54,36 @@ class SamplerGraphs:
         return staged
 
     def run(self, packed: PackedSampling, bitmask: torch.Tensor | None, size: int, logits: torch.Tensor,
-            state: SamplingState | None) -> SamplerOutput:
+            state: SamplingState | None, greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
         """Samples a decode step of n <= size rows from the bucket's static logits (size, V); the ids land in
-        last_sampled[:n]. bitmask: (n, W) int32 on the host (pinned on CUDA) or None."""
+        last_sampled[:n]. bitmask: (n, W) int32 on the host (pinned on CUDA) or None. greedy_ids: the forward
+        graph's static argmax of the logits (size,), or None (see run_sampler)."""
         features = packed.features
-        # A bucket's plain and cascade forward graphs each end in their own static logits, which a graph reads.
-        key = (size, features, state.version if features.penalties else 0, logits.data_ptr())
+        # A bucket's plain and cascade forward graphs each end in their own static outputs, which a graph reads.
+        key = (size, features, state.version if features.penalties else 0, logits.data_ptr(),
+               0 if greedy_ids is None else greedy_ids.data_ptr())
         if self.capture_graphs and key not in self.graphs:
             if features.penalties:  # graphs of state tensors that have since grown (and moved) are never replayed
                 self.graphs = {k: v for k, v in self.graphs.items() if not k[1].penalties or k[2] == key[2]}
-            self.graphs[key] = self._capture(size, features, logits, state)
+            self.graphs[key] = self._capture(size, features, logits, state, greedy_ids)
         self._load(packed, bitmask, size)
         if self.capture_graphs:
             graph, output = self.graphs[key]
             graph.replay()
         else:
-            output = self._pipeline(size, features, logits, state)
+            output = self._pipeline(size, features, logits, state, greedy_ids)
             self._keep_ids(output, size)
         n = packed.floats.shape[1]
         return SamplerOutput(output.token_ids[:n], output.logits[:n],
                              None if output.filtered is None else output.filtered[:n],
                              None if output.inv_temperatures is None else output.inv_temperatures[:n])
 
-    def _pipeline(self, size: int, features: SamplingFeatures, logits: torch.Tensor,
-                  state: SamplingState | None) -> SamplerOutput:
+    def _pipeline(self, size: int, features: SamplingFeatures, logits: torch.Tensor, state: SamplingState | None,
+                  greedy_ids: torch.Tensor | None) -> SamplerOutput:
         tensors = SamplingTensors.from_packed(features, self.floats[:, :size], self.ints[:, :size],
                                               state.rows_tensors if features.penalties else None,
                                               self.bitmask[:size])
-        return run_sampler(logits[:size], tensors)
+        return run_sampler(logits[:size], tensors, None if greedy_ids is None else greedy_ids[:size])
 
     def _load(self, packed: PackedSampling, bitmask: torch.Tensor | None, size: int) -> None:
         """Stage the rows padded to `size` with neutral rows (greedy, state row 0, everything allowed)."""
@@ -97,18 +99,18 @@ class SamplerGraphs:
             self.bitmask[:n].copy_(bitmask, non_blocking=True)
             self.bitmask[n:size].fill_(-1)
 
-    def _capture(self, size: int, features: SamplingFeatures, logits: torch.Tensor,
-                 state: SamplingState | None) -> tuple[torch.cuda.CUDAGraph, SamplerOutput]:
+    def _capture(self, size: int, features: SamplingFeatures, logits: torch.Tensor, state: SamplingState | None,
+                 greedy_ids: torch.Tensor | None) -> tuple[torch.cuda.CUDAGraph, SamplerOutput]:
         # Warm-up (Triton compiles, lazy init) on neutral rows: it counts only into the neutral state row 0 and
         # leaves last_sampled alone, so it can run while earlier steps are still queued.
         self.floats[:, :size].copy_(torch.tensor(NEUTRAL_FLOATS, device=self.device).unsqueeze(1).expand(-1, size))
         self.ints[:, :size].zero_()
         self.bitmask[:size].fill_(-1)
-        self._pipeline(size, features, logits, state)
+        self._pipeline(size, features, logits, state, greedy_ids)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            output = self._pipeline(size, features, logits, state)
+            output = self._pipeline(size, features, logits, state, greedy_ids)
             self._keep_ids(output, size)
         return graph, output
 

@@ -171,23 +171,28 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
     return run_sampler(logits, tensors).token_ids
 
 
-def run_sampler(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
+def run_sampler(logits: torch.Tensor, tensors: SamplingTensors,
+                greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
     """The whole pipeline: bitmask -> bias, min_tokens and penalties -> bad words -> greedy argmax | temperature ->
-    top-k/top-p -> min-p -> seeded draw; then the sampled ids count into the requests' output counts."""
+    top-k/top-p -> min-p -> seeded draw; then the sampled ids count into the requests' output counts.
+    greedy_ids: the rows' argmax of these logits where the caller has it (a decode graph's), taken as the greedy
+    rows' ids unless a stage before the draw changes the logits."""
     if tensors.bitmask is not None:
         logits = apply_token_bitmask(logits, tensors.bitmask)
     if tensors.penalties is not None:
         logits = apply_penalties(logits, tensors.penalties)
     if tensors.bad_words is not None:
         logits = apply_bad_words(logits, tensors.bad_words)
-    output = _draw(logits, tensors)
+    changed = tensors.bitmask is not None or tensors.penalties is not None or tensors.bad_words is not None
+    output = _draw(logits, tensors, None if changed else greedy_ids)
     if tensors.penalties is not None:
         count_sampled(tensors.penalties, output.token_ids)
     return output
 
 
-def _draw(logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
-    greedy_ids = logits.argmax(dim=-1)
+def _draw(logits: torch.Tensor, tensors: SamplingTensors, greedy_ids: torch.Tensor | None) -> SamplerOutput:
+    if greedy_ids is None:
+        greedy_ids = logits.argmax(dim=-1)
     if tensors.all_greedy:
         return SamplerOutput(greedy_ids, logits, None, None)
     masked_logits = logits

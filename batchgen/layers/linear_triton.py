@@ -188,7 +188,7 @@ def two_warp_config(n: int, k: int, element_size: int) -> LinearConfig:
     """Programs of two warps, each thread requesting TWO_WARP_LOADS 16-byte vectors of weight before the PDL wait:
     the reduction across warps at the end is between two, and a launch takes fewer of the GPU's threads, so more of
     the next kernel's programs start early. In Qwen3-0.6B decode steps at batch 1 on an H200 (benchmarks/RESULTS.md,
-    fifteenth session) the step took 26 us less than with `warp_split_config`'s programs (bf16 KV; 45 with fp8);
+    fifteenth session) the step took 26 us less than with `warp_split_config`'s programs (bf16 KV; 43 with fp8);
     8 loads a thread saved 18 us, and 32 loads, or programs of one warp or four, were slower."""
     vec = 16 // element_size  # elements per 16-byte load
     block_k = min(triton.next_power_of_2(k), 8192 // element_size)

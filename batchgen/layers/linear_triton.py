@@ -197,7 +197,8 @@ def two_warp_config(n: int, k: int, element_size: int) -> LinearConfig:
 
 
 def warp_split_config(n: int, k: int, element_size: int, max_threads: int | None) -> LinearConfig:
-    """Programs whose warps split K, the base of default_config's tiles of several rows.
+    """Programs whose warps split K: default_config's for a one-row launch that two-warp programs would take past
+    the cap (an lm_head), and, with half the warps, for tiles of several rows.
 
     A decode GEMV is latency-bound: a 1024x1024 bf16 weight (2 MB) is about what an H100 keeps in flight at once, so
     every weight byte should be requested in the first round trip. ptxas issues a thread's loads all at once only

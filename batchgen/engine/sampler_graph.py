@@ -59,9 +59,9 @@ class SamplerGraphs:
         last_sampled[:n]. bitmask: (n, W) int32 on the host (pinned on CUDA) or None. greedy_ids: the forward
         graph's static argmax of the logits (size,), or None (see run_sampler)."""
         features = packed.features
-        # A bucket's plain and cascade forward graphs each end in their own static outputs, which a graph reads.
-        key = (size, features, state.version if features.penalties else 0, logits.data_ptr(),
-               0 if greedy_ids is None else greedy_ids.data_ptr())
+        # A bucket's plain and cascade forward graphs each end in their own static outputs, which a graph reads (the
+        # logits name them; the staged logits of eager steps come without greedy_ids).
+        key = (size, features, state.version if features.penalties else 0, logits.data_ptr())
         if self.capture_graphs and key not in self.graphs:
             if features.penalties:  # graphs of state tensors that have since grown (and moved) are never replayed
                 self.graphs = {k: v for k, v in self.graphs.items() if not k[1].penalties or k[2] == key[2]}

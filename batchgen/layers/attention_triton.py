@@ -150,6 +150,22 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """The keys k and values v of one tile (BLOCK_N, BLOCK_D), in q's dtype, folded into the online softmax of the
+    queries q (rows, BLOCK_D): the new running max, sum and accumulator (log2 units). Positions not `valid` get no
+    weight; an empty state and a tile without any (a padding row) stay empty: max -inf, sum and accumulator 0."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_kv_range(
     q, m_i, l_i, acc, lo, hi, block_table, kc_head, vc_head, d, d_mask, qk_scale,
     stride_kc_blk, stride_kc_off, stride_kc_d,
@@ -164,20 +180,13 @@ def _attend_kv_range(
         k, v = _load_kv_tile(block_table, kc_head, vc_head, pos, valid, d, d_mask,
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
                              BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _attend_tile_read_early(
-    q_ptrs, q_mask, lo, hi, seq_len, block_table, kc_head, vc_head, d, d_mask, qk_scale,
+    q_ptrs, q_mask, m_i, l_i, acc, lo, hi, seq_len, block_table, kc_head, vc_head, d, d_mask, qk_scale,
     stride_kc_blk, stride_kc_off, stride_kc_d,
     stride_vc_blk, stride_vc_off, stride_vc_d,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
@@ -185,7 +194,7 @@ def _attend_tile_read_early(
     """Waits for the previous kernel (`wait_for_previous`) and attends over one tile of positions [lo, hi), hi <=
     lo + BLOCK_N, reading it before the wait: a decode step's positions before its own (seq_len - 1) are the KV of
     earlier steps; only its own row, which the kernel before stores, is read after the wait. Returns the running
-    max, sum and accumulator of `_attend_kv_range`."""
+    max, sum and accumulator from m_i, l_i, acc (`_softmax_tile`)."""
     pos = lo + tl.arange(0, BLOCK_N)
     valid = pos < hi
     k_ptrs, v_ptrs = _kv_tile_pointers(block_table, kc_head, vc_head, pos, valid, d, stride_kc_blk, stride_kc_off,
@@ -198,13 +207,7 @@ def _attend_tile_read_early(
     k = tl.where(own, tl.load(k_ptrs, mask=own, other=0.0), k)
     v = tl.where(own, tl.load(v_ptrs, mask=own, other=0.0), v)
     q = _dot_query(tl.load(q_ptrs, mask=q_mask, other=0.0), kc_head.dtype.element_ty)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_i = tl.max(s, 1)
-    p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])  # an empty range (padding row): all 0
-    l_i = tl.sum(p, 1)
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-    return m_i, l_i, acc
+    return _softmax_tile(q, k.to(q.dtype), v.to(q.dtype), valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
 
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
@@ -270,20 +273,20 @@ def _decode_kernel(
     # BLOCK_G is padded to >= 16 rows because tl.dot needs it; the padding rows are zero queries, never stored.
     q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd  # (BLOCK_G, BLOCK_D)
     q_mask = g_mask[:, None] & d_mask[None, :]
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     if tile == SHORT_N and SHORT_N < BLOCK_N:
         # A short context holds one short tile a split, and most of it is earlier steps' KV: read before the wait,
         # it is off the path that follows the kernel before (which, under pdl.early_start, runs long).
         m_i, l_i, acc = _attend_tile_read_early(
-            q_ptrs, q_mask, lo, hi, seq_len, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
+            q_ptrs, q_mask, m_i, l_i, acc, lo, hi, seq_len, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
             stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
             BLOCK_SIZE, SHORT_N, DOT_PRECISION, PDL,
         )  # fmt: skip
     else:
         wait_for_previous(PDL)
         q = _dot_query(tl.load(q_ptrs, mask=q_mask, other=0.0), k_cache_ptr.dtype.element_ty)
-        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         m_i, l_i, acc = _attend_kv_range(
             q, m_i, l_i, acc, lo, hi, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
             stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,

@@ -172,13 +172,12 @@ def default_config(n: int, k: int, element_size: int, max_threads: int | None = 
     (Qwen3-0.6B decode steps on an H200, benchmarks/RESULTS.md, thirteenth session: 26, 72 and 35 us faster at
     batch 2, 4 and 8).
     """
+    if rows == 1:
+        two_warps = two_warp_config(n, k, element_size)
+        if max_threads is None or triton.cdiv(n, two_warps.block_n) * 32 * two_warps.num_warps <= max_threads:
+            return two_warps
     config = warp_split_config(n, k, element_size, max_threads)
-    if rows > 1:
-        return config._replace(num_warps=max(1, config.num_warps // 2))
-    two_warps = two_warp_config(n, k, element_size)
-    if max_threads is not None and triton.cdiv(n, two_warps.block_n) * 32 * two_warps.num_warps > max_threads:
-        return config
-    return two_warps
+    return config if rows == 1 else config._replace(num_warps=max(1, config.num_warps // 2))
 
 
 TWO_WARP_LOADS = 16  # 16-byte weight loads per thread in a two-warp program

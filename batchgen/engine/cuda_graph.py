@@ -1,7 +1,8 @@
 """Decode steps as CUDA graphs: one graph per padded batch-size bucket, all in one memory pool.
 
 A pure-decode step of n requests replays the graph of the smallest bucket >= n. Its inputs are copied into
-static buffers first; padded rows get slot -1 (write no KV) and context length 0 (read nothing).
+static buffers first (`GraphCaptureBuffers`); padded rows get slot -1 (write no KV) and context length 0 (read
+nothing).
 
 Steps whose rows share a KV prefix replay a bucket's cascade variant (`attention_triton`), which computes the shared
 length inside the graph. Each is captured on first use, so jobs without shared prefixes never pay for them.
@@ -19,11 +20,12 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
 from batchgen.engine.step_inputs import StepInputs
-from batchgen.layers import pdl
+from batchgen.layers import pdl, pending_tokens_triton
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.sampler_triton import greedy_argmax
 from batchgen.layers.shared_prefix import shared_prefix_len
@@ -50,58 +52,110 @@ def padded_size(sizes: list[int], n: int) -> int | None:
 
 def fill_pending_tokens(input_ids: torch.Tensor, pending_source: torch.Tensor,
                         last_sampled: torch.Tensor) -> torch.Tensor:
-    """input_ids with each pending token taken from the previous step's sampled ids, still on the device."""
+    """input_ids with each pending token taken from the previous step's sampled ids, still on the device: one Triton
+    kernel on CUDA (`pending_tokens_triton`)."""
+    if input_ids.is_cuda:
+        return pending_tokens_triton.fill_pending_tokens(input_ids, pending_source, last_sampled)
     return torch.where(pending_source >= 0, last_sampled[pending_source.clamp(min=0)], input_ids)
 
 
+class BucketInputs(NamedTuple):
+    """A bucket's views of the static input buffer: (size,) int64 each, and (size, width) int32 block tables."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    pending_source: torch.Tensor
+    block_tables: torch.Tensor
+
+
+_ROW_ALIGN = 8  # int64 elements: each input row of a bucket starts 64-byte aligned, as Triton specializes on 16
+
+
 class GraphCaptureBuffers:
-    """Static device inputs sized for the largest bucket; every graph reads views of their first rows."""
+    """Static device inputs in one byte buffer, which each step fills with one host-to-device copy (the block
+    tables in a second copy, from a pinned buffer of their own, cost a Qwen3-0.6B step at batch 1 17 us more on an
+    H200: benchmarks/RESULTS.md, sixteenth session).
+
+    A bucket of `size` rows lays its inputs out from the buffer's start: five int64 rows (ids, positions, slots,
+    context lengths, pending sources), each padded to a multiple of _ROW_ALIGN, then the (size, width) int32 block
+    tables. Its graphs read those views; buckets' layouts overlap, and only the one being replayed is staged.
+    """
 
     def __init__(self, max_size: int, block_table_width: int, block_size: int, device: torch.device,
                  split_arrivals: torch.Tensor | None = None):
         self.pinned = device.type == "cuda"
-        # Ids, positions, slots, context lengths and pending sources share one (5, max_size) buffer: one copy.
-        self.packed = torch.zeros(5, max_size, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.pending_source = self.packed
-        self.block_tables = torch.zeros(max_size, block_table_width, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
         self.block_table_width = block_table_width
         self.block_size = block_size
         self.split_arrivals = split_arrivals
+        self.bytes = torch.zeros(self._nbytes(max_size), dtype=torch.uint8, device=device)
+        self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
+
+    def _nbytes(self, size: int) -> int:
+        return _rows_nbytes(size) + size * self.block_table_width * 4
+
+    def views(self, size: int) -> BucketInputs:
+        """`size`'s layout over the device buffer."""
+        rows = self.bytes[:_rows_nbytes(size)].view(torch.int64).view(5, _row_stride(size))[:, :size]
+        tables = self.bytes[_rows_nbytes(size):self._nbytes(size)].view(torch.int32)
+        return BucketInputs(*rows, tables.view(size, self.block_table_width))
+
+    def clear(self, size: int) -> None:
+        """Inputs of `size` padding rows (no KV read or written), for a capture: another bucket's staged step would
+        read as garbage through this bucket's layout."""
+        self.bytes[:self._nbytes(size)].zero_()
+        views = self.views(size)
+        views.slot_mapping.fill_(-1)
+        views.pending_source.fill_(-1)
 
     def metadata(self, size: int, cascade: bool = False) -> AttentionMetadata:
-        block_tables, seq_lens = self.block_tables[:size], self.seq_lens[:size]
+        views = self.views(size)
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            seq_lens=seq_lens,
-            block_tables=block_tables,
+            slot_mapping=views.slot_mapping,
+            seq_lens=views.seq_lens,
+            block_tables=views.block_tables,
             query_start_loc=self.query_start_loc[:size + 1],
             max_query_len=1,
             max_seq_len=self.block_table_width,
             is_decode=True,
-            shared_prefix_len=shared_prefix_len(block_tables, seq_lens, self.block_size) if cascade else None,
+            shared_prefix_len=shared_prefix_len(views.block_tables, views.seq_lens, self.block_size) if cascade
+            else None,
             split_arrivals=self.split_arrivals,
         )
 
     def load(self, inputs: StepInputs, size: int) -> None:
-        """Stage the step in pinned host memory, padded to `size`, then copy it to the device without a sync.
+        """Stage the step in pinned host memory in `size`'s layout, padded to `size` rows, then copy it to the
+        device in one copy, without a sync.
 
         Padding rows get token 0 at position 0, slot -1 (no KV write), context length 0 (no KV read), no pending
-        token. The staging tensors are fresh from torch's pinned-memory cache, which reuses a buffer only after
-        its copy has run: the host may stage the next step while this one is still queued.
+        token and a block table of zeros. The staging buffer is fresh from torch's pinned-memory cache, which reuses
+        a buffer only after its copy has run: the host may stage the next step while this one is still queued.
         """
         n = inputs.num_tokens
-        packed = torch.empty(5, size, dtype=torch.int64, pin_memory=self.pinned)
-        staged = packed.numpy()
-        staged[:, n:] = ((0,), (0,), (-1,), (0,), (-1,))
-        staged[0, :n] = inputs.input_ids
-        staged[1, :n] = inputs.positions
-        staged[2, :n] = inputs.slot_mapping
-        staged[3, :n] = inputs.seq_lens
-        staged[4, :n] = -1 if inputs.pending_source is None else inputs.pending_source
-        self.packed[:, :size].copy_(packed, non_blocking=True)
-        block_tables = torch.from_numpy(inputs.block_tables)
-        self.block_tables[:n].copy_(block_tables.pin_memory() if self.pinned else block_tables, non_blocking=True)
+        nbytes = self._nbytes(size)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        staged = host.numpy()  # numpy views: a torch view costs the host microseconds each
+        rows = staged[:_rows_nbytes(size)].view(np.int64).reshape(5, _row_stride(size))
+        rows[:, n:size] = ((0,), (0,), (-1,), (0,), (-1,))
+        rows[0, :n] = inputs.input_ids
+        rows[1, :n] = inputs.positions
+        rows[2, :n] = inputs.slot_mapping
+        rows[3, :n] = inputs.seq_lens
+        rows[4, :n] = -1 if inputs.pending_source is None else inputs.pending_source
+        tables = staged[_rows_nbytes(size):nbytes].view(np.int32).reshape(size, self.block_table_width)
+        tables[:n] = inputs.block_tables
+        tables[n:] = 0
+        self.bytes[:nbytes].copy_(host, non_blocking=True)
+
+
+def _row_stride(size: int) -> int:
+    return -(-size // _ROW_ALIGN) * _ROW_ALIGN
+
+
+def _rows_nbytes(size: int) -> int:
+    """The bytes of a bucket's five int64 rows, after which its block tables start."""
+    return 5 * _row_stride(size) * 8
 
 
 class GraphOutputs(NamedTuple):
@@ -145,9 +199,9 @@ class CudaGraphRunner:
 
     def _forward(self, size: int, cascade: bool, sampled_into: torch.Tensor) -> GraphOutputs:
         """sampled_into: where the argmax goes besides the outputs (last_sampled in the graph)."""
-        b = self.buffers
-        input_ids = fill_pending_tokens(b.input_ids[:size], b.pending_source[:size], self.last_sampled)
-        hidden = self.model(input_ids, b.positions[:size], b.metadata(size, cascade))
+        inputs = self.buffers.views(size)
+        input_ids = fill_pending_tokens(inputs.input_ids, inputs.pending_source, self.last_sampled)
+        hidden = self.model(input_ids, inputs.positions, self.buffers.metadata(size, cascade))
         logits = self.model.compute_logits(hidden)
         return GraphOutputs(logits, greedy_argmax(logits, sampled_into))
 
@@ -164,9 +218,9 @@ class CudaGraphRunner:
     def _capture_one(self, key: GraphKey) -> None:
         size, cascade, early = key
         # Warm-up and capture must not write into real KV blocks, nor the warm-up into last_sampled. Both are queued
-        # after any step still in flight (a cascade variant is captured mid-run), whose inputs the buffers already
-        # hold and whose sampled ids the next step reads; the next replay stages its own.
-        self.buffers.slot_mapping.fill_(-1)
+        # after any step still in flight (a cascade variant is captured mid-run), whose sampled ids the next step
+        # reads; the next replay stages its own inputs.
+        self.buffers.clear(size)
         with pdl.early_start(early):
             # warm-up: lazy initialisation and autotuning stay out of the graph
             self._forward(size, cascade, torch.empty_like(self.last_sampled))

@@ -15,6 +15,7 @@ from torch import nn
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.compiled import compiled
+from batchgen.layers.embedding import Embedding
 from batchgen.layers.fused import norm_then_gate_up, norm_then_linear
 from batchgen.layers.linear import Linear
 from batchgen.layers.norms import RMSNorm, rms_norm
@@ -118,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: HFConfig, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         theta, scaling = rope_parameters(config)
         # One cos/sin table shared by all layers: at 128k positions it is tens of MB.
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)

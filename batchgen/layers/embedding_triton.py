@@ -28,7 +28,8 @@ def _embedding_kernel(ids_ptr, weight_ptr, out_ptr, stride_w, stride_out,
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # (T,), (V, D) -> (T, D)
-    """F.embedding(ids, weight) for 1-D ids, each in [0, V) (the engine checks prompts; samples are)."""
+    """F.embedding(ids, weight) for 1-D ids, each in [0, V): nothing checks them here (the engine rejects prompts
+    with ids outside the vocabulary, and sampled ids are inside it)."""
     num_tokens, dim = ids.numel(), weight.shape[1]
     out = torch.empty(num_tokens, dim, dtype=weight.dtype, device=weight.device)
     if num_tokens:

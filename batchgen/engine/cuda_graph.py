@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from batchgen.engine.step_inputs import StepInputs
-from batchgen.layers import pdl, pending_tokens_triton
+from batchgen.layers import pdl
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.sampler_triton import greedy_argmax
 from batchgen.layers.shared_prefix import shared_prefix_len
@@ -52,10 +52,10 @@ def padded_size(sizes: list[int], n: int) -> int | None:
 
 def fill_pending_tokens(input_ids: torch.Tensor, pending_source: torch.Tensor,
                         last_sampled: torch.Tensor) -> torch.Tensor:
-    """input_ids with each pending token taken from the previous step's sampled ids, still on the device: one Triton
-    kernel on CUDA (`pending_tokens_triton`)."""
-    if input_ids.is_cuda:
-        return pending_tokens_triton.fill_pending_tokens(input_ids, pending_source, last_sampled)
+    """input_ids with each pending token taken from the previous step's sampled ids, still on the device.
+
+    Four small kernels. One Triton kernel took 2-4 us less of a Qwen3-0.6B step at batch 1 on an H200, but added a
+    compile to every fresh process (benchmarks/RESULTS.md, sixteenth session)."""
     return torch.where(pending_source >= 0, last_sampled[pending_source.clamp(min=0)], input_ids)
 
 

@@ -145,7 +145,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            seq_lens=torch.ones(num_tokens, dtype=torch.int32, device=self.device),
+            seq_lens=torch.ones(num_tokens, dtype=torch.int64, device=self.device),  # as steps have them
             block_tables=torch.zeros(num_tokens, 1, dtype=torch.int32, device=self.device),
             query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=self.device),
             max_query_len=1, max_seq_len=1, is_decode=True,

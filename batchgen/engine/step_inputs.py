@@ -18,7 +18,9 @@ class StepInputs:
     input_ids: np.ndarray  # (T,) int64
     positions: np.ndarray  # (T,) int64
     slot_mapping: np.ndarray  # (T,) int64
-    seq_lens: np.ndarray  # (B,) int32
+    # (B,) int64, the CUDA-graph buffers' dtype: eager and replayed decode launches (and the KV sizing's) then share
+    # one Triton compile of the attention kernel
+    seq_lens: np.ndarray
     query_start_loc: np.ndarray  # (B + 1,) int32
     block_tables: np.ndarray  # (B, max_blocks) int32
     sample_rows: list[int]  # indices into the scheduled requests that sample a token this step
@@ -66,7 +68,7 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
         input_ids=tokens.input_ids,
         positions=tokens.positions,
         slot_mapping=blocks.astype(np.int64) * block_size + tokens.positions % block_size,
-        seq_lens=np.array(ends, dtype=np.int32),
+        seq_lens=np.array(ends, dtype=np.int64),
         query_start_loc=np.array([0, *query_ends], dtype=np.int32),
         block_tables=block_tables,
         sample_rows=sample_rows,

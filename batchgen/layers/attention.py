@@ -18,7 +18,8 @@ from batchgen.layers import attention_torch
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64: cache slot (block_id * block_size + offset) of each new token; -1: none
-    seq_lens: torch.Tensor  # (B,) int32: context length of each sequence after this step (cached + new); 0 for padding
+    seq_lens: torch.Tensor  # (B,) int64 (or int32): context length of each sequence after this step (cached + new);
+    # 0 for padding
     block_tables: torch.Tensor  # (B, max_blocks_per_seq) int32; entries past a sequence's blocks are 0 and never read
     query_start_loc: torch.Tensor  # (B + 1,) int32: cumulative query lengths
     max_query_len: int  # host ints, used only by the prefill path

@@ -82,7 +82,7 @@ def decode_attention(
     k_cache: torch.Tensor,  # (NB, BS, KVH, D)
     v_cache: torch.Tensor,  # (NB, BS, KVH, D)
     block_tables: torch.Tensor,  # (B, M) int32
-    seq_lens: torch.Tensor,  # (B,) int32, 0 for padding rows
+    seq_lens: torch.Tensor,  # (B,) int, 0 for padding rows
     scale: float,
     sliding_window: int | None = None,
     *,
@@ -121,7 +121,7 @@ def prefill_attention(
     v_cache: torch.Tensor,  # (NB, BS, KVH, D)
     block_tables: torch.Tensor,  # (B, M) int32
     query_start_loc: torch.Tensor,  # (B + 1,) int32
-    seq_lens: torch.Tensor,  # (B,) int32
+    seq_lens: torch.Tensor,  # (B,) int
     scale: float,
     max_query_len: int,
     max_seq_len: int,

@@ -105,7 +105,9 @@ def _greedy_chunk_kernel(logits_ptr, stride, ranks_ptr, values_ptr, indices_ptr,
     tl.store(indices_ptr + at, winner)
 
 
-@triton.jit
+# last_rows is the bucket size or max_num_seqs: specialized, it would compile once for 1, once for multiples of 16
+# and once for the rest.
+@triton.jit(do_not_specialize=["last_rows"])
 def _greedy_merge_kernel(ranks_ptr, values_ptr, indices_ptr, out_ptr, last_sampled_ptr, last_rows,
                          CHUNKS: tl.constexpr, PDL: tl.constexpr):
     """One program per row: the best of its chunks' candidates (the earlier chunk on a tie), into out and, for rows

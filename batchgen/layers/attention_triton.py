@@ -150,12 +150,13 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+def _softmax_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
     """The keys k and values v of one tile (BLOCK_N, BLOCK_D), in q's dtype, folded into the online softmax of the
-    queries q (rows, BLOCK_D): the new running max, sum and accumulator (log2 units). Positions not `valid` get no
-    weight; an empty state and a tile without any (a padding row) stay empty: max -inf, sum and accumulator 0."""
+    queries q (rows, BLOCK_D): the new running max, sum and accumulator (log2 units). Keys where `allowed` (rows,
+    BLOCK_N), or (1, BLOCK_N) for every row, is false get no weight. A row that sees no key yet (a padding row, or
+    the first tiles of a sliding window) stays empty: max -inf, sum and accumulator 0, never NaN."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
-    s = tl.where(valid[None, :], s, float("-inf"))
+    s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -180,7 +181,7 @@ def _attend_kv_range(
         k, v = _load_kv_tile(block_table, kc_head, vc_head, pos, valid, d, d_mask,
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
                              BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
-        m_i, l_i, acc = _softmax_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = _softmax_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -207,7 +208,7 @@ def _attend_tile_read_early(
     k = tl.where(own, tl.load(k_ptrs, mask=own, other=0.0), k)
     v = tl.where(own, tl.load(v_ptrs, mask=own, other=0.0), v)
     q = _dot_query(tl.load(q_ptrs, mask=q_mask, other=0.0), kc_head.dtype.element_ty)
-    return _softmax_tile(q, k.to(q.dtype), v.to(q.dtype), valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    return _softmax_tile(q, k.to(q.dtype), v.to(q.dtype), valid[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
 
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
@@ -641,17 +642,8 @@ def _prefill_kernel(
         k, v = _load_kv_tile(bt_row, kc_head, vc_head, pos, valid, d, d_mask,
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
                              BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         in_window = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(valid[None, :] & in_window, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # With a window a row may see no key in the first tiles: keep m finite there so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(q, k, v, valid[None, :] & in_window, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     # Rows past the chunk (never stored) may have seen no key under a window: keep their division finite.
     l_safe = tl.where(l_i > 0, l_i, 1.0)

@@ -60,9 +60,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode (rows are per run)")
     parser.add_argument("--fresh-caches", action="store_true", help="every run with empty compile caches")
     parser.add_argument("--override", action="append", default=[], help="extra Hydra override, e.g. data.limit=64")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), help="default: eager, and graph where CUDA is")
     add_out_argument(parser)
     args = parser.parse_args()
-    modes = ["eager", "graph"] if cuda_available() else ["eager"]
+    modes = args.modes or (["eager", "graph"] if cuda_available() else ["eager"])
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:

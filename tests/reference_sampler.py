@@ -71,12 +71,7 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
             logits = _apply_top_k_top_p(logits, tensors.top_ks, tensors.top_ps)
         if tensors.min_ps is not None:
             logits = _apply_min_p(logits, tensors.min_ps)
-    if logits.is_cuda:
-        from batchgen.layers.sampler_triton import gumbel_argmax
-
-        sampled_ids = gumbel_argmax(logits, inv_temperatures, tensors.seeds, tensors.positions)
-    else:
-        # The exponential race in log space: argmax(logits / T - log(-log U)) samples softmax(logits / T).
-        gumbel = _uniform(_row_keys(tensors.seeds, tensors.positions), logits.shape[1]).log_().neg_().log_()
-        sampled_ids = (logits.float() * inv_temperatures.unsqueeze(1)).sub_(gumbel).argmax(dim=-1)
+    # The exponential race in log space: argmax(logits / T - log(-log U)) samples softmax(logits / T).
+    gumbel = _uniform(_row_keys(tensors.seeds, tensors.positions), logits.shape[1]).log_().neg_().log_()
+    sampled_ids = (logits.float() * inv_temperatures.unsqueeze(1)).sub_(gumbel).argmax(dim=-1)
     return torch.where(greedy_rows, greedy_ids, sampled_ids)

@@ -27,6 +27,7 @@ from batchgen.sampling_params import SamplingParams
 _MASK32 = 0xFFFFFFFF
 _SEED_MODULUS = 1 << 63
 _SALT = 0x9E3779B9  # 2**32 / golden ratio
+FILTERED_DRAW_MAX_VOCAB = 4096  # sampler_filters_triton.MAX_VOCAB (not imported: that module needs Triton)
 
 
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency", "block_stops")
@@ -195,32 +196,54 @@ def _draw(logits: torch.Tensor, tensors: SamplingTensors, greedy_ids: torch.Tens
         greedy_ids = logits.argmax(dim=-1)
     if tensors.all_greedy:
         return SamplerOutput(greedy_ids, logits, None, None)
-    masked_logits = logits
+    filters = tensors.top_ks is not None or tensors.top_ps is not None or tensors.min_ps is not None
+    if logits.is_cuda:
+        return _draw_cuda(logits, tensors, greedy_ids, filters)
     greedy_rows = tensors.temperatures == 0
     inv_temperatures = 1.0 / torch.where(greedy_rows, 1.0, tensors.temperatures)
-    filtered = None
-    if tensors.top_ks is not None or tensors.top_ps is not None or tensors.min_ps is not None:
-        logits = logits.float() * inv_temperatures.unsqueeze(1)
-        if tensors.top_ks is not None or tensors.top_ps is not None:
-            logits = _apply_top_k_top_p(logits, tensors.top_ks, tensors.top_ps)
-        if tensors.min_ps is not None:
-            logits = _apply_min_p(logits, tensors.min_ps)
-        filtered = logits
-    draw_inv_temperatures = torch.ones_like(inv_temperatures) if filtered is not None else inv_temperatures
-    if logits.is_cuda:
-        from batchgen.layers.sampler_triton import gumbel_argmax
+    scaled = logits.float() * inv_temperatures.unsqueeze(1)
+    filtered = _apply_filters(scaled, tensors) if filters else None
+    # The exponential race in log space: argmax(logits / T - log(-log U)) samples softmax(logits / T).
+    gumbel = _uniform(_row_keys(tensors.seeds, tensors.positions), logits.shape[1]).log_().neg_().log_()
+    sampled_ids = (scaled if filtered is None else filtered).sub(gumbel).argmax(dim=-1)
+    return SamplerOutput(torch.where(greedy_rows, greedy_ids, sampled_ids), logits, filtered, inv_temperatures)
 
-        sampled_ids = gumbel_argmax(logits, draw_inv_temperatures, tensors.seeds, tensors.positions)
-    else:
-        # The exponential race in log space: argmax(logits / T - log(-log U)) samples softmax(logits / T).
-        gumbel = _uniform(_row_keys(tensors.seeds, tensors.positions), logits.shape[1]).log_().neg_().log_()
-        sampled_ids = (logits.float() * draw_inv_temperatures.unsqueeze(1)).sub_(gumbel).argmax(dim=-1)
-    return SamplerOutput(torch.where(greedy_rows, greedy_ids, sampled_ids), masked_logits, filtered, inv_temperatures)
+
+def _draw_cuda(logits: torch.Tensor, tensors: SamplingTensors, greedy_ids: torch.Tensor,
+               filters: bool) -> SamplerOutput:
+    """The same draw in Triton kernels: with the filters in one kernel for small vocabularies, after torch's sort
+    for larger ones."""
+    if filters and logits.shape[1] <= FILTERED_DRAW_MAX_VOCAB:
+        from batchgen.layers.sampler_filters_triton import filtered_draw
+
+        token_ids, filtered, inv_temperatures = filtered_draw(
+            logits, tensors.temperatures, tensors.top_ks, tensors.top_ps, tensors.min_ps, tensors.seeds,
+            tensors.positions, greedy_ids)
+        return SamplerOutput(token_ids, logits, filtered, inv_temperatures)
+    from batchgen.layers.sampler_triton import seeded_draw
+
+    filtered = None
+    if filters:
+        inv_temperatures = 1.0 / torch.where(tensors.temperatures == 0, 1.0, tensors.temperatures)
+        filtered = _apply_filters(logits.float() * inv_temperatures.unsqueeze(1), tensors)
+    token_ids, inv_temperatures = seeded_draw(logits if filtered is None else filtered, tensors.temperatures,
+                                              tensors.seeds, tensors.positions, greedy_ids, scale=filtered is None)
+    return SamplerOutput(token_ids, logits, filtered, inv_temperatures)
+
+
+def _apply_filters(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """Top-k, top-p and min-p of logits already divided by the temperatures."""
+    if tensors.top_ks is not None or tensors.top_ps is not None:
+        logits = _apply_top_k_top_p(logits, tensors.top_ks, tensors.top_ps)
+    if tensors.min_ps is not None:
+        logits = _apply_min_p(logits, tensors.min_ps)
+    return logits
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
     """Masks (-inf) tokens outside each row's top k, then outside the nucleus of what is left."""
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    # Stable, so that tokens tied at a cut are kept in index order, as the Triton filters keep them.
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
     if top_ks is not None:
         ranks = torch.arange(logits.shape[1], device=logits.device)
         k = torch.where(top_ks > 0, top_ks, logits.shape[1]).unsqueeze(1)

@@ -5,7 +5,9 @@ argmax(probs / E) with E = -log(U) is the exponential race; taking logs, it is a
 so no softmax is needed. U is the same counter-based hash of (seed, position, vocab index) as the torch path's,
 computed here in uint32 registers instead of a (B, V) int64 tensor: one read of the logits, nothing written but ids.
 The row key (the hash of seed and position) is computed in the kernel too: in torch it is some twenty tiny launches,
-which inside a decode graph cost more than the draw itself.
+which inside a decode graph cost more than the draw itself. Both argmaxes split each row over many programs and
+merge their candidates: one program per row reads a 151,936-logit row in a serial loop, too slow for a decode step.
+The draw rounds as the torch path does (a precise 1 / T, no fused multiply-add), so both pick the same tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import triton.language as tl
 from batchgen.layers.pdl import launch_options, wait_for_previous
 
 _SALT = 0x9E3779B9
-_BLOCK = 2048
 
 
 @triton.jit
@@ -39,42 +40,10 @@ def _row_key(seed, position):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, inv_temperatures_ptr, seeds_ptr, positions_ptr, out_ptr,
-                          VOCAB: tl.constexpr, SALT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    inv_temperature = tl.load(inv_temperatures_ptr + row)
-    row_key = _row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
-    best_value = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_index = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, VOCAB, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < VOCAB
-        logits = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        column_key = _mix32(cols.to(tl.uint32) + SALT)
-        bits = _mix32(row_key ^ column_key)
-        uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        value = logits * inv_temperature - tl.log(-tl.log(uniform))
-        better = value > best_value
-        best_value = tl.where(better, value, best_value)
-        best_index = tl.where(better, cols, best_index)
-    winner = tl.argmax(best_value, axis=0)
-    index = tl.sum(tl.where(tl.arange(0, BLOCK) == winner, best_index, 0), axis=0)
-    tl.store(out_ptr + row, index.to(tl.int64))
-
-
-def gumbel_argmax(logits: torch.Tensor, inv_temperatures: torch.Tensor, seeds: torch.Tensor,
-                  positions: torch.Tensor) -> torch.Tensor:
-    """logits (B, V), inv_temperatures (B,) float32, seeds (B,) int64 in [0, 2**63), positions (B,) int64
-    -> (B,) int64 token ids."""
-    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    block = min(_BLOCK, triton.next_power_of_2(logits.shape[1]))
-    _gumbel_argmax_kernel[(logits.shape[0],)](logits, logits.stride(0), inv_temperatures, seeds, positions, out,
-                                              logits.shape[1], SALT=_SALT, BLOCK=block,
-                                              num_warps=8 if block >= 1024 else 1)
-    return out
-
-
-_GREEDY_CHUNKS = 64  # programs per row: torch.argmax of a 151,936-logit row took 7.7 us of an H200 decode step
+def _gumbel(seed, position, cols, SALT: tl.constexpr):
+    """log(-log U) of the torch path's `_uniform` for one row's columns."""
+    bits = _mix32(_row_key(seed, position) ^ _mix32(cols.to(tl.uint32) + SALT))
+    return tl.log(-tl.log(((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)))
 
 
 @triton.jit
@@ -84,6 +53,81 @@ def _best(rank, value, index):
     top_value = tl.max(tl.where(rank == top_rank, value, float("-inf")), axis=0)
     winner = tl.min(tl.where((rank == top_rank) & (value == top_value), index, 2**31 - 1), axis=0)
     return top_rank, top_value, winner
+
+
+_DRAW_BLOCK = 2048  # logits a program draws from: a row is split so that a batch keeps every SM busy
+
+
+@triton.jit
+def _draw_chunk_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, positions_ptr, ranks_ptr, values_ptr,
+                       indices_ptr, VOCAB: tl.constexpr, SCALE: tl.constexpr, SALT: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program per (row, block of logits): the block's candidate of argmax(logits / T - log(-log U)), ranked
+    as torch.argmax ranks (NaN first). SCALE: divide by the row's temperature (False where the logits are already
+    divided)."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    gumbel = _gumbel(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), cols, SALT)
+    wait_for_previous(PDL)
+    logits = tl.load(logits_ptr + row * stride + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
+    if SCALE:
+        temperature = tl.load(temperatures_ptr + row)
+        logits = logits * tl.div_rn(1.0, tl.where(temperature == 0, 1.0, temperature))
+    value = logits - gumbel
+    rank = (value != value).to(tl.int32)  # 1 for NaN
+    top_rank, top_value, winner = _best(rank, tl.where(rank == 1, 0.0, value), cols)
+    at = row * tl.num_programs(1) + chunk
+    tl.store(ranks_ptr + at, top_rank)
+    tl.store(values_ptr + at, top_value)
+    tl.store(indices_ptr + at, winner)
+
+
+@triton.jit
+def _draw_merge_kernel(ranks_ptr, values_ptr, indices_ptr, temperatures_ptr, greedy_ids_ptr, out_ptr,
+                       inv_temperatures_ptr, chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+    """One program per row: the best of its blocks' candidates (the earlier block on a tie), or the row's greedy id
+    where its temperature is 0; and the row's 1 / temperature (1 for greedy rows)."""
+    row = tl.program_id(0)
+    offsets = tl.arange(0, CHUNKS)
+    mask = offsets < chunks
+    at = row * chunks + offsets
+    wait_for_previous(PDL)
+    ranks = tl.load(ranks_ptr + at, mask=mask, other=-1)
+    values = tl.load(values_ptr + at, mask=mask, other=float("-inf"))
+    _, _, winner = _best(ranks, values, tl.load(indices_ptr + at, mask=mask, other=2**31 - 1))
+    temperature = tl.load(temperatures_ptr + row)
+    greedy = temperature == 0
+    tl.store(out_ptr + row, tl.where(greedy, tl.load(greedy_ids_ptr + row), winner.to(tl.int64)))
+    tl.store(inv_temperatures_ptr + row, tl.div_rn(1.0, tl.where(greedy, 1.0, temperature)))
+
+
+def seeded_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                greedy_ids: torch.Tensor, scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seeded draw of every row: logits (B, V), temperatures (B,) float32 (0 = greedy), seeds (B,) int64 in
+    [0, 2**63), positions (B,) int64, greedy_ids (B,) int64 (what greedy rows take). scale=False where the logits
+    are already divided by the temperatures. -> (B,) int64 token ids, (B,) float32 1 / temperature (1 for greedy
+    rows)."""
+    rows, vocab = logits.shape
+    block = min(_DRAW_BLOCK, triton.next_power_of_2(vocab))
+    chunks = triton.cdiv(vocab, block)
+    ranks = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    token_ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    inv_temperatures = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return token_ids, inv_temperatures
+    options = launch_options(logits.device)
+    _draw_chunk_kernel[(rows, chunks)](logits, logits.stride(0), temperatures, seeds, positions, ranks, values,
+                                       indices, VOCAB=vocab, SCALE=scale, SALT=_SALT, BLOCK=block,
+                                       num_warps=4 if block >= 1024 else 1, enable_fp_fusion=False, **options)
+    _draw_merge_kernel[(rows,)](ranks, values, indices, temperatures, greedy_ids, token_ids, inv_temperatures,
+                                chunks, CHUNKS=triton.next_power_of_2(chunks), num_warps=1, **options)
+    return token_ids, inv_temperatures
+
+
+_GREEDY_CHUNKS = 64  # programs per row: torch.argmax of a 151,936-logit row took 7.7 us of an H200 decode step
 
 
 @triton.jit

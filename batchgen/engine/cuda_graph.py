@@ -71,7 +71,7 @@ class BucketInputs(NamedTuple):
 
 
 _ROW_ALIGN = 8  # int64 elements: each input row of a bucket starts 64-byte aligned, as Triton specializes on 16
-_PAGEABLE_STAGING_BYTES = 64 << 10  # the largest step inputs that are staged in pageable memory (see load)
+PAGEABLE_STAGING_BYTES = 64 << 10  # the largest step inputs that are staged in pageable memory (see load)
 
 
 class GraphCaptureBuffers:
@@ -130,7 +130,7 @@ class GraphCaptureBuffers:
         device in one copy, without a sync.
 
         Padding rows get token 0 at position 0, slot -1 (no KV write), context length 0 (no KV read), no pending
-        token and a block table of zeros. A staging buffer of at most _PAGEABLE_STAGING_BYTES is pageable: the
+        token and a block table of zeros. A staging buffer of at most PAGEABLE_STAGING_BYTES is pageable: the
         driver copies it into its own staging memory before the call returns, and the device had it 5-15 us sooner
         than a DMA from pinned memory (a Qwen3-0.6B step at batch 1 to 8 on an H200, benchmarks/RESULTS.md,
         sixteenth session). A larger one, which the driver might stage in chunks while the host waits, is fresh from
@@ -139,7 +139,7 @@ class GraphCaptureBuffers:
         """
         n = inputs.num_tokens
         nbytes = self._nbytes(size)
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned and nbytes > _PAGEABLE_STAGING_BYTES)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned and nbytes > PAGEABLE_STAGING_BYTES)
         staged = host.numpy()  # numpy views: a torch view costs the host microseconds each
         rows = staged[:_rows_nbytes(size)].view(np.int64).reshape(5, _row_stride(size))
         rows[:, n:size] = ((0,), (0,), (-1,), (0,), (-1,))

@@ -1,7 +1,7 @@
 """The sampling pipeline of a graphed decode step, captured as its own CUDA graph per (bucket, features).
 
 The forward graph of a bucket ends in static logits; the sampler graph reads them and the step's per-row parameters
-from static buffers (one packed copy of floats and one of ints per step, plus the bitmask when a row is guided), and
+from a static byte buffer (one copy per step, plus the bitmask when a row is guided), and
 writes the sampled ids into `last_sampled`, where the next step's graph finds them, and into the requests' output
 counts. A separate graph per feature set keeps each step to the stages its rows use: an unpenalized step never reads
 the penalty state. Graphs are captured on first use (once per bucket and feature set), not at start-up.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from batchgen.engine.cuda_graph import PAGEABLE_STAGING_BYTES
 from batchgen.engine.sampling_state import SamplingState
 from batchgen.layers.sampler import (
     FLOAT_FIELDS,
@@ -35,8 +36,9 @@ class SamplerGraphs:
         self.device = device
         self.max_size = max_size
         self.capture_graphs = device.type == "cuda"  # on CPU the same static-buffer path runs eagerly (tests)
-        self.floats = torch.zeros(len(FLOAT_FIELDS), max_size, dtype=torch.float32, device=device)
-        self.ints = torch.zeros(len(INT_FIELDS), max_size, dtype=torch.int64, device=device)
+        # A bucket of `size` rows lays its parameters out from the start: the float rows, then the int rows, each
+        # padded to a multiple of _PARAM_ALIGN elements (64-byte aligned, as Triton specializes on alignment).
+        self.params = torch.zeros(_params_nbytes(max_size), dtype=torch.uint8, device=device)
         self.bitmask = torch.full((max_size, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
         self.last_sampled = last_sampled
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
@@ -80,21 +82,30 @@ class SamplerGraphs:
 
     def _pipeline(self, size: int, features: SamplingFeatures, logits: torch.Tensor, state: SamplingState | None,
                   greedy_ids: torch.Tensor | None) -> SamplerOutput:
-        tensors = SamplingTensors.from_packed(features, self.floats[:, :size], self.ints[:, :size],
-                                              state.rows_tensors if features.penalties else None,
-                                              self.bitmask[:size])
+        state_rows = state.rows_tensors if features.penalties else None
+        tensors = SamplingTensors.from_packed(features, *self._views(size), state_rows, self.bitmask[:size])
         return run_sampler(logits[:size], tensors, None if greedy_ids is None else greedy_ids[:size])
 
+    def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`size`'s (float rows, int rows) over the device buffer."""
+        stride, floats_end = _param_stride(size), _floats_nbytes(size)
+        floats = self.params[:floats_end].view(torch.float32).view(len(FLOAT_FIELDS), stride)[:, :size]
+        ints = self.params[floats_end:_params_nbytes(size)].view(torch.int64).view(len(INT_FIELDS), stride)[:, :size]
+        return floats, ints
+
     def _load(self, packed: PackedSampling, bitmask: torch.Tensor | None, size: int) -> None:
-        """Stage the rows padded to `size` with neutral rows (greedy, state row 0, everything allowed)."""
+        """Stage the rows padded to `size` with neutral rows (greedy, state row 0, everything allowed) in `size`'s
+        layout, and copy them in one copy (staged as cuda_graph.GraphCaptureBuffers.load stages)."""
         n = packed.floats.shape[1]
-        floats = torch.empty(len(FLOAT_FIELDS), size, dtype=torch.float32, pin_memory=self.capture_graphs)
-        ints = torch.empty(len(INT_FIELDS), size, dtype=torch.int64, pin_memory=self.capture_graphs)
-        floats.numpy()[:, :n], ints.numpy()[:, :n] = packed.floats, packed.ints
-        floats.numpy()[:, n:] = np.array(NEUTRAL_FLOATS, dtype=np.float32)[:, None]
-        ints.numpy()[:, n:] = np.array(NEUTRAL_INTS, dtype=np.int64)[:, None]
-        self.floats[:, :size].copy_(floats, non_blocking=True)
-        self.ints[:, :size].copy_(ints, non_blocking=True)
+        stride, floats_end, nbytes = _param_stride(size), _floats_nbytes(size), _params_nbytes(size)
+        pinned = self.capture_graphs and nbytes > PAGEABLE_STAGING_BYTES
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        staged = host.numpy()
+        floats = staged[:floats_end].view(np.float32).reshape(len(FLOAT_FIELDS), stride)
+        ints = staged[floats_end:].view(np.int64).reshape(len(INT_FIELDS), stride)
+        floats[:, :n], ints[:, :n] = packed.floats, packed.ints
+        floats[:, n:size], ints[:, n:size] = _NEUTRAL_FLOATS, _NEUTRAL_INTS
+        self.params[:nbytes].copy_(host, non_blocking=True)
         if packed.features.bitmask:
             self.bitmask[:n].copy_(bitmask, non_blocking=True)
             self.bitmask[n:size].fill_(-1)
@@ -103,8 +114,9 @@ class SamplerGraphs:
                  greedy_ids: torch.Tensor | None) -> tuple[torch.cuda.CUDAGraph, SamplerOutput]:
         # Warm-up (Triton compiles, lazy init) on neutral rows: it counts only into the neutral state row 0 and
         # leaves last_sampled alone, so it can run while earlier steps are still queued.
-        self.floats[:, :size].copy_(torch.tensor(NEUTRAL_FLOATS, device=self.device).unsqueeze(1).expand(-1, size))
-        self.ints[:, :size].zero_()
+        floats, ints = self._views(size)
+        floats.copy_(torch.tensor(NEUTRAL_FLOATS, device=self.device).unsqueeze(1).expand(-1, size))
+        ints.copy_(torch.tensor(NEUTRAL_INTS, device=self.device).unsqueeze(1).expand(-1, size))
         self.bitmask[:size].fill_(-1)
         self._pipeline(size, features, logits, state, greedy_ids)
         torch.cuda.synchronize(self.device)
@@ -117,3 +129,20 @@ class SamplerGraphs:
     def _keep_ids(self, output: SamplerOutput, size: int) -> None:
         rows = min(size, len(self.last_sampled))  # a bucket may be larger than max_num_seqs
         self.last_sampled[:rows].copy_(output.token_ids[:rows])
+
+
+_PARAM_ALIGN = 16  # elements
+_NEUTRAL_FLOATS = np.array(NEUTRAL_FLOATS, dtype=np.float32)[:, None]
+_NEUTRAL_INTS = np.array(NEUTRAL_INTS, dtype=np.int64)[:, None]
+
+
+def _param_stride(size: int) -> int:
+    return -(-size // _PARAM_ALIGN) * _PARAM_ALIGN
+
+
+def _floats_nbytes(size: int) -> int:
+    return len(FLOAT_FIELDS) * _param_stride(size) * 4
+
+
+def _params_nbytes(size: int) -> int:
+    return _floats_nbytes(size) + len(INT_FIELDS) * _param_stride(size) * 8

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from batchgen.layers.pdl import launch_options, wait_for_previous
-from batchgen.layers.sampler_triton import _SALT, _best, _gumbel
+from batchgen.layers.sampler_triton import _SALT, _argmax, _gumbel
 
 MAX_VOCAB = 4096  # a row in one program's registers; larger vocabularies sort in torch
 
@@ -81,9 +81,7 @@ def _filtered_draw_kernel(logits_ptr, stride, temperatures_ptr, top_ks_ptr, top_
         probs = _softmax(x)
         x = tl.where(probs < tl.max(probs, axis=0) * tl.load(min_ps_ptr + row), float("-inf"), x)
     tl.store(filtered_ptr + row * VOCAB + cols, x, mask=valid)
-    value = x - gumbel
-    rank = (value != value).to(tl.int32)  # 1 for NaN
-    _, _, winner = _best(rank, tl.where(rank == 1, 0.0, value), cols)
+    _, _, winner = _argmax(x - gumbel, cols)
     tl.store(out_ptr + row, tl.where(greedy, tl.load(greedy_ids_ptr + row), winner.to(tl.int64)))
     tl.store(inv_temperatures_ptr + row, inv_temperature)
 

@@ -55,6 +55,14 @@ def _best(rank, value, index):
     return top_rank, top_value, winner
 
 
+@triton.jit
+def _argmax(values, cols):
+    """torch.argmax's candidate of a 1-D block (rank, value, index): NaN ranks above every number (torch's argmax
+    returns the first NaN), then the largest value, then the first index."""
+    rank = (values != values).to(tl.int32)
+    return _best(rank, tl.where(rank == 1, 0.0, values), cols)
+
+
 _DRAW_BLOCK = 2048  # logits a program draws from: a row is split so that a batch keeps every SM busy
 
 
@@ -62,9 +70,8 @@ _DRAW_BLOCK = 2048  # logits a program draws from: a row is split so that a batc
 def _draw_chunk_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, positions_ptr, ranks_ptr, values_ptr,
                        indices_ptr, VOCAB: tl.constexpr, SCALE: tl.constexpr, SALT: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program per (row, block of logits): the block's candidate of argmax(logits / T - log(-log U)), ranked
-    as torch.argmax ranks (NaN first). SCALE: divide by the row's temperature (False where the logits are already
-    divided)."""
+    """One program per (row, block of logits): the block's torch.argmax candidate of logits / T - log(-log U).
+    SCALE: divide by the row's temperature (False where the logits are already divided)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -74,9 +81,7 @@ def _draw_chunk_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, position
     if SCALE:
         temperature = tl.load(temperatures_ptr + row)
         logits = logits * tl.div_rn(1.0, tl.where(temperature == 0, 1.0, temperature))
-    value = logits - gumbel
-    rank = (value != value).to(tl.int32)  # 1 for NaN
-    top_rank, top_value, winner = _best(rank, tl.where(rank == 1, 0.0, value), cols)
+    top_rank, top_value, winner = _argmax(logits - gumbel, cols)
     at = row * tl.num_programs(1) + chunk
     tl.store(ranks_ptr + at, top_rank)
     tl.store(values_ptr + at, top_value)
@@ -133,16 +138,14 @@ _GREEDY_CHUNKS = 64  # programs per row: torch.argmax of a 151,936-logit row too
 @triton.jit
 def _greedy_chunk_kernel(logits_ptr, stride, ranks_ptr, values_ptr, indices_ptr, VOCAB: tl.constexpr,
                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program per (row, chunk of CHUNK logits): the chunk's torch.argmax candidate. NaN ranks above every
-    number (torch's argmax returns the first NaN), then the largest value, then the first index."""
+    """One program per (row, chunk of CHUNK logits): the chunk's torch.argmax candidate."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, BLOCK)
     mask = (cols < VOCAB) & (tl.arange(0, BLOCK) < CHUNK)
     wait_for_previous(PDL)
     logits = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    rank = (logits != logits).to(tl.int32)  # 1 for NaN
-    top_rank, top_value, winner = _best(rank, tl.where(rank == 1, 0.0, logits), cols)
+    top_rank, top_value, winner = _argmax(logits, cols)
     at = row * tl.num_programs(1) + chunk
     tl.store(ranks_ptr + at, top_rank)
     tl.store(values_ptr + at, top_value)

@@ -72,3 +72,21 @@ def test_filtered_draw_equals_torch(vocab, dtype, ties, filters):
     assert torch.equal(ids, expected_ids)
     assert torch.equal(inv_temperatures, expected_inv)
     assert (filtered == float("-inf")).any()  # a filter cut something
+
+
+def test_the_two_zeros_tie_at_a_cut():
+    from batchgen.layers.sampler_filters_triton import filtered_draw
+
+    logits = torch.full((2, 65), -1.0)
+    logits[:, :10] = 1.0
+    logits[:, 10:30:2], logits[:, 11:30:2] = -0.0, 0.0  # top-k 20 cuts the zeros: the first ten by index stay
+    temperatures = torch.ones(2)
+    top_ks = torch.full((2,), 20, dtype=torch.int64)
+    seeds, positions, greedy_ids = torch.arange(2), torch.arange(2), torch.zeros(2, dtype=torch.int64)
+    args = (logits, temperatures, top_ks, None, None, seeds, positions, greedy_ids)
+
+    _, expected_filtered, _ = torch_draw(*args)
+    _, filtered, _ = filtered_draw(*[None if t is None else t.to(DEVICE) for t in args])
+
+    assert torch.equal(torch.isfinite(filtered.cpu()), torch.isfinite(expected_filtered))
+    assert torch.isfinite(expected_filtered[:, :20]).all() and not torch.isfinite(expected_filtered[:, 20:]).any()

@@ -27,7 +27,9 @@ from batchgen.sampling_params import SamplingParams
 _MASK32 = 0xFFFFFFFF
 _SEED_MODULUS = 1 << 63
 _SALT = 0x9E3779B9  # 2**32 / golden ratio
-FILTERED_DRAW_MAX_VOCAB = 4096  # sampler_filters_triton.MAX_VOCAB (not imported: that module needs Triton)
+# Up to this vocabulary a row fits one program's registers, and the filters run with the draw in one Triton kernel
+# (sampler_filters_triton); larger ones sort in torch.
+FILTERED_DRAW_MAX_VOCAB = 4096
 
 
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency", "block_stops")

@@ -1,7 +1,8 @@
 """Temperature, top-k, top-p, min-p and the seeded draw of a small vocabulary's rows in one kernel (CUDA only).
 
-In torch the filters are a sort, a scatter and a dozen elementwise launches, which in the main job's decode graph
-(65 tokens, top-k 40) cost more than the forward's last layers. Here one program holds a whole row and finds each
+In torch the filters are a sort, a scatter and a dozen elementwise launches: the main job's sampler graph (65
+tokens, top-k 40) took 0.056 ms a decode step on an H200, this kernel 0.028 (benchmarks/RESULTS.md, seventeenth
+session). Here one program holds a whole row and finds each
 filter's cut without sorting: a bisection over int32 keys that order as the floats do (NaN above everything, as
 torch's descending sort puts it). Tokens tied at a cut are kept in index order, as a stable sort keeps them
 (sampler._apply_top_k_top_p sorts stably). Probability sums are taken in another order than torch's cumsum, so a
@@ -17,13 +18,11 @@ import triton.language as tl
 from batchgen.layers.pdl import launch_options, wait_for_previous
 from batchgen.layers.sampler_triton import _SALT, _argmax, _gumbel
 
-MAX_VOCAB = 4096  # a row in one program's registers; larger vocabularies sort in torch
-
 
 @triton.jit
 def _order_keys(x, valid):
     """int32 keys that order as the float32 values do, NaN highest; the lowest for columns past the row."""
-    bits = x.to(tl.int32, bitcast=True)
+    bits = (x + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 is 0.0: torch's sort ties the two zeros
     keys = tl.where(x != x, 2**31 - 1, bits ^ ((bits >> 31) & 0x7FFFFFFF))
     return tl.where(valid, keys, -(2**31))
 
@@ -90,9 +89,9 @@ def filtered_draw(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torc
                   top_ps: torch.Tensor | None, min_ps: torch.Tensor | None, seeds: torch.Tensor,
                   positions: torch.Tensor, greedy_ids: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """sampler._draw's filtered path for logits (B, V <= MAX_VOCAB): the filters a row's tensor is None for are not
-    run. -> (B,) int64 token ids (greedy rows: their greedy_ids), (B, V) float32 filtered logits (divided by the
-    temperature), (B,) float32 1 / temperature (1 for greedy rows)."""
+    """sampler._draw's filtered path for logits (B, V <= sampler.FILTERED_DRAW_MAX_VOCAB); a filter whose tensor is
+    None is not run. -> (B,) int64 token ids (greedy rows: their greedy_ids), (B, V) float32 filtered logits
+    (divided by the temperature), (B,) float32 1 / temperature (1 for greedy rows)."""
     rows, vocab = logits.shape
     token_ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
     filtered = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)

@@ -29,7 +29,7 @@ def imported_modules(overrides: list[str]) -> list[str]:
     return names[names.index("batchgen") + 1:] if "batchgen" in names else names
 
 
-def other_packages_sources(names: list[str]) -> set[str]:
+def other_packages_modules(names: list[str]) -> set[str]:
     """Those of `names` that are not batchgen's and have a source file on this machine."""
     top_levels = {}
     return {name for name in names if name.split(".")[0] != "batchgen" and not name.startswith("__editable__")
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--replace", action="store_true", help="drop what the file lists instead of merging")
     args = parser.parse_args()
     known = set() if args.replace else set(listed_modules())
-    modules = sorted(known | other_packages_sources(imported_modules(args.overrides)))
+    modules = sorted(known | other_packages_modules(imported_modules(args.overrides)))
     STARTUP_MODULES.write_text(HEADER + "".join(f"{name}\n" for name in modules))
     print(f"{STARTUP_MODULES}: {len(modules)} modules ({len(modules) - len(known & set(modules))} new)")
 

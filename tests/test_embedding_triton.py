@@ -1,4 +1,5 @@
-"""The PDL embedding lookup (`embedding_triton`) against F.embedding, and the `Embedding` layer that uses it.
+"""The PDL embedding lookup (`embedding_triton`) against F.embedding, with pending tokens too, and the `Embedding`
+layer that uses it.
 
 Runs on CUDA; without a GPU, `TRITON_INTERPRET=1 pytest tests/test_embedding_triton.py` runs it through Triton's CPU
 interpreter (it needs numpy<2.4).
@@ -15,7 +16,7 @@ pytest.importorskip("triton")
 from triton_support import DEVICE, TRITON_MARKS  # noqa: E402
 
 from batchgen.layers import embedding_triton  # noqa: E402
-from batchgen.layers.embedding import Embedding  # noqa: E402
+from batchgen.layers.embedding import Embedding, PendingTokens  # noqa: E402
 from batchgen.layers.triton_layers import use_triton_layers  # noqa: E402
 
 pytestmark = TRITON_MARKS
@@ -47,3 +48,36 @@ def test_layer_takes_the_kernel_for_one_dimensional_ids_only(monkeypatch: pytest
     layer.use_triton(DEVICE)
     assert torch.equal(layer(ids[0]), expected[0]) and calls == [(2,)]
     assert torch.equal(layer(ids), expected) and calls == [(2,)]  # 2-D ids: torch's
+
+
+def pending_tokens(num_tokens: int, vocab: int, gen: torch.Generator) -> PendingTokens:
+    ids = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    last_sampled = torch.randint(0, vocab, (8,), generator=gen)
+    source = torch.randint(-1, 8, (num_tokens,), generator=gen)
+    source[0], source[-1] = -1, 7  # a token of its own (unless it is the only one), and one from the last sampled row
+    return PendingTokens(*(t.to(DEVICE) for t in (ids, source, last_sampled)))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9, 300])
+def test_pending_tokens_come_from_the_sampled_ids(num_tokens: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    weight = torch.randn(1000, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    pending = pending_tokens(num_tokens, 1000, gen)
+
+    rows = embedding_triton.embedding(pending.ids, weight, pending.source, pending.last_sampled)
+
+    filled = pending.filled().cpu()
+    assert filled[-1] == pending.last_sampled[7].item() and (num_tokens == 1 or filled[0] == pending.ids[0].item())
+    assert torch.equal(filled, torch.where(pending.source.cpu() >= 0, pending.last_sampled.cpu()[pending.source.cpu()],
+                                           pending.ids.cpu()))
+    assert torch.equal(rows.cpu(), F.embedding(filled, weight.cpu()))
+
+
+def test_layer_looks_pending_tokens_up_with_the_kernel_or_fills_them_for_torch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    layer = Embedding(50, 16).to(DEVICE)
+    pending = pending_tokens(12, 50, gen)
+    expected = F.embedding(pending.filled(), layer.weight)
+    assert torch.equal(layer(pending), expected)  # torch's lookup of the filled ids
+    layer.use_triton(DEVICE)
+    assert torch.equal(layer(pending), expected)

@@ -27,6 +27,7 @@ from torch import nn
 from batchgen.engine.step_inputs import StepInputs
 from batchgen.layers import pdl
 from batchgen.layers.attention import Attention, AttentionMetadata
+from batchgen.layers.embedding import PendingTokens
 from batchgen.layers.sampler_triton import greedy_argmax
 from batchgen.layers.shared_prefix import shared_prefix_len
 
@@ -48,15 +49,6 @@ def padded_size(sizes: list[int], n: int) -> int | None:
     """The smallest bucket >= n, or None when n is above the largest (the step then runs eagerly)."""
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
-
-
-def fill_pending_tokens(input_ids: torch.Tensor, pending_source: torch.Tensor,
-                        last_sampled: torch.Tensor) -> torch.Tensor:
-    """input_ids with each pending token taken from the previous step's sampled ids, still on the device.
-
-    Four small kernels. One Triton kernel took 2-4 us less of a Qwen3-0.6B step at batch 1 on an H200, but added a
-    compile to every fresh process (benchmarks/RESULTS.md, sixteenth session)."""
-    return torch.where(pending_source >= 0, last_sampled[pending_source.clamp(min=0)], input_ids)
 
 
 class BucketInputs(NamedTuple):
@@ -205,7 +197,7 @@ class CudaGraphRunner:
     def _forward(self, size: int, cascade: bool, sampled_into: torch.Tensor) -> GraphOutputs:
         """sampled_into: where the argmax goes besides the outputs (last_sampled in the graph)."""
         inputs = self.buffers.views(size)
-        input_ids = fill_pending_tokens(inputs.input_ids, inputs.pending_source, self.last_sampled)
+        input_ids = PendingTokens(inputs.input_ids, inputs.pending_source, self.last_sampled)
         hidden = self.model(input_ids, inputs.positions, self.buffers.metadata(size, cascade))
         logits = self.model.compute_logits(hidden)
         return GraphOutputs(logits, greedy_argmax(logits, sampled_into))

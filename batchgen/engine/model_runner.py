@@ -17,7 +17,6 @@ from batchgen.engine.cuda_graph import (
     CudaGraphRunner,
     GraphCaptureBuffers,
     GraphOutputs,
-    fill_pending_tokens,
 )
 from batchgen.engine.logprobs_step import StepLogprobs, plan_prompt_logprobs, sampled_logprobs
 from batchgen.engine.request import Request
@@ -29,6 +28,7 @@ from batchgen.engine.step_sampling import BitmaskProvider, LastPacked, StepSampl
 from batchgen.engine.upload import upload_packed
 from batchgen.layers import attention_torch
 from batchgen.layers.attention import Attention, AttentionMetadata
+from batchgen.layers.embedding import PendingTokens
 from batchgen.layers.logprobs import compute_logprobs
 from batchgen.layers.sampler import SamplerOutput, run_sampler
 from batchgen.layers.shared_prefix import shared_prefix_len
@@ -326,7 +326,7 @@ class ModelRunner:
             split_arrivals=self.split_arrivals,
         )
         if pending:
-            input_ids = fill_pending_tokens(input_ids, pending_source[0], self.last_sampled)
+            input_ids = PendingTokens(input_ids, pending_source[0], self.last_sampled).filled()
         return input_ids, positions, meta, sample_token_index
 
     def _eager_forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,

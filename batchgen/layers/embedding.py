@@ -3,15 +3,37 @@ steps. It keeps nn.Embedding's `weight`, so weight loading and tied lm_heads wor
 
 Only models whose next kernel takes part in PDL (Llama's first GEMV) use it: after GPT-2's lookups come torch ops,
 and a kernel of our own would only add a compile to a fresh process.
+
+A decode graph's ids come as PendingTokens: a step is queued before the step that samples its input token has
+finished, so that token is still on the device. The Triton lookup reads it there itself; in torch, filling it in
+takes four small kernels (a clamp, a gather, a compare, a select).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class PendingTokens(NamedTuple):
+    """Input ids (T,) of which those with a pending source (>= 0) are to be taken from the previous step's sampled
+    ids: token t is last_sampled[source[t]] where source[t] >= 0, else ids[t]."""
+
+    ids: torch.Tensor
+    source: torch.Tensor
+    last_sampled: torch.Tensor
+
+    def filled(self) -> torch.Tensor:
+        return torch.where(self.source >= 0, self.last_sampled[self.source.clamp(min=0)], self.ids)
+
+
+def token_ids(ids: torch.Tensor | PendingTokens) -> torch.Tensor:
+    """The ids as a tensor, pending tokens filled in."""
+    return ids.filled() if isinstance(ids, PendingTokens) else ids
 
 
 class Embedding(nn.Embedding):
@@ -28,7 +50,11 @@ class Embedding(nn.Embedding):
 
         self._kernels, self._kernel_device_type = embedding_triton, device_type
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (...) -> (..., embedding_dim)
-        if self._kernels is not None and ids.device.type == self._kernel_device_type and ids.dim() == 1:
-            return self._kernels.embedding(ids, self.weight)
-        return F.embedding(ids, self.weight)
+    def forward(self, ids: torch.Tensor | PendingTokens) -> torch.Tensor:  # (...) -> (..., embedding_dim)
+        pending = ids if isinstance(ids, PendingTokens) else None
+        plain = ids.ids if pending else ids
+        if self._kernels is not None and plain.device.type == self._kernel_device_type and plain.dim() == 1:
+            if pending:
+                return self._kernels.embedding(plain, self.weight, pending.source, pending.last_sampled)
+            return self._kernels.embedding(plain, self.weight)
+        return F.embedding(token_ids(ids), self.weight)

@@ -3,11 +3,12 @@ decode graphs run after their logits.
 
 argmax(probs / E) with E = -log(U) is the exponential race; taking logs, it is argmax(logits / T - log(-log U)),
 so no softmax is needed. U is the same counter-based hash of (seed, position, vocab index) as the torch path's,
-computed here in uint32 registers instead of a (B, V) int64 tensor: one read of the logits, nothing written but ids.
-The row key (the hash of seed and position) is computed in the kernel too: in torch it is some twenty tiny launches,
-which inside a decode graph cost more than the draw itself. Both argmaxes split each row over many programs and
-merge their candidates: one program per row reads a 151,936-logit row in a serial loop, too slow for a decode step.
-The draw rounds as the torch path does (a precise 1 / T, no fused multiply-add), so both pick the same tokens.
+computed here in uint32 registers instead of a (B, V) int64 tensor: one read of the logits, one candidate written
+per block of them. The row key (the hash of seed and position) is computed in the kernel too: in torch it is some
+twenty tiny launches, which inside a decode graph cost more than the draw itself. Both argmaxes split each row over
+many programs and merge their candidates: one program per row reads a 151,936-logit row in a serial loop, too slow
+for a decode step. The draw rounds as the torch path does (a precise 1 / T, no fused multiply-add), so both pick the
+same tokens.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from batchgen.engine.step_inputs import StepInputs
+from batchgen.engine.upload import aligned_length, staging_buffer
 from batchgen.layers import pdl
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.embedding import PendingTokens
@@ -62,18 +63,15 @@ class BucketInputs(NamedTuple):
     block_tables: torch.Tensor
 
 
-_ROW_ALIGN = 8  # int64 elements: each input row of a bucket starts 64-byte aligned, as Triton specializes on 16
-PAGEABLE_STAGING_BYTES = 64 << 10  # the largest step inputs that are staged in pageable memory (see load)
-
-
 class GraphCaptureBuffers:
     """Static device inputs in one byte buffer, which each step fills with one host-to-device copy (the block
     tables in a second copy, from a pinned buffer of their own, cost a Qwen3-0.6B step at batch 1 17 us more on an
     H200: benchmarks/RESULTS.md, sixteenth session).
 
     A bucket of `size` rows lays its inputs out from the buffer's start: five int64 rows (ids, positions, slots,
-    context lengths, pending sources), each padded to a multiple of _ROW_ALIGN, then the (size, width) int32 block
-    tables. Its graphs read those views; buckets' layouts overlap, and only the one being replayed is staged.
+    context lengths, pending sources), each starting 64-byte aligned (Triton specializes on alignment), then the
+    (size, width) int32 block tables. Its graphs read those views; buckets' layouts overlap, and only the one being
+    replayed is staged.
     """
 
     def __init__(self, max_size: int, block_table_width: int, block_size: int, device: torch.device,
@@ -118,20 +116,15 @@ class GraphCaptureBuffers:
         )
 
     def load(self, inputs: StepInputs, size: int) -> None:
-        """Stage the step in host memory in `size`'s layout, padded to `size` rows, then copy it to the
-        device in one copy, without a sync.
+        """Stage the step in host memory in `size`'s layout (`upload.staging_buffer`), padded to `size` rows, then
+        copy it to the device in one copy, without a sync.
 
         Padding rows get token 0 at position 0, slot -1 (no KV write), context length 0 (no KV read), no pending
-        token and a block table of zeros. A staging buffer of at most PAGEABLE_STAGING_BYTES is pageable: the
-        driver copies it into its own staging memory before the call returns, and the device had it 5-15 us sooner
-        than a DMA from pinned memory (a Qwen3-0.6B step at batch 1 to 8 on an H200, benchmarks/RESULTS.md,
-        sixteenth session). A larger one, which the driver might stage in chunks while the host waits, is fresh from
-        torch's pinned-memory cache, which reuses a buffer only after its copy has run. Either way the host may
-        stage the next step while this one is still queued.
+        token and a block table of zeros.
         """
         n = inputs.num_tokens
         nbytes = self._nbytes(size)
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned and nbytes > PAGEABLE_STAGING_BYTES)
+        host = staging_buffer(nbytes, self.pinned)
         staged = host.numpy()  # numpy views: a torch view costs the host microseconds each
         rows = staged[:_rows_nbytes(size)].view(np.int64).reshape(5, _row_stride(size))
         rows[:, n:size] = ((0,), (0,), (-1,), (0,), (-1,))
@@ -147,7 +140,7 @@ class GraphCaptureBuffers:
 
 
 def _row_stride(size: int) -> int:
-    return -(-size // _ROW_ALIGN) * _ROW_ALIGN
+    return aligned_length(size, 8)
 
 
 def _rows_nbytes(size: int) -> int:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchgen.engine.cuda_graph import PAGEABLE_STAGING_BYTES
 from batchgen.engine.sampling_state import SamplingState
+from batchgen.engine.upload import aligned_length, staging_buffer
 from batchgen.layers.sampler import (
     FLOAT_FIELDS,
     INT_FIELDS,
@@ -37,7 +37,7 @@ class SamplerGraphs:
         self.max_size = max_size
         self.capture_graphs = device.type == "cuda"  # on CPU the same static-buffer path runs eagerly (tests)
         # A bucket of `size` rows lays its parameters out from the start: the float rows, then the int rows, each
-        # padded to a multiple of _PARAM_ALIGN elements (64-byte aligned, as Triton specializes on alignment).
+        # starting 64-byte aligned (Triton specializes on alignment).
         self.params = torch.zeros(_params_nbytes(max_size), dtype=torch.uint8, device=device)
         self.bitmask = torch.full((max_size, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
         self.last_sampled = last_sampled
@@ -95,11 +95,10 @@ class SamplerGraphs:
 
     def _load(self, packed: PackedSampling, bitmask: torch.Tensor | None, size: int) -> None:
         """Stage the rows padded to `size` with neutral rows (greedy, state row 0, everything allowed) in `size`'s
-        layout, and copy them in one copy (staged as cuda_graph.GraphCaptureBuffers.load stages)."""
+        layout (`upload.staging_buffer`), and copy them in one copy."""
         n = packed.floats.shape[1]
         stride, floats_end, nbytes = _param_stride(size), _floats_nbytes(size), _params_nbytes(size)
-        pinned = self.capture_graphs and nbytes > PAGEABLE_STAGING_BYTES
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        host = staging_buffer(nbytes, self.capture_graphs)
         staged = host.numpy()
         floats = staged[:floats_end].view(np.float32).reshape(len(FLOAT_FIELDS), stride)
         ints = staged[floats_end:].view(np.int64).reshape(len(INT_FIELDS), stride)
@@ -131,13 +130,13 @@ class SamplerGraphs:
         self.last_sampled[:rows].copy_(output.token_ids[:rows])
 
 
-_PARAM_ALIGN = 16  # elements
 _NEUTRAL_FLOATS = np.array(NEUTRAL_FLOATS, dtype=np.float32)[:, None]
 _NEUTRAL_INTS = np.array(NEUTRAL_INTS, dtype=np.int64)[:, None]
 
 
 def _param_stride(size: int) -> int:
-    return -(-size // _PARAM_ALIGN) * _PARAM_ALIGN
+    """Elements from one parameter row to the next: whole 64-byte lines for float32 rows, so for int64 ones too."""
+    return aligned_length(size, 4)
 
 
 def _floats_nbytes(size: int) -> int:

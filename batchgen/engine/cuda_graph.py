@@ -26,10 +26,8 @@ from torch import nn
 
 from batchgen.engine.step_inputs import StepInputs
 from batchgen.engine.upload import aligned_length, staging_buffer
-from batchgen.layers import pdl
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.embedding import PendingTokens
-from batchgen.layers.sampler_triton import greedy_argmax
 from batchgen.layers.shared_prefix import shared_prefix_len
 
 log = logging.getLogger(__name__)
@@ -189,6 +187,8 @@ class CudaGraphRunner:
 
     def _forward(self, size: int, cascade: bool, sampled_into: torch.Tensor) -> GraphOutputs:
         """sampled_into: where the argmax goes besides the outputs (last_sampled in the graph)."""
+        from batchgen.layers.sampler_triton import greedy_argmax  # Triton only where graphs are captured (CUDA)
+
         inputs = self.buffers.views(size)
         input_ids = PendingTokens(inputs.input_ids, inputs.pending_source, self.last_sampled)
         hidden = self.model(input_ids, inputs.positions, self.buffers.metadata(size, cascade))
@@ -210,6 +210,8 @@ class CudaGraphRunner:
         # Warm-up and capture must not write into real KV blocks, nor the warm-up into last_sampled. Both are queued
         # after any step still in flight (a cascade variant is captured mid-run), whose sampled ids the next step
         # reads; the next replay stages its own inputs.
+        from batchgen.layers import pdl  # Triton only where graphs are captured (CUDA)
+
         self.buffers.clear(size)
         with pdl.early_start(early):
             # warm-up: lazy initialisation and autotuning stay out of the graph

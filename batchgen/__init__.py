@@ -6,12 +6,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from batchgen.engine.outputs import RequestOutput
     from batchgen.llm import LLM
-    from batchgen.outputs import RequestOutput
-    from batchgen.sampling_params import SamplingParams
+    from batchgen.sample.params import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
-_MODULES = {"LLM": "batchgen.llm", "RequestOutput": "batchgen.outputs", "SamplingParams": "batchgen.sampling_params"}
+_MODULES = {
+    "LLM": "batchgen.llm",
+    "RequestOutput": "batchgen.engine.outputs",
+    "SamplingParams": "batchgen.sample.params",
+}
 
 
 def __getattr__(name: str) -> Any:

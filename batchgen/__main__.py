@@ -1,6 +1,6 @@
 import sys
 
-from batchgen.usage import early_exit
+from batchgen.cli.usage import early_exit
 
 text = early_exit(sys.argv[1:])
 if text is not None:
@@ -9,6 +9,6 @@ else:
     from batchgen.bytecode_cache import use_bytecode_cache
 
     use_bytecode_cache()  # before Hydra and torch are imported
-    from batchgen.cli import main
+    from batchgen.cli.main import main
 
     main()

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.params import SamplingParams
 
 DATA_FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf_disk", "hf", "openai_batch")
 OUTPUT_FORMATS = ("auto", "parquet", "openai_batch")

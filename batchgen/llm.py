@@ -10,8 +10,8 @@ from tqdm.auto import tqdm
 
 from batchgen.config import CudaGraphConfig, EngineConfig, ModelConfig, validate_engine, validate_model
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.outputs import RequestOutput
-from batchgen.sampling_params import SamplingParams
+from batchgen.engine.outputs import RequestOutput
+from batchgen.sample.params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -19,7 +19,7 @@ from typing import Any
 from batchgen.config import ModelConfig
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.layers import fused, pdl
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.params import SamplingParams
 from benchmarks.common import (
     Request,
     add_kv_cache_dtype_argument,

@@ -24,9 +24,9 @@ from transformers import GenerationConfig
 
 from batchgen.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig, validate_engine, validate_model
 from batchgen.engine.llm_engine import LLMEngine, StepRecord
-from batchgen.outputs import RequestOutput
-from batchgen.sampling_params import SamplingParams
-from batchgen.summary import TIME_COLUMNS
+from batchgen.engine.outputs import RequestOutput
+from batchgen.job.summary import TIME_COLUMNS
+from batchgen.sample.params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 Request = tuple[list[int], SamplingParams]

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from batchgen.engine.request import Request
+from batchgen.core.request import Request
 from batchgen.engine.structured_output import StructuredOutputManager
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.params import SamplingParams
 from benchmarks.common import add_out_argument, environment, markdown_table, save_json
 
 CORPUS = Path(__file__).resolve().parent.parent / "jobs" / "shakespeare" / "tinyshakespeare.txt"

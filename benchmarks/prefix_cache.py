@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.params import SamplingParams
 from benchmarks.common import (
     Request,
     add_out_argument,

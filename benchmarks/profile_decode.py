@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from batchgen.engine.cuda_graph import GraphKey
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.params import SamplingParams
+from batchgen.worker.cuda_graph import GraphKey
 from benchmarks.common import (
     add_kv_cache_dtype_argument,
     add_out_argument,

@@ -16,8 +16,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from batchgen.engine import model_runner
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.params import SamplingParams
+from batchgen.worker import model_runner
 from benchmarks.common import (
     REPO,
     add_out_argument,

@@ -14,7 +14,7 @@ import argparse
 import json
 from typing import Any
 
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.params import SamplingParams
 from benchmarks.common import (
     REPO,
     add_out_argument,

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from batchgen.config import ModelConfig
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.params import SamplingParams
 from benchmarks.common import (
     REPO,
     Request,

@@ -1,4 +1,4 @@
-"""Start-up cost, whole process (median of --repeats runs): import batchgen.cli, --help, an invalid config value
+"""Start-up cost, whole process (median of --repeats runs): import batchgen.cli.main, --help, an invalid config value
 rejected, and a one-row Shakespeare job on CPU; which heavy modules each imports."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from benchmarks.process_timing import heavy_imports, median_seconds
 
 ONE_ROW_JOB = ["job=shakespeare", "data.limit=1", "engine.device=cpu", "job.progress=false"]
 CASES = {  # name: (python arguments, whether it succeeds, whether to list its heavy imports)
-    "import batchgen.cli": (["-c", "import batchgen.cli"], True, True),
+    "import batchgen.cli.main": (["-c", "import batchgen.cli.main"], True, True),
     "--help": (["-m", "batchgen", "--help"], True, True),
     "invalid config value": (["-m", "batchgen", "job=shakespeare", "engine.max_num_seqs=0"], False, True),
     "one-row job (CPU)": (["-m", "batchgen", *ONE_ROW_JOB], True, False),

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.sample.params import SamplingParams
+
 # The filters and the hash did not change; the reference keeps the old orchestration around them.
-from batchgen.layers.sampler import _apply_min_p, _apply_top_k_top_p, _row_keys, _uniform
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.sampler import _apply_min_p, _apply_top_k_top_p, _row_keys, _uniform
 
 _SEED_MODULUS = 1 << 63
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from batchgen.engine.block_manager import BlockManager, PrefixLookup, hash_block, hash_blocks
-from batchgen.engine.request import PENDING_TOKEN, Request
-from batchgen.sampling_params import SamplingParams
+from batchgen.core.block_manager import BlockManager, PrefixLookup, hash_block, hash_blocks
+from batchgen.core.request import PENDING_TOKEN, Request
+from batchgen.sample.params import SamplingParams
 
 
 def make_request(request_id: int = 0, prompt_len: int = 10, prompt: list[int] | None = None) -> Request:

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from batchgen.engine.block_tables import BlockTables
-from batchgen.engine.request import Request
-from batchgen.sampling_params import SamplingParams
+from batchgen.core.request import Request
+from batchgen.sample.params import SamplingParams
+from batchgen.worker.block_tables import BlockTables
 
 
 def request(request_id: int, blocks: list[int]) -> Request:
@@ -46,8 +46,8 @@ def test_released_rows_are_reused_and_the_table_grows():
 
 
 def test_step_inputs_survive_the_table_growing_mid_step():
-    from batchgen.engine.scheduler import SchedulerOutput
-    from batchgen.engine.step_inputs import build_step_inputs
+    from batchgen.core.scheduler import SchedulerOutput
+    from batchgen.worker.step_inputs import build_step_inputs
 
     requests = [request(i, [i, 100 + i]) for i in range(5)]
     for r in requests:
@@ -59,7 +59,7 @@ def test_step_inputs_survive_the_table_growing_mid_step():
 
 
 def test_held_finds_only_requests_that_hold_a_row():
-    from batchgen.engine.request_rows import RequestRows
+    from batchgen.core.request_rows import RequestRows
 
     rows = RequestRows(lambda row: type("Entry", (), {"row": row})(), range(2))
     a = request(0, [])

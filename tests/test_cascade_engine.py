@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine import cascade
-from batchgen.engine.cascade import shares_long_prefix
 from batchgen.layers import attention_torch
+from batchgen.worker import cascade
+from batchgen.worker.cascade import shares_long_prefix
 from tests.test_engine_greedy import hf_greedy_on
 
 BLOCK_SIZE = 16

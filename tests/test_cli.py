@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from batchgen.cli import CONF_DIR, to_config
+from batchgen.cli.main import CONF_DIR, to_config
 from batchgen.config import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent

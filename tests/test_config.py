@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
-from batchgen.cli import CONF_DIR, to_config
+from batchgen.cli.main import CONF_DIR, to_config
 from batchgen.config import Config, ConfigError
 
 JOBS = sorted(p.stem for p in (CONF_DIR / "job").glob("*.yaml"))

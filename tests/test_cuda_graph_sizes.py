@@ -1,6 +1,6 @@
 """Capture-size lists and the size -> padded bucket lookup (no GPU needed)."""
 
-from batchgen.engine.cuda_graph import default_capture_sizes, padded_size
+from batchgen.worker.cuda_graph import default_capture_sizes, padded_size
 
 
 def test_default_capture_sizes_follow_vllm():

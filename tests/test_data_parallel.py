@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.job import run_job
+from batchgen.job.run import run_job
 from batchgen.runners.data_parallel import arrive_when_exited
 from batchgen.runners.ranks import PARENT_MERGES_ENV, run_shard
 from batchgen.runners.shards import MARKER_FILE, shard_dir_name

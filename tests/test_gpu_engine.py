@@ -8,8 +8,8 @@ from conftest import ARCHITECTURES
 from test_engine_greedy import MAX_TOKENS, hf_greedy_on, random_prompts
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.cuda_graph import CudaGraphRunner, GraphOutputs
-from batchgen.engine.step_inputs import build_step_inputs
+from batchgen.worker.cuda_graph import CudaGraphRunner, GraphOutputs
+from batchgen.worker.step_inputs import build_step_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

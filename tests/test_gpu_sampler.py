@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from batchgen.layers.sampler import SamplingTensors, sample
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.params import SamplingParams
+from batchgen.sample.sampler import SamplingTensors, sample
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

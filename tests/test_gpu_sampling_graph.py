@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.sampler_graph import SamplerGraphs
-from batchgen.engine.sampling_state import SamplingState
-from batchgen.engine.step_sampling import build_step_sampling
-from batchgen.layers.sampler import run_sampler
+from batchgen.sample.graph import SamplerGraphs
+from batchgen.sample.sampler import run_sampler
+from batchgen.sample.state import SamplingState
+from batchgen.sample.step_sampling import build_step_sampling
 from tests import reference_sampler
 from tests.test_sampling_pipeline import VOCAB, logits_for, make_requests, mixed_params, penalized_params
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from batchgen.cli import CONF_DIR, to_config
+from batchgen.cli.main import CONF_DIR, to_config
 from batchgen.config import Config
-from batchgen.job import run
+from batchgen.job.run import run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchgen.engine.cuda_graph import GraphCaptureBuffers
-from batchgen.engine.step_inputs import StepInputs
+from batchgen.worker.cuda_graph import GraphCaptureBuffers
+from batchgen.worker.step_inputs import StepInputs
 
 WIDTH = 6
 

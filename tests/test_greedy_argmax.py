@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from triton_support import DEVICE, TRITON_MARKS  # noqa: E402
 
-from batchgen.layers.sampler_triton import greedy_argmax
+from batchgen.sample.draw_triton import greedy_argmax
 
 pytestmark = TRITON_MARKS
 

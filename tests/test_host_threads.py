@@ -2,7 +2,7 @@
 
 import torch
 
-from batchgen.engine.host_threads import intra_op_threads
+from batchgen.worker.host_threads import intra_op_threads
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

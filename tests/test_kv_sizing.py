@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batchgen import LLM
-from batchgen.engine.kv_sizing import KVDemand, choose_num_blocks, job_block_limit
+from batchgen.core.kv_sizing import KVDemand, choose_num_blocks, job_block_limit
 
 
 def test_limit_without_rows_is_max_num_seqs_full_sequences() -> None:

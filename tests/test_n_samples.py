@@ -12,7 +12,7 @@ import torch
 from batchgen import LLM, SamplingParams
 from batchgen.config import Config, DataConfig, EngineConfig, JobConfig, ModelConfig
 from batchgen.io.writers import CompletionWriter
-from batchgen.job import run
+from batchgen.job.run import run
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "jobs" / "shakespeare" / "model"
 PROMPTS = ["ROMEO:\nWhat light through yonder window breaks?\n", "To be, or not", "KING"]

@@ -10,7 +10,7 @@ from test_engine_greedy import random_prompts
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.cuda_graph import GraphKey
+from batchgen.worker.cuda_graph import GraphKey
 
 pdl = pytest.importorskip("batchgen.layers.pdl", reason="PDL's kernels need triton (torch's CPU build has none)")
 

@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 
-from batchgen.cli import CONF_DIR, to_config
+from batchgen.cli.main import CONF_DIR, to_config
 from batchgen.config import Config, ConfigError
+from batchgen.job.stop_signals import JobStopped
 from batchgen.runners.local import run_local
-from batchgen.stop_signals import JobStopped
 
 ray = pytest.importorskip("ray", reason="runner=ray needs the [ray] extra")
 ray_data = pytest.importorskip("batchgen.runners.ray_data", reason="ray.data is not installed")

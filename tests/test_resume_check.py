@@ -8,7 +8,7 @@ from dataclasses import asdict
 import pytest
 
 from batchgen.config import Config, ConfigError
-from batchgen.resume_check import RUN_CONFIG_FILE, alters_outputs, check_resume, output_differences
+from batchgen.job.resume_check import RUN_CONFIG_FILE, alters_outputs, check_resume, output_differences
 
 
 def config_dict(**changes: dict) -> dict:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from batchgen.layers.sampler import SamplingTensors, sample
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.params import SamplingParams
+from batchgen.sample.sampler import SamplingTensors, sample
 
 
 def tensors_for(params: list[SamplingParams], seeds: list[int] | None = None,

@@ -23,7 +23,7 @@ def row_values(values: list, dtype: torch.dtype) -> torch.Tensor:
 
 
 def torch_draw(logits, temperatures, top_ks, top_ps, min_ps, seeds, positions, greedy_ids):
-    from batchgen.layers.sampler import _apply_min_p, _apply_top_k_top_p, _row_keys, _uniform
+    from batchgen.sample.sampler import _apply_min_p, _apply_top_k_top_p, _row_keys, _uniform
 
     inv_temperatures = 1.0 / torch.where(temperatures == 0, 1.0, temperatures)
     filtered = logits.float() * inv_temperatures.unsqueeze(1)
@@ -41,7 +41,7 @@ def torch_draw(logits, temperatures, top_ks, top_ps, min_ps, seeds, positions, g
 @pytest.mark.parametrize(("vocab", "dtype"), [(65, torch.float32), (1000, torch.bfloat16), (4096, torch.float32)],
                          ids=str)
 def test_filtered_draw_equals_torch(vocab, dtype, ties, filters):
-    from batchgen.layers.sampler_filters_triton import filtered_draw
+    from batchgen.sample.filters_triton import filtered_draw
 
     gen = torch.Generator().manual_seed(vocab + 7 * ties)
     if ties:  # few distinct values: many tokens tie at each cut
@@ -75,7 +75,7 @@ def test_filtered_draw_equals_torch(vocab, dtype, ties, filters):
 
 
 def test_the_two_zeros_tie_at_a_cut():
-    from batchgen.layers.sampler_filters_triton import filtered_draw
+    from batchgen.sample.filters_triton import filtered_draw
 
     logits = torch.full((2, 65), -1.0)
     logits[:, :10] = 1.0

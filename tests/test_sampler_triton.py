@@ -18,8 +18,8 @@ pytestmark = TRITON_MARKS
 @pytest.mark.parametrize("scale", [True, False], ids=["divides by T", "divided already"])
 @pytest.mark.parametrize("vocab", [65, 1000, 2049, 5000, 151_936])
 def test_triton_draw_equals_torch_draw(vocab, scale):
-    from batchgen.layers.sampler import _row_keys, _uniform
-    from batchgen.layers.sampler_triton import seeded_draw
+    from batchgen.sample.draw_triton import seeded_draw
+    from batchgen.sample.sampler import _row_keys, _uniform
 
     rows = 16
     gen = torch.Generator().manual_seed(vocab)

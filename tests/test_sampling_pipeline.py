@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from batchgen.engine.request import Request
-from batchgen.engine.sampler_graph import SamplerGraphs
-from batchgen.engine.sampling_state import SamplingState
-from batchgen.engine.step_sampling import LastPacked, build_step_sampling
-from batchgen.layers.penalties import PenaltyTensors, SamplingStateRows, apply_penalties
-from batchgen.layers.sampler import SamplingTensors, run_sampler, sample
-from batchgen.layers.token_bitmask import apply_token_bitmask
-from batchgen.sampling_params import SamplingParams
+from batchgen.core.request import Request
+from batchgen.sample.bitmask import apply_token_bitmask
+from batchgen.sample.graph import SamplerGraphs
+from batchgen.sample.params import SamplingParams
+from batchgen.sample.penalties import PenaltyTensors, SamplingStateRows, apply_penalties
+from batchgen.sample.sampler import SamplingTensors, run_sampler, sample
+from batchgen.sample.state import SamplingState
+from batchgen.sample.step_sampling import LastPacked, build_step_sampling
 from tests import reference_sampler
 
 VOCAB = 300

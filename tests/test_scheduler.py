@@ -5,10 +5,10 @@ from collections import Counter
 
 import pytest
 
-from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.request import PENDING_TOKEN, Request, RequestStatus
-from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from batchgen.sampling_params import SamplingParams
+from batchgen.core.block_manager import BlockManager
+from batchgen.core.request import PENDING_TOKEN, Request, RequestStatus
+from batchgen.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batchgen.sample.params import SamplingParams
 
 EOS = 2
 

@@ -68,7 +68,7 @@ def write_prompts(path: Path, max_tokens: list[int]) -> Path:
 
 @pytest.mark.parametrize("shard_by", ["work", "index"])
 def test_a_job_keeps_only_its_shard_of_the_rows(tmp_path, shard_by):
-    from batchgen.job import Job  # after tests.test_config: the job imports the engine's modules
+    from batchgen.job.run import Job  # after tests.test_config: the job imports the engine's modules
 
     max_tokens = [64 if index % 2 == 0 else 1 for index in range(30)]
     prompts = write_prompts(tmp_path / "prompts.jsonl", max_tokens)

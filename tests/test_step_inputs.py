@@ -1,10 +1,10 @@
 """build_step_inputs: the flattened arrays of a step with multi-token chunks."""
 
-from batchgen.engine.block_tables import BlockTables
-from batchgen.engine.request import PENDING_TOKEN, Request
-from batchgen.engine.scheduler import SchedulerOutput
-from batchgen.engine.step_inputs import build_step_inputs
-from batchgen.sampling_params import SamplingParams
+from batchgen.core.request import PENDING_TOKEN, Request
+from batchgen.core.scheduler import SchedulerOutput
+from batchgen.sample.params import SamplingParams
+from batchgen.worker.block_tables import BlockTables
+from batchgen.worker.step_inputs import build_step_inputs
 
 
 def test_chunks_flatten_in_request_order():

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from batchgen.engine.step_profiler import WARMUP_STEPS, StepProfiler
+from batchgen.worker.step_profiler import WARMUP_STEPS, StepProfiler
 
 
 def no_kernels(step):

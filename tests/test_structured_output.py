@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from batchgen import LLM, SamplingParams
-from batchgen.layers.sampler import SamplingTensors, sample
-from batchgen.layers.token_bitmask import apply_token_bitmask, unpack_token_bitmask
+from batchgen.sample.bitmask import apply_token_bitmask, unpack_token_bitmask
+from batchgen.sample.sampler import SamplingTensors, sample
 from tests.conftest import tiny_hf_config
 
 SHAKESPEARE = Path(__file__).resolve().parent.parent / "jobs" / "shakespeare" / "model"
@@ -268,7 +268,7 @@ def test_job_with_per_row_guided_options(llguidance, tmp_path: Path) -> None:
 def test_model_vocab_larger_than_the_tokenizer_masks_extra_ids(llguidance) -> None:
     from transformers import AutoTokenizer
 
-    from batchgen.engine.request import Request
+    from batchgen.core.request import Request
     from batchgen.engine.structured_output import StructuredOutputManager
 
     manager = StructuredOutputManager(AutoTokenizer.from_pretrained(SHAKESPEARE), vocab_size=200)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchgen.engine.upload import upload_packed
+from batchgen.worker.upload import upload_packed
 
 
 def _arrays(dtype) -> list[np.ndarray]:

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.config import ModelConfig
-from batchgen.engine.request import Request
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput
+from batchgen.core.request import Request
+from batchgen.core.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.tokenizer import FastTokenizer, load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -12,24 +12,24 @@ from typing import Any
 import torch
 
 from batchgen.config import EngineConfig, ModelConfig
-from batchgen.engine.bad_words import bad_words_token_ids
-from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.cuda_graph import default_capture_sizes
+from batchgen.core.block_manager import BlockManager
+from batchgen.core.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit
+from batchgen.core.request import Request
+from batchgen.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from batchgen.engine.detokenizer import Detokenizer
-from batchgen.engine.host_threads import intra_op_threads
-from batchgen.engine.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit
-from batchgen.engine.model_runner import LaunchedStep, ModelRunner
-from batchgen.engine.request import Request
+from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.request_logprobs import attach_logprobs, token_texts
-from batchgen.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from batchgen.engine.step_profiler import StepProfiler
 from batchgen.engine.structured_output import StructuredOutputManager, guided_spec
 from batchgen.layers import attention_torch
 from batchgen.layers.compiled import compile_small_layers
 from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
-from batchgen.outputs import RequestOutput
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.bad_words import bad_words_token_ids
+from batchgen.sample.params import SamplingParams
+from batchgen.worker.cuda_graph import default_capture_sizes
+from batchgen.worker.host_threads import intra_op_threads
+from batchgen.worker.model_runner import LaunchedStep, ModelRunner
+from batchgen.worker.step_profiler import StepProfiler
 
 log = logging.getLogger(__name__)
 

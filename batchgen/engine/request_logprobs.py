@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 
+from batchgen.core.scheduler import SchedulerOutput
 from batchgen.engine.detokenizer import Detokenizer
-from batchgen.engine.model_runner import StepResult
-from batchgen.engine.scheduler import SchedulerOutput
+from batchgen.worker.model_runner import StepResult
 
 
 def token_texts(detokenizer: Detokenizer | None) -> Callable[[int], str | None]:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from batchgen.engine.request import PENDING_TOKEN, Request
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput
-from batchgen.sampling_params import GUIDED_FIELDS, SamplingParams
+from batchgen.core.request import PENDING_TOKEN, Request
+from batchgen.core.scheduler import Scheduler, SchedulerOutput
+from batchgen.sample.params import GUIDED_FIELDS, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

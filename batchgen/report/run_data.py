@@ -12,8 +12,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import yaml
 
+from batchgen.job.summary import TIME_COLUMNS
 from batchgen.report.summary_fields import SummaryFigures, read_figures
-from batchgen.summary import TIME_COLUMNS
 
 REQUIRED_FILES = ("summary.json", "completions.parquet", "steps.parquet")
 COMPLETION_COLUMNS = ["index", "finish_reason", "num_output_tokens", "output_token_ids", "ttft_ms", "tpot_ms",

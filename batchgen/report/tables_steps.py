@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pandas as pd
 
+from batchgen.job.summary import TIME_COLUMNS
 from batchgen.report.aggregate import percentiles
 from batchgen.report.run_data import Run
-from batchgen.summary import TIME_COLUMNS
 
 GROUP = ["run", "kind", "mode", "bucket"]
 

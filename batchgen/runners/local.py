@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.config import Config
-from batchgen.job import run_job
-from batchgen.run_outputs import SUMMARY_FILE
+from batchgen.job.run import run_job
+from batchgen.job.run_outputs import SUMMARY_FILE
 from batchgen.runners.shards import MARKER_FILE, ShardMarker, shard_dir_name
 
 log = logging.getLogger(__name__)

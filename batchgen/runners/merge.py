@@ -20,11 +20,11 @@ import pyarrow.parquet as pq
 
 from batchgen.io.atomic import write_atomically
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
-from batchgen.run_outputs import SUMMARY_FILE
+from batchgen.job.run_outputs import SUMMARY_FILE
+from batchgen.job.summary import generation_phase, step_medians, versions
 from batchgen.runners.errors import MergeError
 from batchgen.runners.merge_results import merge_results
 from batchgen.runners.shards import MARKER_FILE, SHARD_DIR_PATTERN, SHARDED_STEPS_SCHEMA, ShardMarker
-from batchgen.summary import generation_phase, step_medians, versions
 
 NAMED_AT_MOST = 20
 

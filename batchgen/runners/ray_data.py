@@ -27,19 +27,19 @@ import ray.data
 
 from batchgen.config import Config
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.outputs import RequestOutput
 from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
 from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.writers import CompletionWriter
-from batchgen.job import check_run_dir, completion_record
-from batchgen.outputs import RequestOutput
-from batchgen.progress import Progress
-from batchgen.run_outputs import RunOutputs
+from batchgen.job.progress import Progress
+from batchgen.job.run import check_run_dir, completion_record
+from batchgen.job.run_outputs import RunOutputs
+from batchgen.job.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
+from batchgen.job.summary import AttemptStats
 from batchgen.runners.ray_actor import INFO, OUTPUT, STEP, EngineActor
 from batchgen.runners.ray_batches import iter_batches
 from batchgen.runners.shards import SHARDED_STEPS_SCHEMA
-from batchgen.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
-from batchgen.summary import AttemptStats
 
 log = logging.getLogger(__name__)
 

@@ -10,28 +10,28 @@ from itertools import pairwise
 import torch
 from torch import nn
 
-from batchgen.engine.block_tables import BlockTables
-from batchgen.engine.cascade import shares_long_prefix
-from batchgen.engine.cuda_graph import (
+from batchgen.core.request import Request
+from batchgen.core.scheduler import SchedulerOutput
+from batchgen.layers import attention_torch
+from batchgen.layers.attention import Attention, AttentionMetadata
+from batchgen.layers.embedding import PendingTokens
+from batchgen.layers.shared_prefix import shared_prefix_len
+from batchgen.sample.graph import SamplerGraphs
+from batchgen.sample.logprobs import compute_logprobs
+from batchgen.sample.sampler import SamplerOutput, run_sampler
+from batchgen.sample.state import SamplingState
+from batchgen.sample.step_logprobs import StepLogprobs, plan_prompt_logprobs, sampled_logprobs
+from batchgen.sample.step_sampling import BitmaskProvider, LastPacked, StepSampling, build_step_sampling
+from batchgen.worker.block_tables import BlockTables
+from batchgen.worker.cascade import shares_long_prefix
+from batchgen.worker.cuda_graph import (
     CaptureStats,
     CudaGraphRunner,
     GraphCaptureBuffers,
     GraphOutputs,
 )
-from batchgen.engine.logprobs_step import StepLogprobs, plan_prompt_logprobs, sampled_logprobs
-from batchgen.engine.request import Request
-from batchgen.engine.sampler_graph import SamplerGraphs
-from batchgen.engine.sampling_state import SamplingState
-from batchgen.engine.scheduler import SchedulerOutput
-from batchgen.engine.step_inputs import StepInputs, build_step_inputs
-from batchgen.engine.step_sampling import BitmaskProvider, LastPacked, StepSampling, build_step_sampling
-from batchgen.engine.upload import upload_packed
-from batchgen.layers import attention_torch
-from batchgen.layers.attention import Attention, AttentionMetadata
-from batchgen.layers.embedding import PendingTokens
-from batchgen.layers.logprobs import compute_logprobs
-from batchgen.layers.sampler import SamplerOutput, run_sampler
-from batchgen.layers.shared_prefix import shared_prefix_len
+from batchgen.worker.step_inputs import StepInputs, build_step_inputs
+from batchgen.worker.upload import upload_packed
 
 log = logging.getLogger(__name__)
 

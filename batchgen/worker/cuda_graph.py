@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from batchgen.engine.step_inputs import StepInputs
-from batchgen.engine.upload import aligned_length, staging_buffer
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.embedding import PendingTokens
 from batchgen.layers.shared_prefix import shared_prefix_len
+from batchgen.worker.step_inputs import StepInputs
+from batchgen.worker.upload import aligned_length, staging_buffer
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class CudaGraphRunner:
 
     def _forward(self, size: int, cascade: bool, sampled_into: torch.Tensor) -> GraphOutputs:
         """sampled_into: where the argmax goes besides the outputs (last_sampled in the graph)."""
-        from batchgen.layers.sampler_triton import greedy_argmax  # Triton only where graphs are captured (CUDA)
+        from batchgen.sample.draw_triton import greedy_argmax  # Triton only where graphs are captured (CUDA)
 
         inputs = self.buffers.views(size)
         input_ids = PendingTokens(inputs.input_ids, inputs.pending_source, self.last_sampled)

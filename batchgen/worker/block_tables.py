@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchgen.engine.request import Request
-from batchgen.engine.request_rows import RequestRows
+from batchgen.core.request import Request
+from batchgen.core.request_rows import RequestRows
 
 
 class BlockTables:

@@ -11,21 +11,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchgen.config import Config, ConfigError
+from batchgen.core.kv_sizing import KVDemand
 from batchgen.engine.detokenizer import Detokenizer
-from batchgen.engine.kv_sizing import KVDemand
+from batchgen.engine.outputs import RequestOutput
 from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.writers import CompletionWriter, write_kernels
-from batchgen.outputs import RequestOutput
-from batchgen.progress import Progress
-from batchgen.resume_check import check_resume
-from batchgen.run_outputs import SUMMARY_FILE, RunOutputs
+from batchgen.job.progress import Progress
+from batchgen.job.resume_check import check_resume
+from batchgen.job.run_outputs import SUMMARY_FILE, RunOutputs
+from batchgen.job.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
+from batchgen.job.summary import AttemptStats
 from batchgen.runners.shards import ShardSplit
-from batchgen.sampling_params import SamplingParams
-from batchgen.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
-from batchgen.summary import AttemptStats
+from batchgen.sample.params import SamplingParams
 
 if TYPE_CHECKING:
     from batchgen.engine.llm_engine import LLMEngine
@@ -176,7 +176,7 @@ class Job:
             rows_to_run = [row for row in self.pending if row.error is None]
             engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run))
             if self.config.job.profile_steps:
-                from batchgen.engine.step_profiler import StepProfiler  # torch.profiler: only when asked for
+                from batchgen.worker.step_profiler import StepProfiler  # torch.profiler: only when asked for
 
                 engine.profiler = StepProfiler(self.config.job.profile_steps, engine.device)
             clock = self._lap("engine_start_seconds", clock)

@@ -43,8 +43,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.request import PENDING_TOKEN, Request, RequestStatus
+from batchgen.core.block_manager import BlockManager
+from batchgen.core.request import PENDING_TOKEN, Request, RequestStatus
 
 
 @dataclass(frozen=True)

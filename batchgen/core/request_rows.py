@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
-from batchgen.engine.request import Request
+from batchgen.core.request import Request
 
 
 class RowEntry(Protocol):

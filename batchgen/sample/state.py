@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchgen.engine.request import Request
-from batchgen.engine.request_rows import RequestRows
-from batchgen.layers.penalties import NEG_INF, SamplingStateRows
+from batchgen.core.request import Request
+from batchgen.core.request_rows import RequestRows
+from batchgen.sample.penalties import NEG_INF, SamplingStateRows
 
 INITIAL_ROWS = 64
 

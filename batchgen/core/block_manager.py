@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from batchgen.engine.request import Request
+from batchgen.core.request import Request
 
 
 class PrefixLookup(NamedTuple):

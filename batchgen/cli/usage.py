@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, metadata
 from pathlib import Path
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 HELP_FLAGS = ("--help", "-h")
 VERSION_FLAG = "--version"
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchgen.layers.penalties import (
+from batchgen.sample.bitmask import apply_token_bitmask
+from batchgen.sample.params import SamplingParams
+from batchgen.sample.penalties import (
     BadWordCandidates,
     PenaltyTensors,
     SamplingStateRows,
@@ -21,8 +23,6 @@ from batchgen.layers.penalties import (
     apply_penalties,
     count_sampled,
 )
-from batchgen.layers.token_bitmask import apply_token_bitmask
-from batchgen.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 _SEED_MODULUS = 1 << 63
@@ -216,13 +216,13 @@ def _draw_cuda(logits: torch.Tensor, tensors: SamplingTensors, greedy_ids: torch
     """The same draw in Triton kernels: with the filters in one kernel for small vocabularies, after torch's sort
     for larger ones."""
     if filters and logits.shape[1] <= FILTERED_DRAW_MAX_VOCAB:
-        from batchgen.layers.sampler_filters_triton import filtered_draw
+        from batchgen.sample.filters_triton import filtered_draw
 
         token_ids, filtered, inv_temperatures = filtered_draw(
             logits, tensors.temperatures, tensors.top_ks, tensors.top_ps, tensors.min_ps, tensors.seeds,
             tensors.positions, greedy_ids)
         return SamplerOutput(token_ids, logits, filtered, inv_temperatures)
-    from batchgen.layers.sampler_triton import seeded_draw
+    from batchgen.sample.draw_triton import seeded_draw
 
     filtered = None
     if filters:

@@ -14,7 +14,7 @@ from batchgen.config import Config
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.schema import STEPS_SCHEMA
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
-from batchgen.summary import AttemptStats, summarize, versions
+from batchgen.job.summary import AttemptStats, summarize, versions
 
 SUMMARY_FILE = "summary.json"
 STEP_FLUSH_ROWS = 4096

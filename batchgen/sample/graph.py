@@ -16,9 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchgen.engine.sampling_state import SamplingState
-from batchgen.engine.upload import aligned_length, staging_buffer
-from batchgen.layers.sampler import (
+from batchgen.sample.sampler import (
     FLOAT_FIELDS,
     INT_FIELDS,
     NEUTRAL_FLOATS,
@@ -29,6 +27,8 @@ from batchgen.layers.sampler import (
     SamplingTensors,
     run_sampler,
 )
+from batchgen.sample.state import SamplingState
+from batchgen.worker.upload import aligned_length, staging_buffer
 
 
 class SamplerGraphs:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from batchgen.layers.pdl import launch_options, wait_for_previous
-from batchgen.layers.sampler_triton import _SALT, _argmax, _gumbel
+from batchgen.sample.draw_triton import _SALT, _argmax, _gumbel
 
 
 @triton.jit

@@ -8,9 +8,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from batchgen.engine.block_tables import BlockTables
-from batchgen.engine.request import PENDING_TOKEN, Request
-from batchgen.engine.scheduler import SchedulerOutput
+from batchgen.core.request import PENDING_TOKEN, Request
+from batchgen.core.scheduler import SchedulerOutput
+from batchgen.worker.block_tables import BlockTables
 
 
 @dataclass

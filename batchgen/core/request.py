@@ -8,7 +8,7 @@ from enum import Enum, auto
 
 import numpy as np
 
-from batchgen.sampling_params import SamplingParams
+from batchgen.sample.params import SamplingParams
 
 # An output slot whose token is still being sampled on the device (async scheduling runs one step ahead).
 PENDING_TOKEN = -1

@@ -10,11 +10,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from batchgen.engine.request import Request
-from batchgen.engine.sampling_state import SamplingState
-from batchgen.layers.penalties import BadWordCandidates
-from batchgen.layers.sampler import INT_FIELDS, PackedSampling, SamplingTensors
-from batchgen.sampling_params import SamplingParams
+from batchgen.core.request import Request
+from batchgen.sample.params import SamplingParams
+from batchgen.sample.penalties import BadWordCandidates
+from batchgen.sample.sampler import INT_FIELDS, PackedSampling, SamplingTensors
+from batchgen.sample.state import SamplingState
 
 # (sampling rows' requests) -> (B, W) int32 bitmask, bit j of word w allowing token 32 * w + j; None: no row guided.
 BitmaskProvider = Callable[[list[Request]], np.ndarray | None]

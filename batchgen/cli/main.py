@@ -15,17 +15,17 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from batchgen.cli.config_keys import check_known_keys
+from batchgen.cli.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarted_run_dir
+from batchgen.cli.usage import early_exit
 from batchgen.config import Config, ConfigError, validate
-from batchgen.config_keys import check_known_keys
-from batchgen.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarted_run_dir
 from batchgen.io.errors import InputError
+from batchgen.job.stop_signals import JobStopped, resume_command
 from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
 from batchgen.runners.errors import MergeError, RankFailedError
-from batchgen.stop_signals import JobStopped, resume_command
-from batchgen.usage import early_exit
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "conf"
 
 log = logging.getLogger("batchgen")

@@ -6,7 +6,7 @@ instead of once per row; vLLM uses it from the same thresholds on.
 
 from __future__ import annotations
 
-from batchgen.engine.request import Request
+from batchgen.core.request import Request
 
 CASCADE_MIN_SEQS = 8
 CASCADE_MIN_SHARED_TOKENS = 256

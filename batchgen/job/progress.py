@@ -9,7 +9,7 @@ import time
 from tqdm import tqdm
 
 from batchgen.config import JobConfig
-from batchgen.outputs import RequestOutput
+from batchgen.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 

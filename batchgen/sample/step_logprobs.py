@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchgen.engine.scheduler import SchedulerOutput
-from batchgen.engine.step_inputs import StepInputs
-from batchgen.layers.logprobs import LogprobsTensors, compute_logprobs
+from batchgen.core.scheduler import SchedulerOutput
+from batchgen.sample.logprobs import LogprobsTensors, compute_logprobs
+from batchgen.worker.step_inputs import StepInputs
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The command line: Hydra's app (the only Hydra importer), --help and --version, unknown keys, exit codes."""

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from batchgen import LLM
-from batchgen.core.kv_sizing import KVDemand, choose_num_blocks, job_block_limit
+from batchgen.core.kv_sizing import (
+    LOGPROBS_BYTES_PER_LOGIT,
+    LOGPROBS_SLICE_BYTES,
+    KVDemand,
+    choose_num_blocks,
+    job_block_limit,
+    logprobs_slice_rows,
+)
 
 
 def test_limit_without_rows_is_max_num_seqs_full_sequences() -> None:
@@ -26,6 +33,12 @@ def test_memory_budget_stays_an_upper_bound() -> None:
     limit = job_block_limit(8, 64, 16)
     assert choose_num_blocks(10, "budget", limit).num_blocks == 10
     assert choose_num_blocks(1000, "budget", limit).num_blocks == 32
+
+
+def test_a_slice_of_logprobs_rows_stays_within_its_memory_bound() -> None:
+    rows = logprobs_slice_rows(151936)  # Qwen3's vocabulary: a 16,384-token step is scored in 47 slices
+    assert rows == 353 and rows * 151936 * LOGPROBS_BYTES_PER_LOGIT <= LOGPROBS_SLICE_BYTES
+    assert logprobs_slice_rows(LOGPROBS_SLICE_BYTES) == 1  # a row wider than the bound is still scored
 
 
 def test_engine_cache_is_sized_to_max_num_seqs_and_override_wins(tiny_model_dir) -> None:

@@ -281,7 +281,7 @@ def test_finish_request_frees_blocks():
 
 def check_invariants(scheduler: Scheduler, output: SchedulerOutput, mixed: bool) -> None:
     config, manager = scheduler.config, scheduler.block_manager
-    ids = [r.request_id for r in output.requests]
+    ids = [r.key for r in output.requests]
     assert len(ids) == len(set(ids)), "a request scheduled twice"
     assert output.num_seqs <= config.max_num_seqs and scheduler.num_running <= config.max_num_seqs
     assert 0 < output.num_tokens <= config.max_num_batched_tokens or not scheduler.has_unfinished_requests()

@@ -6,12 +6,21 @@ cache, and with async scheduling a request whose pending token reaches its lengt
 lookahead block is needed. Finished requests free their blocks at commit, before they leave the running set.
 So the max_num_seqs largest rows together bound what the job holds at any moment, and a cache that size never
 preempts.
+
+Besides the forward's activations, a step's log-probabilities need logits rows of the whole vocabulary: they are
+computed in slices of `logprobs_slice_rows` rows, whose memory the profiling forward measures, so the cache leaves it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# The memory one slice of logprobs rows may take: at Qwen3's vocabulary (151,936) about 350 rows.
+LOGPROBS_SLICE_BYTES = 512 * 2**20
+# Per vocabulary entry of a slice row: a 16-bit logit, its float32 copy and its float32 log_softmax (torch casts before
+# log_softmax; the copy is freed before the rank comparison's one-byte row).
+LOGPROBS_BYTES_PER_LOGIT = 2 + 4 + 4
 
 
 @dataclass(frozen=True)
@@ -52,3 +61,8 @@ def choose_num_blocks(budget_blocks: int, budget_reason: str, limit: KVBlockChoi
     if budget_blocks <= limit.num_blocks:
         return KVBlockChoice(budget_blocks, budget_reason)
     return KVBlockChoice(limit.num_blocks, f"{limit.reason} (the memory budget allows {budget_blocks})")
+
+
+def logprobs_slice_rows(vocab_size: int) -> int:
+    """How many rows of logits a step scores at once for prompt (or sampled) logprobs."""
+    return max(1, LOGPROBS_SLICE_BYTES // (vocab_size * LOGPROBS_BYTES_PER_LOGIT))

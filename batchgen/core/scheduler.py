@@ -214,15 +214,18 @@ class Scheduler:
         ):
             if request.is_finished:  # it ended at an earlier step: this token is discarded
                 continue
-            if samples and request.sampling_params.max_tokens == 0:  # scoring only: prompt logprobs are the result
-                self._mark_finished(request, "length", now)
-                finished.append(request)
-                continue
-            if samples:
+            scoring = samples and request.sampling_params.max_tokens == 0  # prompt logprobs are the result
+            if samples and not scoring:
                 request.output_token_ids[slot] = token_id
             # A request preempted since this step was launched has no blocks and num_computed_tokens 0.
             cache_full_blocks(request, min(computed_end, request.num_computed_tokens))
             if not samples:
+                continue
+            if scoring:  # its prompt is computed: no token is kept
+                self._mark_finished(request, "length", now)
+                finished.append(request)
+                if self._siblings:
+                    self._release_siblings(request)
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -289,7 +292,7 @@ class Scheduler:
             decoding = request.is_decoding
             if not (decodes if decoding else prefills):
                 continue
-            if self._reaches_length(request, request.num_output_tokens):
+            if request.output_token_ids and self._reaches_length(request, request.num_output_tokens):
                 continue  # its pending token ends it, whatever the token is
             num_new = 1 if decoding else min(request.num_tokens - request.num_computed_tokens, step.budget)
             if not self._allocate_or_preempt(request, num_new, step):

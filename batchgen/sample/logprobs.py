@@ -1,7 +1,13 @@
-"""Log-probabilities of chosen tokens and their top alternatives: a log_softmax over the vocabulary in float32."""
+"""Log-probabilities of chosen tokens and their top alternatives: a log_softmax over the vocabulary in float32.
+
+Rows are scored in slices of at most `max_rows` rows of logits (a prompt-logprobs step may score every token of a
+16,384-token step: 10 GB of float32 logits at Qwen3's vocabulary; engine/kv_sizing.py chooses the slice); each slice
+leaves only the chosen token's logprob and rank and the top-k on the device, and those alone are copied to the host,
+once for all slices."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -9,23 +15,48 @@ import torch
 
 @dataclass
 class LogprobsTensors:
-    """Host tensors (pinned on CUDA), filled once the step's event completes."""
+    """On the host (pinned on CUDA) once `to_host` has queued the copies, filled when the step's event completes."""
 
     logprobs: torch.Tensor  # (N,) float32: the chosen token's log-probability
     ranks: torch.Tensor  # (N,) int64: 1 + how many tokens are more likely than the chosen one
     top_ids: torch.Tensor  # (N, k) int64, most likely first
     top_logprobs: torch.Tensor  # (N, k) float32
 
+    def to_host(self, pinned: bool) -> LogprobsTensors:
+        """Host copies, queued without a sync."""
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int, pinned: bool) -> LogprobsTensors:
-    """logits (N, V) any float dtype, token_ids (N,) on the same device -> host copies, queued without a sync."""
-    logprobs = logits.float().log_softmax(dim=-1)
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            return host.copy_(tensor, non_blocking=True)
+
+        return LogprobsTensors(copy(self.logprobs), copy(self.ranks), copy(self.top_ids), copy(self.top_logprobs))
+
+
+def score_slice(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """logits (N, V) any float dtype, token_ids (N,) on the same device -> device tensors of N rows."""
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1).add_(1)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], token_ids.unsqueeze(1)[:, :0])
+    return LogprobsTensors(chosen.squeeze(1), ranks, top_ids, top_logprobs)
 
-    def to_host(tensor: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
-        return host.copy_(tensor, non_blocking=True)
 
-    return LogprobsTensors(to_host(chosen.squeeze(1)), to_host(ranks), to_host(top_ids), to_host(top_logprobs))
+def compute_logprobs(logits_of_rows: Callable[[int, int], torch.Tensor], token_ids: torch.Tensor, k: int,
+                     max_rows: int, pinned: bool) -> LogprobsTensors:
+    """logits_of_rows(start, end) -> (end - start, V) logits of rows [start, end); token_ids (N,) on the device.
+    At most max_rows rows of logits exist at a time; returns host copies of the N rows, queued without a sync."""
+    num_rows, device = len(token_ids), token_ids.device
+    if num_rows <= max_rows:
+        return score_slice(logits_of_rows(0, num_rows), token_ids, k).to_host(pinned)
+    scored = LogprobsTensors(torch.empty(num_rows, dtype=torch.float32, device=device),
+                             torch.empty(num_rows, dtype=torch.int64, device=device),
+                             torch.empty(num_rows, k, dtype=torch.int64, device=device),
+                             torch.empty(num_rows, k, dtype=torch.float32, device=device))
+    for start in range(0, num_rows, max_rows):
+        end = min(start + max_rows, num_rows)
+        part = score_slice(logits_of_rows(start, end), token_ids[start:end], k)
+        scored.logprobs[start:end] = part.logprobs
+        scored.ranks[start:end] = part.ranks
+        scored.top_ids[start:end] = part.top_ids
+        scored.top_logprobs[start:end] = part.top_logprobs
+    return scored.to_host(pinned)

@@ -4,6 +4,7 @@ computes; position p's logits score prompt token p + 1, so the first prompt toke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,12 +72,24 @@ def _rows(t: LogprobsTensors) -> list[tuple]:
     return list(zip(t.logprobs.tolist(), t.ranks.tolist(), t.top_ids.tolist(), t.top_logprobs.tolist(), strict=True))
 
 
-def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None],
+def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None], max_rows: int,
                      pinned: bool) -> tuple[list[int], LogprobsTensors | None]:
-    """Logprobs of the rows that ask for them; logits (S, V) and token_ids (S,) of the step's sampling rows."""
+    """Logprobs of the rows that ask for them, max_rows at a time; logits (S, V) and token_ids (S,) of the step's
+    sampling rows."""
     rows = [i for i, k in enumerate(wanted) if k is not None]
     if not rows:
         return [], None
     index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
     k = max(wanted[i] for i in rows)
-    return rows, compute_logprobs(logits.index_select(0, index), token_ids.index_select(0, index), k, pinned)
+    return rows, compute_logprobs(lambda start, end: logits.index_select(0, index[start:end]),
+                                  token_ids.index_select(0, index), k, max_rows, pinned)
+
+
+def prompt_logprobs(plan: PromptLogprobsPlan, hidden: torch.Tensor,
+                    compute_logits: Callable[[torch.Tensor], torch.Tensor], max_rows: int,
+                    pinned: bool) -> LogprobsTensors:
+    """The plan's prompt logprobs from the step's hidden states (T, H), max_rows rows of logits at a time."""
+    index, targets = (torch.from_numpy(a).to(hidden.device, non_blocking=True) for a in (plan.token_index,
+                                                                                        plan.targets))
+    return compute_logprobs(lambda start, end: compute_logits(hidden.index_select(0, index[start:end])), targets,
+                            plan.k, max_rows, pinned)

@@ -10,6 +10,7 @@ from itertools import pairwise
 import torch
 from torch import nn
 
+from batchgen.core.kv_sizing import logprobs_slice_rows
 from batchgen.core.request import Request
 from batchgen.core.scheduler import SchedulerOutput
 from batchgen.layers import attention_torch
@@ -17,10 +18,11 @@ from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.embedding import PendingTokens
 from batchgen.layers.shared_prefix import shared_prefix_len
 from batchgen.sample.graph import SamplerGraphs
-from batchgen.sample.logprobs import compute_logprobs
+from batchgen.sample.logprobs import score_slice
+from batchgen.sample.params import MAX_LOGPROBS
 from batchgen.sample.sampler import SamplerOutput, run_sampler
 from batchgen.sample.state import SamplingState
-from batchgen.sample.step_logprobs import StepLogprobs, plan_prompt_logprobs, sampled_logprobs
+from batchgen.sample.step_logprobs import StepLogprobs, plan_prompt_logprobs, prompt_logprobs, sampled_logprobs
 from batchgen.sample.step_sampling import BitmaskProvider, LastPacked, StepSampling, build_step_sampling
 from batchgen.worker.block_tables import BlockTables
 from batchgen.worker.cascade import shares_long_prefix
@@ -112,6 +114,7 @@ class ModelRunner:
         self._last_sample_rows: dict[int, int] = {}  # id(request) -> its row in last_sampled
         self._pinned = device.type == "cuda"
         self.vocab_size = model.lm_head.weight.shape[0]
+        self.logprobs_slice_rows = logprobs_slice_rows(self.vocab_size)  # at most this many logits rows at a time
         self.sampling_state: SamplingState | None = None  # allocated when a request first uses penalties
         self._last_packed = LastPacked()
         self.sampler_graphs: SamplerGraphs | None = None
@@ -140,7 +143,9 @@ class ModelRunner:
             attention.ops = self.attention_ops
 
     def profile_peak_bytes(self, num_tokens: int, num_logits: int) -> int:
-        """Peak memory of a forward over num_tokens one-token sequences (a scratch one-block cache, no KV writes)."""
+        """Peak memory of a forward over num_tokens one-token sequences (a scratch one-block cache, no KV writes),
+        its num_logits sampling rows' logits, and then, as a step with logprobs has them, one slice of logprobs rows
+        scored with the most alternatives a request may ask for."""
         self.allocate_kv_cache(1)
         torch.cuda.reset_peak_memory_stats(self.device)
         meta = AttentionMetadata(
@@ -151,9 +156,12 @@ class ModelRunner:
             max_query_len=1, max_seq_len=1, is_decode=True,
         )
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        slice_rows = min(num_tokens, self.logprobs_slice_rows)
         with torch.inference_mode():
             hidden = self.model(ids, ids, meta)
-            self.model.compute_logits(hidden[:num_logits])
+            sample_logits = self.model.compute_logits(hidden[:num_logits])  # alive while a step scores logprobs
+            score_slice(self.model.compute_logits(hidden[:slice_rows]), ids[:slice_rows], MAX_LOGPROBS)
+            del hidden, sample_logits
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self._unbind_kv_cache()
@@ -270,7 +278,8 @@ class ModelRunner:
         if not sampling.wants_logprobs and prompt is None:
             return None
         scored = output.processed_logits() if self.logprobs_mode == "processed_logprobs" else logits
-        rows, tensors = sampled_logprobs(scored, output.token_ids, sampling.logprobs, self._pinned)
+        rows, tensors = sampled_logprobs(scored, output.token_ids, sampling.logprobs, self.logprobs_slice_rows,
+                                         self._pinned)
         return StepLogprobs([sample_rows[i] for i in rows], tensors, prompt)
 
     def _prompt_logprobs(self, step: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> tuple | None:
@@ -278,10 +287,7 @@ class ModelRunner:
         plan = plan_prompt_logprobs(step, inputs)
         if plan is None:
             return None
-        index, targets = (torch.from_numpy(a).to(self.device, non_blocking=True) for a in (plan.token_index,
-                                                                                          plan.targets))
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        return plan, compute_logprobs(logits, targets, plan.k, self._pinned)
+        return plan, prompt_logprobs(plan, hidden, self.model.compute_logits, self.logprobs_slice_rows, self._pinned)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Waits for a launched step; its sampled ids are parallel to the step's requests."""

@@ -23,6 +23,8 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 EMPTY_POLICIES = ("warn", "fail")
 RUNNERS = ("local", "ray")
+TASKS = ("generate", "score", "embed", "classify")
+POOLING_METHODS = ("last", "mean", "cls")
 SHARD_BY = ("work", "index")
 
 
@@ -38,6 +40,10 @@ class ModelConfig:
     hf_config: dict[str, Any] | None = None  # config.json values, for dummy weights without a checkpoint
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
     served_model_name: str | None = None  # the name OpenAI Batch responses carry; None: the checkpoint dir's name
+    # job.task=embed: how a prompt's final hidden states become one vector: last | mean | cls. None: the checkpoint's
+    # sentence-transformers pooling (1_Pooling/config.json) when it has one, else last.
+    pooling: str | None = None
+    normalize: bool = True  # job.task=embed: L2-normalize each embedding
 
 
 @dataclass
@@ -109,6 +115,9 @@ class JobConfig:
     # auto: openai_batch for OpenAI Batch input, else parquet. openai_batch adds results.jsonl to the Parquet files.
     output_format: str = "auto"
     profile_steps: int = 0  # >0: kernel timelines of this many decode steps (and a prefill) in kernels.parquet
+    # generate: completions | score: log-likelihoods of continuations given contexts | embed: pooled embeddings |
+    # classify: a sequence-classification (or reward) model's label probabilities
+    task: str = "generate"
 
 
 @dataclass
@@ -149,6 +158,9 @@ def _positive(key: str, value: int | None, optional: bool = False) -> None:
 def validate_model(model: ModelConfig) -> None:
     _one_of("model.load_format", model.load_format, LOAD_FORMATS)
     _one_of("model.dtype", model.dtype, DTYPES)
+    if model.pooling is not None:
+        _one_of("model.pooling", model.pooling, POOLING_METHODS)
+    _require(isinstance(model.normalize, bool), "model.normalize", model.normalize, "must be true or false")
     if model.load_format == "dummy":
         _require(model.path is not None or model.hf_config is not None, "model.hf_config", None,
                  "dummy weights need model.path (a config.json) or model.hf_config")
@@ -205,6 +217,7 @@ def validate_job(job: JobConfig) -> None:
              "allowed values are false, true, force")
     _positive("job.flush_rows", job.flush_rows)
     _one_of("job.output_format", job.output_format, OUTPUT_FORMATS)
+    _one_of("job.task", job.task, TASKS)
     _require(job.flush_seconds > 0, "job.flush_seconds", job.flush_seconds, "must be positive")
     _require(job.log_every_seconds > 0, "job.log_every_seconds", job.log_every_seconds, "must be positive")
     _require(isinstance(job.profile_steps, int) and job.profile_steps >= 0, "job.profile_steps", job.profile_steps,
@@ -222,6 +235,8 @@ def validate_runner(config: Config) -> None:
                                     ("runner.name=ray", runner.name == "ray")) if on]
     _require(len(parallel) <= 1, parallel[-1] if parallel else "runner", None,
              f"choose one way to split the rows, not {' and '.join(parallel)}")
+    _require(runner.name == "local" or config.job.task == "generate", "job.task", config.job.task,
+             "runner=ray runs job.task=generate only; score, embed and classify run with runner=local")
 
 
 def validate(config: Config) -> Config:

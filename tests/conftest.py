@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
@@ -88,6 +89,23 @@ def build_tiny_model_dir(architecture: str, directory: Path, max_shard_size: str
             param.add_(torch.randn_like(param) * 0.05)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+def build_tiny_classifier_dir(architecture: str, directory: Path, num_labels: int,
+                              pad_token_id: int | None = None) -> Path:
+    """A seeded random tiny *ForSequenceClassification checkpoint (architecture: its causal LM's name) with
+    num_labels labels (1: a reward model) and, optionally, a pad token that the last-token pooling skips."""
+    torch.manual_seed(0)
+    config = tiny_hf_config(architecture)
+    config.architectures = [architecture.replace("ForCausalLM", "ForSequenceClassification")]
+    config.num_labels = num_labels
+    config.pad_token_id = pad_token_id
+    model = AutoModelForSequenceClassification.from_config(config).float()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(directory)
     return directory
 
 

@@ -82,7 +82,8 @@ class BlockManager:
     def computed_blocks(self, request: Request) -> list[int]:
         """The cached blocks that hold the request's leading tokens, for a request that holds no blocks yet.
 
-        At least the last token is left out, so the step that computes the rest yields logits to sample from."""
+        At least the last token is left out, so the step that computes the rest yields logits to sample from, and
+        no more than the request's max_cached_tokens are taken."""
         return self.lookup_prefix(request).block_ids
 
     def lookup_prefix(self, request: Request) -> PrefixLookup:
@@ -92,6 +93,8 @@ class BlockManager:
             return PrefixLookup([], None)
         hashes = request.block_hashes
         num_full = self._hash_full_blocks(request, request.num_tokens - 1)
+        if request.max_cached_tokens is not None:
+            num_full = min(num_full, request.max_cached_tokens // self.block_size)
         cached = self._cached
         hits = []
         for index in range(num_full):

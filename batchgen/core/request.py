@@ -39,6 +39,9 @@ class Request:
     finish_time: float | None = None
     # Prefix caching. False for requests that must compute every prompt token (prompt logprobs need their logits).
     use_prefix_cache: bool = True
+    # At most this many leading tokens may come from the cache (None: no limit): a scoring or pooling request needs
+    # the hidden states of the positions after them (a continuation's, a pooled position's).
+    max_cached_tokens: int | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the cache at the first admission
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of the full blocks of known tokens
     num_hashed_blocks: int = 0  # leading blocks of block_ids registered in (or taken from) the cache

@@ -16,22 +16,28 @@ from batchgen.core.block_manager import BlockManager
 from batchgen.core.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit
 from batchgen.core.request import Request
 from batchgen.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batchgen.engine.continuation import PREFILL_ONLY, continuation_score
 from batchgen.engine.detokenizer import Detokenizer
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.outputs import RequestOutput, classification_fields
 from batchgen.engine.request_logprobs import attach_logprobs, token_texts
 from batchgen.engine.structured_output import StructuredOutputManager, guided_spec
 from batchgen.layers import attention_torch
 from batchgen.layers.compiled import compile_small_layers
 from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
+from batchgen.models.pooling_config import checkpoint_pooling
+from batchgen.models.registry import check_task
 from batchgen.sample.bad_words import bad_words_token_ids
 from batchgen.sample.params import SamplingParams
 from batchgen.worker.cuda_graph import default_capture_sizes
 from batchgen.worker.host_threads import intra_op_threads
 from batchgen.worker.model_runner import LaunchedStep, ModelRunner
+from batchgen.worker.pooling import Pooler
 from batchgen.worker.step_profiler import StepProfiler
 
 log = logging.getLogger(__name__)
+
+POOLING_TASKS = ("embed", "classify")
 
 
 @dataclass
@@ -126,13 +132,17 @@ def sample_seed(row_seed: int, sample_index: int) -> int:
 
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, detokenizer: Detokenizer | None = None,
-                 kv_demand: KVDemand | None = None):
-        """kv_demand: the job's rows (prompt lengths and max_tokens), when known: the KV cache is sized to them."""
+                 kv_demand: KVDemand | None = None, task: str = "generate"):
+        """kv_demand: the job's rows (prompt lengths and max_tokens), when known: the KV cache is sized to them.
+        task (job.task): generate and score take `add_request` and `add_score_request`; embed and classify take
+        `add_pooling_request`, and their steps prefill only, eagerly, without CUDA graphs."""
         self.config = engine_config
+        self.task = task
         self.device = resolve_device(engine_config.device)
         if (threads := intra_op_threads(engine_config.cpu_threads, self.device)) is not None:
             torch.set_num_threads(threads)
         hf_config = load_hf_config(model_config)
+        check_task(task, hf_config)
         self.hf_config = hf_config
         self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
         self.detokenizer = detokenizer or Detokenizer.load(model_config)
@@ -153,6 +163,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
                                   engine_config.max_num_seqs, kv_cache_dtype, attention_ops(backend))
         self.runner.logprobs_mode = engine_config.logprobs_mode
+        self.pooler = self._pooler(model_config, model) if task in POOLING_TASKS else None
         # Only the Triton kernels cascade, and only layers without a sliding window (Mistral windows every layer).
         # A job whose rows never share a long prefix never captures a cascade graph (shares_long_prefix).
         self.runner.cascade_attention = (engine_config.cascade_attention and backend == "triton"
@@ -176,7 +187,7 @@ class LLMEngine:
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s): %s", num_blocks,
                  engine_config.block_size, num_blocks * engine_config.block_size, self.info["kv_cache_bytes"] / 2**30,
                  self.info["kv_cache_dtype"], kv_choice.reason)
-        if self.device.type == "cuda" and not engine_config.enforce_eager:
+        if self.device.type == "cuda" and not engine_config.enforce_eager and self.pooler is None:
             self._capture_graphs()
         self.scheduler = Scheduler(
             SchedulerConfig(engine_config.max_num_seqs, engine_config.max_num_batched_tokens, self.max_model_len,
@@ -185,6 +196,8 @@ class LLMEngine:
         )
         self._finished_on_arrival: list[Request] = []
         self._prompts: dict[tuple[int, int], str | None] = {}  # (request id, sample index) -> prompt text
+        self._num_context_tokens: dict[tuple[int, int], int] = {}  # scoring requests' context lengths
+        self._pooled: dict[tuple[int, int], list[float]] = {}  # pooling requests' outputs, until they are returned
         self._in_flight: _InFlight | None = None
         self._last_result_time: float | None = None  # when the previous step's sampled ids reached the host
         self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
@@ -192,6 +205,16 @@ class LLMEngine:
         self.profiler: StepProfiler | None = None  # set by the job for job.profile_steps
 
     # -- setup ----------------------------------------------------------------------------------------------
+
+    def _pooler(self, model_config: ModelConfig, model: torch.nn.Module) -> Pooler:
+        hidden_size = self.hf_config.hidden_size
+        if self.task == "classify":
+            self.info.update(task="classify", pooling="last non-pad token")
+            return Pooler("last", hidden_size, self.device, head=model.compute_logits,
+                          pad_token_id=getattr(self.hf_config, "pad_token_id", None))
+        method = model_config.pooling or checkpoint_pooling(model_config.path) or "last"
+        self.info.update(task="embed", pooling=method, normalize=model_config.normalize)
+        return Pooler(method, hidden_size, self.device, normalize=model_config.normalize)
 
     def _max_model_len(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
@@ -218,7 +241,8 @@ class LLMEngine:
             budget = max(1, int(cfg.cpu_kv_cache_space_gib * 2**30) // block_bytes)
             return choose_num_blocks(budget, f"engine.cpu_kv_cache_space_gib={cfg.cpu_kv_cache_space_gib}", limit)
         peak = self.runner.profile_peak_bytes(cfg.max_num_batched_tokens, min(cfg.max_num_seqs,
-                                                                                cfg.max_num_batched_tokens))
+                                                                                cfg.max_num_batched_tokens),
+                                              scores_logits=self.pooler is None)
         total = torch.cuda.get_device_properties(self.device).total_memory
         available = int(total * cfg.gpu_memory_utilization) - peak
         if available < block_bytes:
@@ -277,6 +301,65 @@ class LLMEngine:
                 sample.prompt_logprobs = [None]  # the first prompt token has no logprob
                 sample.use_prefix_cache = False  # prompt logprobs need every prompt position's logits
             self.scheduler.add_request(sample)
+
+    def add_score_request(self, request_id: int, context_token_ids: list[int], continuation_token_ids: list[int],
+                          prompt: str | None = None) -> None:
+        """Queue a continuation to score given its context (lm-evaluation-harness's loglikelihood): context +
+        continuation are prefilled and only the continuation's positions scored, so the context's full blocks may
+        come from the prefix cache. An empty context stands for the prefix token (BOS, else EOS), as in lm-eval. One
+        that can never run finishes at once as an error."""
+        if not context_token_ids and (prefix := self._prefix_token_id()) is not None:
+            context_token_ids = [prefix]
+        request = Request(request_id, [*context_token_ids, *continuation_token_ids], PREFILL_ONLY)
+        self._prompts[request.key] = prompt
+        self._num_context_tokens[request.key] = len(context_token_ids)
+        error = (self._score_error(context_token_ids, continuation_token_ids)
+                 or self.scheduler.admission_error(request))
+        if error is not None:
+            self._finish_with_error(request, error)
+            return
+        request.prompt_logprobs = [None] * len(context_token_ids)  # the entries that follow are the continuation's
+        request.max_cached_tokens = len(context_token_ids) - 1  # the last context position scores the first token
+        self.scheduler.add_request(request)
+
+    def _score_error(self, context_token_ids: list[int], continuation_token_ids: list[int]) -> str | None:
+        if not continuation_token_ids:
+            return "the continuation has no tokens: there is nothing to score"
+        if not context_token_ids:
+            return "the context is empty and the model has no BOS or EOS token to stand for it"
+        num_tokens, vocab = len(context_token_ids) + len(continuation_token_ids), self.hf_config.vocab_size
+        if not all(0 <= t < vocab for t in (*context_token_ids, *continuation_token_ids)):
+            return f"context and continuation token ids must be in [0, {vocab})"
+        if num_tokens > self.max_model_len:
+            return (f"context + continuation have {num_tokens} tokens ({len(context_token_ids)} + "
+                    f"{len(continuation_token_ids)}), more than max_model_len={self.max_model_len}")
+        return None
+
+    def _prefix_token_id(self) -> int | None:
+        """What stands for an empty context: the tokenizer's BOS token, else its EOS (lm-eval's prefix_token_id)."""
+        source = self.detokenizer.tokenizer if self.detokenizer is not None else self.hf_config
+        bos = getattr(source, "bos_token_id", None)
+        if bos is not None:
+            return bos
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def add_pooling_request(self, request_id: int, prompt: str | None, prompt_token_ids: list[int] | None) -> None:
+        """Queue a prompt to embed or classify (an engine of task embed or classify): prefilled, its hidden states
+        pooled; one that can never run finishes at once as an error."""
+        if self.pooler is None:
+            raise ValueError(f"embedding and classification need an engine of task embed or classify, not {self.task}")
+        request = Request(request_id, [], PREFILL_ONLY)
+        self._prompts[request.key] = prompt
+        try:
+            request.prompt_token_ids = self._prompt_token_ids(prompt, prompt_token_ids, PREFILL_ONLY)
+            error = self.scheduler.admission_error(request)
+        except ValueError as exc:
+            error = str(exc)
+        if error is not None:
+            self._finish_with_error(request, error)
+            return
+        request.max_cached_tokens = self.pooler.max_cached_tokens(request.prompt_token_ids)
+        self.scheduler.add_request(request)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids in the sampling options must be in the model's vocabulary."""
@@ -361,12 +444,16 @@ class LLMEngine:
             return None
         schedule_ms = (time.perf_counter() - start) * 1000
         index = self.num_steps + (self._in_flight is not None)  # the number this step's record will carry
+        launch = self.runner.launch if self.pooler is None else self._launch_pooling
         if self.profiler is not None and self.profiler.wants(index, step.kind, self.scheduler.num_waiting):
-            launched = self.profiler.launch(self.runner.launch, step, index)
+            launched = self.profiler.launch(launch, step, index)
         else:
-            launched = self.runner.launch(step)
+            launched = launch(step)
         self.scheduler.advance(step)
         return _InFlight(step, launched, start, schedule_ms)
+
+    def _launch_pooling(self, step: SchedulerOutput) -> LaunchedStep:
+        return self.runner.launch_pooling(step, self.pooler)
 
     def _apply(self, in_flight: _InFlight) -> tuple[list[Request], StepRecord]:
         step = in_flight.step
@@ -378,7 +465,11 @@ class LLMEngine:
             finished += self.structured_output.commit(step, self.scheduler)
         if result.logprobs or result.prompt_logprobs:
             attach_logprobs(step, result, self._token_text)
+        for row, values in result.pooled.items():
+            self._pooled[step.requests[row].key] = values
         self.runner.release(finished)
+        if self.pooler is not None:
+            self.pooler.release(finished)
         now = time.perf_counter()
         step_ms = (now - (self._last_result_time or in_flight.start)) * 1000
         idle = self._in_flight is None and not self.scheduler.has_unfinished_requests()
@@ -400,8 +491,9 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         prompt = self._prompts.pop(request.key)
+        task_fields = self._task_fields(request)
         text = None
-        if self.detokenizer is not None and request.finish_reason != "error":
+        if self.detokenizer is not None and request.finish_reason != "error" and not task_fields:
             text = self.detokenizer.final_text(request)
         ttft = tpot = latency = None
         if request.first_token_time is not None:
@@ -416,8 +508,26 @@ class LLMEngine:
             num_preemptions=request.num_preemptions, sample_index=request.sample_index,
             num_cached_tokens=request.num_cached_tokens,
             logprobs=None if request.logprobs is None else request.logprobs[:request.num_output_tokens],
-            prompt_logprobs=request.prompt_logprobs,
+            prompt_logprobs=None if task_fields else request.prompt_logprobs,  # a scoring request's are its result's
+            **task_fields,
         )
+
+    def _task_fields(self, request: Request) -> dict[str, Any]:
+        """A scoring request's continuation result, or a pooling request's embedding or classification; empty for a
+        generated completion or an error."""
+        num_context_tokens = self._num_context_tokens.pop(request.key, None)
+        pooled = self._pooled.pop(request.key, None)
+        if request.finish_reason == "error":
+            return {}
+        if num_context_tokens is not None:
+            score = continuation_score(request.prompt_logprobs, num_context_tokens)
+            return {"continuation_logprob": score.logprob,
+                    "continuation_num_tokens": score.num_tokens, "continuation_is_greedy": score.is_greedy}
+        if pooled is None:
+            return {}
+        if self.task == "classify":
+            return classification_fields(pooled, getattr(self.hf_config, "id2label", None))
+        return {"embedding": pooled}
 
     def close(self) -> None:
         """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -26,7 +28,32 @@ class RequestOutput:
     # logprob}]}, the prompt's first entry None.
     logprobs: list[dict] | None = None
     prompt_logprobs: list[dict | None] | None = None
+    # Continuation scoring (job.task=score): the continuation tokens' summed logprob given the context, their number,
+    # and whether each was the most likely token.
+    continuation_logprob: float | None = None
+    continuation_num_tokens: int | None = None
+    continuation_is_greedy: bool | None = None
+    embedding: list[float] | None = None  # job.task=embed
+    # job.task=classify: the label logits, their softmax and the most likely label's name; a reward model (one
+    # label) gives its logit as `score`, and no probs or label.
+    logits: list[float] | None = None
+    probs: list[float] | None = None
+    label: str | None = None
+    score: float | None = None
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def classification_fields(logits: list[float], id2label: dict[Any, str] | None) -> dict[str, Any]:
+    """RequestOutput's classification fields from a classifier's logits; id2label as config.json has it (string
+    keys) or transformers' config (int keys)."""
+    if len(logits) == 1:
+        return {"logits": logits, "score": logits[0]}
+    largest = max(logits)
+    exps = [math.exp(logit - largest) for logit in logits]
+    total = sum(exps)
+    best = logits.index(largest)
+    labels = {int(key): name for key, name in (id2label or {}).items()}
+    return {"logits": logits, "probs": [e / total for e in exps], "label": labels.get(best, f"LABEL_{best}")}

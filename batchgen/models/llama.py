@@ -180,26 +180,29 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads Hugging Face-named tensors, packing q/k/v and gate/up into the fused projections."""
-        targets: dict[str, WeightTarget] = {}
-        for name, param in self.named_parameters():  # a tied lm_head is listed once, as embed_tokens
-            if ".qkv_proj." in name:
-                attn = self.model.layers[0].self_attn
-                rows = fused_rows([attn.q_size, attn.kv_size, attn.kv_size])
-                for shard, shard_rows in zip(("q_proj", "k_proj", "v_proj"), rows, strict=True):
-                    targets[name.replace("qkv_proj", shard)] = WeightTarget(param, shard_rows)
-            elif ".gate_up_proj." in name:
-                half = param.shape[0] // 2
-                for shard, shard_rows in zip(("gate_proj", "up_proj"), fused_rows([half, half]), strict=True):
-                    targets[name.replace("gate_up_proj", shard)] = WeightTarget(param, shard_rows)
-            else:
-                targets[name] = WeightTarget(param)
-        tied = self.config.tie_word_embeddings
+        load_llama_weights(self, weights, tied_lm_head=self.config.tie_word_embeddings)
 
-        def ignored(name: str) -> bool:
-            return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
 
-        load_into(targets, weights, ignored)
+def load_llama_weights(network: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied_lm_head: bool) -> None:
+    """Loads Hugging Face-named tensors, packing q/k/v and gate/up into the fused projections."""
+    targets: dict[str, WeightTarget] = {}
+    for name, param in network.named_parameters():  # a tied lm_head is listed once, as embed_tokens
+        if ".qkv_proj." in name:
+            attn = network.model.layers[0].self_attn
+            rows = fused_rows([attn.q_size, attn.kv_size, attn.kv_size])
+            for shard, shard_rows in zip(("q_proj", "k_proj", "v_proj"), rows, strict=True):
+                targets[name.replace("qkv_proj", shard)] = WeightTarget(param, shard_rows)
+        elif ".gate_up_proj." in name:
+            half = param.shape[0] // 2
+            for shard, shard_rows in zip(("gate_proj", "up_proj"), fused_rows([half, half]), strict=True):
+                targets[name.replace("gate_up_proj", shard)] = WeightTarget(param, shard_rows)
+        else:
+            targets[name] = WeightTarget(param)
+
+    def ignored(name: str) -> bool:
+        return name.endswith("rotary_emb.inv_freq") or (tied_lm_head and name == "lm_head.weight")
+
+    load_into(targets, weights, ignored)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -211,4 +214,47 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+
+def num_labels(config: HFConfig) -> int:
+    """A classification checkpoint's label count: its id2label's size (transformers' num_labels), 2 without one."""
+    id2label = getattr(config, "id2label", None)
+    return len(id2label) if id2label else 2
+
+
+class LlamaForSequenceClassification(nn.Module):
+    """The decoder with transformers' `score` head (hidden -> num_labels, no bias) in place of the LM head: a
+    classifier, or a reward model with one label. job.task=classify scores the last non-pad token's hidden state."""
+
+    qkv_bias_always = False
+    qk_norm = False
+
+    def __init__(self, config: HFConfig) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias_always or getattr(config, "attention_bias", False)
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
+        self.score = Linear(config.hidden_size, num_labels(config), bias=False)
+
+    def forward(self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:  # (T, hidden)
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, num_labels)
+        return self.score(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_llama_weights(self, weights, tied_lm_head=False)
+
+
+class MistralForSequenceClassification(LlamaForSequenceClassification):
+    pass
+
+
+class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
+    qkv_bias_always = True
+
+
+class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
     qk_norm = True

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from batchgen.models.gpt2 import GPT2LMHeadModel
 from batchgen.models.hf_config import HFConfig
-from batchgen.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from batchgen.models.llama import (
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    MistralForCausalLM,
+    MistralForSequenceClassification,
+    Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
+    Qwen3ForCausalLM,
+    Qwen3ForSequenceClassification,
+)
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -12,6 +21,13 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+}
+# Classifiers and reward models (job.task=classify): the decoder with a `score` head in place of the LM head.
+CLASSIFIER_REGISTRY: dict[str, type] = {
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "MistralForSequenceClassification": MistralForSequenceClassification,
+    "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
 }
 # For configs built from a model_type alone (dummy weights), which name "architectures" leaves unset.
 DEFAULT_ARCHITECTURE = {
@@ -30,5 +46,21 @@ def model_class(hf_config: HFConfig) -> type:
     for architecture in architectures:
         if architecture in MODEL_REGISTRY:
             return MODEL_REGISTRY[architecture]
+        if architecture in CLASSIFIER_REGISTRY:
+            return CLASSIFIER_REGISTRY[architecture]
     named = ", ".join(architectures) or f"(none; model_type {hf_config.model_type!r})"
-    raise ValueError(f"architecture {named} is not supported; supported: {', '.join(MODEL_REGISTRY)}")
+    raise ValueError(f"architecture {named} is not supported; supported: "
+                     f"{', '.join([*MODEL_REGISTRY, *CLASSIFIER_REGISTRY])}")
+
+
+def check_task(task: str, hf_config: HFConfig) -> None:
+    """Raises naming job.task when the checkpoint's architecture cannot do the task: classify needs a
+    *ForSequenceClassification checkpoint; generate and score need a causal LM; embed takes either."""
+    classifier = model_class(hf_config) in CLASSIFIER_REGISTRY.values()
+    architecture = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+    if task == "classify" and not classifier:
+        raise ValueError(f"job.task=classify needs a sequence-classification checkpoint "
+                         f"({', '.join(CLASSIFIER_REGISTRY)}); this one is {architecture}")
+    if task in ("generate", "score") and classifier:
+        raise ValueError(f"job.task={task} needs a causal language model; {architecture} is a classifier: use "
+                         "job.task=classify")

@@ -32,6 +32,7 @@ from batchgen.worker.cuda_graph import (
     GraphCaptureBuffers,
     GraphOutputs,
 )
+from batchgen.worker.pooling import PooledStep, Pooler
 from batchgen.worker.step_inputs import StepInputs, build_step_inputs
 from batchgen.worker.upload import upload_packed
 
@@ -79,6 +80,7 @@ class StepResult:
     # {step row: (logprob, rank, top ids, top logprobs)} and [(step row, prompt position, same)]; empty unless asked
     logprobs: dict[int, tuple] = field(default_factory=dict)
     prompt_logprobs: list[tuple[int, int, tuple]] = field(default_factory=list)
+    pooled: dict[int, list[float]] = field(default_factory=dict)  # {step row: embedding or logits}: pooling steps
 
 
 @dataclass
@@ -94,6 +96,7 @@ class LaunchedStep:
     padded_size: int | None
     cascade_attention: bool
     logprobs: StepLogprobs | None = None
+    pooled: PooledStep | None = None
 
 
 class ModelRunner:
@@ -113,7 +116,7 @@ class ModelRunner:
         self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self._last_sample_rows: dict[int, int] = {}  # id(request) -> its row in last_sampled
         self._pinned = device.type == "cuda"
-        self.vocab_size = model.lm_head.weight.shape[0]
+        self.vocab_size = model.config.vocab_size
         self.logprobs_slice_rows = logprobs_slice_rows(self.vocab_size)  # at most this many logits rows at a time
         self.sampling_state: SamplingState | None = None  # allocated when a request first uses penalties
         self._last_packed = LastPacked()
@@ -142,10 +145,11 @@ class ModelRunner:
             attention.k_cache, attention.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             attention.ops = self.attention_ops
 
-    def profile_peak_bytes(self, num_tokens: int, num_logits: int) -> int:
+    def profile_peak_bytes(self, num_tokens: int, num_logits: int, scores_logits: bool = True) -> int:
         """Peak memory of a forward over num_tokens one-token sequences (a scratch one-block cache, no KV writes),
         its num_logits sampling rows' logits, and then, as a step with logprobs has them, one slice of logprobs rows
-        scored with the most alternatives a request may ask for."""
+        scored with the most alternatives a request may ask for. Without scores_logits (pooling steps), the forward
+        alone."""
         self.allocate_kv_cache(1)
         torch.cuda.reset_peak_memory_stats(self.device)
         meta = AttentionMetadata(
@@ -159,9 +163,11 @@ class ModelRunner:
         slice_rows = min(num_tokens, self.logprobs_slice_rows)
         with torch.inference_mode():
             hidden = self.model(ids, ids, meta)
-            sample_logits = self.model.compute_logits(hidden[:num_logits])  # alive while a step scores logprobs
-            score_slice(self.model.compute_logits(hidden[:slice_rows]), ids[:slice_rows], MAX_LOGPROBS)
-            del hidden, sample_logits
+            if scores_logits:
+                sample_logits = self.model.compute_logits(hidden[:num_logits])  # alive while a step scores logprobs
+                score_slice(self.model.compute_logits(hidden[:slice_rows]), ids[:slice_rows], MAX_LOGPROBS)
+                del sample_logits
+            del hidden
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self._unbind_kv_cache()
@@ -234,6 +240,27 @@ class ModelRunner:
         return LaunchedStep(step.num_seqs, inputs.sample_rows, sampled, done, timer, prepare_ms, graph_size, cascade,
                             logprobs)
 
+    @torch.inference_mode()
+    def launch_pooling(self, step: SchedulerOutput, pooler: Pooler) -> LaunchedStep:
+        """Queues a step of pooling requests (job.task=embed, classify): an eager forward whose hidden states the
+        pooler folds into each request's output; nothing is sampled."""
+        start = time.perf_counter()
+        inputs = build_step_inputs(step, self.block_size, self.block_tables)
+        timer = _Timer(self.device)
+        input_ids, positions, meta, _ = self._to_device(inputs)
+        prepare_ms = (time.perf_counter() - start) * 1000
+        timer.mark()
+        hidden = self.model(input_ids, positions, meta)
+        timer.mark()
+        pooled = pooler.pool(step, inputs.query_start_loc, hidden)
+        timer.mark()
+        done = torch.cuda.Event() if self._pinned else None
+        if done is not None:
+            done.record(timer.stream)
+        self._last_sample_rows = {}
+        return LaunchedStep(step.num_seqs, [], torch.empty(0, dtype=torch.int64), done, timer, prepare_ms, None,
+                            False, pooled=pooled)
+
     def _step_sampling(self, requests: list[Request]) -> StepSampling:
         if self.sampling_state is None and any(r.sampling_params.uses_penalty_state for r in requests):
             self.sampling_state = SamplingState(self.vocab_size, self.device)
@@ -303,6 +330,8 @@ class ModelRunner:
                             launched.cascade_attention)
         if launched.logprobs is not None:
             result.logprobs, result.prompt_logprobs = launched.logprobs.entries()
+        if launched.pooled is not None:
+            result.pooled = launched.pooled.entries()
         return result
 
     def release(self, requests: list[Request]) -> None:

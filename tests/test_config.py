@@ -92,12 +92,19 @@ def test_model_configs_compose(model):
         ("model.path=/no/such/model", "model.path"),
         ("job.flush_rows=0", "job.flush_rows"),
         ("engine.cpu_threads=0", "engine.cpu_threads"),
+        ("job.task=summarize", "job.task"),
+        ("model.pooling=max", "model.pooling"),
     ],
 )
 def test_invalid_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as error:
         composed("job=shakespeare", override)
     assert key in str(error.value)
+
+
+def test_only_the_local_runner_runs_tasks_other_than_generate():
+    with pytest.raises(ConfigError, match="job.task"):
+        composed("job=shakespeare", "job.task=embed", "runner=ray")
 
 
 def test_wrong_type_names_the_key():

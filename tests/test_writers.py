@@ -14,6 +14,7 @@ import pytest
 
 from batchgen.io.schema import COMPLETIONS_SCHEMA, STEPS_SCHEMA, read_metadata
 from batchgen.io.writers import CompletionWriter, DuplicateRowError, StepWriter, write_json_atomic
+from batchgen.job.run import TASK_COLUMNS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 METADATA = {"config": {"data": {"path": "prompts.jsonl"}, "seed": 0}, "versions": {"batchgen": "0.1.0"}}
@@ -90,7 +91,9 @@ def test_completions_schema_and_metadata_round_trip(tmp_path: Path) -> None:
     table = pq.read_table(path)
     assert table.schema.equals(COMPLETIONS_SCHEMA)
     assert read_metadata(path) == METADATA
-    assert table.to_pylist()[0] == {**completion(0), "error": None, "logprobs": None, "prompt_logprobs": None}
+    # Columns of other tasks (score, embed, classify) are null.
+    assert table.to_pylist()[0] == {**completion(0), "error": None, "logprobs": None, "prompt_logprobs": None,
+                                    **dict.fromkeys(TASK_COLUMNS)}
     frame = pd.read_parquet(path)
     assert list(frame.columns) == COMPLETIONS_SCHEMA.names
     assert frame.loc[1, "finish_reason"] == "error"

@@ -159,7 +159,7 @@ class LLMEngine:
         check_kv_cache_dtype_supported(kv_cache_dtype, backend, self.device)
         if backend == "triton":
             use_triton_layers(model, gemv=not engine_config.enforce_eager, elementwise=not compile_layers)
-        self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start}
+        self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start, "task": task}
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
                                   engine_config.max_num_seqs, kv_cache_dtype, attention_ops(backend))
         self.runner.logprobs_mode = engine_config.logprobs_mode
@@ -209,11 +209,11 @@ class LLMEngine:
     def _pooler(self, model_config: ModelConfig, model: torch.nn.Module) -> Pooler:
         hidden_size = self.hf_config.hidden_size
         if self.task == "classify":
-            self.info.update(task="classify", pooling="last non-pad token")
+            self.info.update(pooling="last non-pad token")
             return Pooler("last", hidden_size, self.device, head=model.compute_logits,
                           pad_token_id=getattr(self.hf_config, "pad_token_id", None))
         method = model_config.pooling or checkpoint_pooling(model_config.path) or "last"
-        self.info.update(task="embed", pooling=method, normalize=model_config.normalize)
+        self.info.update(pooling=method, normalize=model_config.normalize)
         return Pooler(method, hidden_size, self.device, normalize=model_config.normalize)
 
     def _max_model_len(self, hf_config) -> int:

@@ -10,7 +10,11 @@ from batchgen.io.values import as_integer, short_repr
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-PROMPT_FIELD_BY_URL = {CHAT_URL: "messages", COMPLETIONS_URL: "prompt"}
+EMBEDDINGS_URL = "/v1/embeddings"
+PROMPT_FIELD_BY_URL = {CHAT_URL: "messages", COMPLETIONS_URL: "prompt", EMBEDDINGS_URL: "input"}
+URLS_BY_TASK = {"generate": (CHAT_URL, COMPLETIONS_URL), "embed": (EMBEDDINGS_URL,)}  # the tasks that read them
+# /v1/embeddings fields accepted without effect (the model is checked only with data.check_model)
+EMBEDDING_IGNORED_FIELDS = ("model", "user")
 
 # OpenAI (and vLLM extra) body fields -> the batchgen per-row override they set. Names batchgen does not know
 # (yet) pass through unchecked; SamplingParams.with_overrides then rejects them, naming them, at run time.
@@ -106,3 +110,16 @@ def body_overrides(body: dict[str, Any], url: str) -> dict[str, Any]:
     if body.get("stream") not in (None, False):
         raise RowError("body.stream must be false or absent in a batch")
     return overrides
+
+
+def check_embedding_body(body: dict[str, Any]) -> None:
+    """Raises RowError naming an /v1/embeddings body field batchgen does not do (embeddings come as floats, at
+    the model's size)."""
+    for field, value in body.items():
+        if field in EMBEDDING_IGNORED_FIELDS or field == PROMPT_FIELD_BY_URL[EMBEDDINGS_URL]:
+            continue
+        if field == "encoding_format":
+            if value not in (None, "float"):
+                raise RowError(f"body.encoding_format={short_repr(value)} is not supported: only float")
+            continue
+        raise RowError(f"body.{field} is not supported by batchgen for {EMBEDDINGS_URL}")

@@ -2,7 +2,8 @@
 completions.parquet, so it is the same after a resume or a shard merge.
 
 One line per input line, in input order. A row with several samples (n > 1: rows sharing an index, told apart
-by sample_index) is one line whose choices are the samples. An error row is a line with `error` set.
+by sample_index) is one line whose choices are the samples. An error row is a line with `error` set. An
+/v1/embeddings line (job.task=embed) is answered with OpenAI's embeddings list.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from batchgen.config import Config, ConfigError
 from batchgen.io.atomic import write_atomically
 from batchgen.io.formats import resolve_format
 from batchgen.io.openai_batch import BatchLine, model_name, read_batch_lines
-from batchgen.io.openai_fields import CHAT_URL
+from batchgen.io.openai_fields import CHAT_URL, EMBEDDINGS_URL, URLS_BY_TASK
 from batchgen.io.writers import CompletionWriter
 
 RESULTS_FILE = "results.jsonl"
 ERROR_CODE = "invalid_request"
 ERROR_STATUS = 400
-COLUMNS = ("index", "sample_index", "completion", "num_prompt_tokens", "num_output_tokens", "finish_reason", "error")
+COLUMNS = ("index", "sample_index", "completion", "num_prompt_tokens", "num_output_tokens", "finish_reason", "error",
+           "embedding")
 
 
 def _random_id(prefix: str) -> str:
@@ -43,8 +45,18 @@ def _choice(row: dict[str, Any], url: str | None) -> dict[str, Any]:
     return {**choice, "logprobs": None, "finish_reason": row["finish_reason"]}
 
 
+def embedding_body(row: dict[str, Any], model: str) -> dict[str, Any]:
+    """OpenAI's embeddings response for one input."""
+    prompt_tokens = row["num_prompt_tokens"] or 0
+    return {"object": "list", "data": [{"object": "embedding", "embedding": row["embedding"], "index": 0}],
+            "model": model, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
 def response_body(samples: list[dict[str, Any]], url: str | None, model: str, created: int) -> dict[str, Any]:
-    """A chat.completion or text_completion object for one request's completions rows (one per sample)."""
+    """A chat.completion or text_completion object for one request's completions rows (one per sample), or an
+    embeddings list."""
+    if url == EMBEDDINGS_URL:
+        return embedding_body(samples[0], model)
     chat = url == CHAT_URL
     prompt_tokens = samples[0]["num_prompt_tokens"] or 0
     completion_tokens = sum(sample["num_output_tokens"] or 0 for sample in samples)
@@ -95,6 +107,9 @@ def openai_results_wanted(config: Config) -> bool:
     if config.job.output_format == "openai_batch" and not openai_input:
         raise ConfigError("job.output_format=openai_batch needs an OpenAI Batch input file (data.format="
                           "openai_batch, or a .jsonl file of such lines with data.format=auto)")
+    if openai_input and config.job.task not in URLS_BY_TASK:
+        raise ConfigError(f"job.task={config.job.task} does not read OpenAI Batch files ({config.data.path}); they "
+                          f"run with job.task={' or '.join(URLS_BY_TASK)}")
     return config.job.output_format == "openai_batch" or (config.job.output_format == "auto" and openai_input)
 
 

@@ -1,4 +1,5 @@
-"""One input row (a dict, whatever the file format) validated into a `PromptRow`."""
+"""One input row (a dict, whatever the file format) validated into a `PromptRow`: a prompt (job.task=generate, embed,
+classify), or a context and a continuation to score (job.task=score)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,22 @@ class PromptRow:
     prompt_token_ids: list[int] | None  # None: the engine tokenizes `prompt`
     overrides: dict[str, Any]  # per-row sampling options the row sets, by SamplingParams field name
     error: str | None = None  # set only for malformed rows read with on_error="skip"
+    # job.task=score: `prompt` / `prompt_token_ids` hold the context, these the continuation scored after it
+    continuation: str | None = None
+    continuation_token_ids: list[int] | None = None
+
+    @property
+    def text(self) -> str | None:
+        """The row's whole text as completions.parquet records it: the prompt, or context + continuation."""
+        if self.prompt is not None and self.continuation is not None:
+            return self.prompt + self.continuation
+        return self.prompt
+
+
+# job.task=score rows: texts, or token ids
+CONTEXT_FIELD, CONTINUATION_FIELD = "context", "continuation"
+CONTEXT_IDS_FIELD, CONTINUATION_IDS_FIELD = "context_token_ids", "continuation_token_ids"
+SCORE_FIELDS = (CONTEXT_FIELD, CONTINUATION_FIELD, CONTEXT_IDS_FIELD, CONTINUATION_IDS_FIELD)
 
 
 def read_id(record: dict[str, Any], index: int, id_field: str | None) -> str:
@@ -80,8 +97,10 @@ def _checked_token_ids(value: Any, field: str) -> list[int]:
     return token_ids
 
 
-def parse_row(record: dict[str, Any], index: int, cfg: DataConfig, tokenizer: Any) -> PromptRow:
-    """Validates one row; raises RowError saying what is wrong. A null field counts as absent."""
+def parse_row(record: dict[str, Any], index: int, cfg: DataConfig, tokenizer: Any,
+              read_overrides: bool = True) -> PromptRow:
+    """Validates one row; raises RowError saying what is wrong. A null field counts as absent. read_overrides:
+    False where sampling options mean nothing (embed, classify): the row's are not read."""
     row_id = read_id(record, index, cfg.id_field)
     text = record.get(cfg.prompt_field)
     messages = record.get(cfg.messages_field)
@@ -99,7 +118,35 @@ def parse_row(record: dict[str, Any], index: int, cfg: DataConfig, tokenizer: An
     elif messages is not None:
         prompt = _render_messages(_checked_messages(messages, cfg.messages_field), tokenizer)
     prompt_token_ids = None if token_ids is None else _checked_token_ids(token_ids, cfg.token_ids_field)
-    return PromptRow(index, row_id, prompt, prompt_token_ids, parse_overrides(record))
+    return PromptRow(index, row_id, prompt, prompt_token_ids, parse_overrides(record) if read_overrides else {})
+
+
+def parse_score_row(record: dict[str, Any], index: int, cfg: DataConfig) -> PromptRow:
+    """Validates a job.task=score row: `context` and `continuation` texts, or `context_token_ids` and
+    `continuation_token_ids`. An empty continuation passes here and becomes an error row (nothing to score); an
+    empty context stands for the model's prefix token (lm-eval's)."""
+    row_id = read_id(record, index, cfg.id_field)
+    texts = [record.get(CONTEXT_FIELD), record.get(CONTINUATION_FIELD)]
+    token_ids = [record.get(CONTEXT_IDS_FIELD), record.get(CONTINUATION_IDS_FIELD)]
+    has_texts, has_ids = texts != [None, None], token_ids != [None, None]
+    if has_texts and has_ids:
+        raise RowError(f"has both texts ({CONTEXT_FIELD!r}, {CONTINUATION_FIELD!r}) and token ids "
+                       f"({CONTEXT_IDS_FIELD!r}, {CONTINUATION_IDS_FIELD!r}); give one pair")
+    if has_texts:
+        for field, value in zip((CONTEXT_FIELD, CONTINUATION_FIELD), texts, strict=True):
+            if not isinstance(value, str):
+                raise RowError(f"field {field!r} must be a string, got {short_repr(value)}")
+        return PromptRow(index, row_id, texts[0], None, {}, continuation=texts[1])
+    if not has_ids:
+        raise RowError(f"missing context: job.task=score needs the fields {CONTEXT_FIELD!r} and "
+                       f"{CONTINUATION_FIELD!r}, or {CONTEXT_IDS_FIELD!r} and {CONTINUATION_IDS_FIELD!r}")
+    checked = []
+    for field, value in zip((CONTEXT_IDS_FIELD, CONTINUATION_IDS_FIELD), token_ids, strict=True):
+        ids = as_token_ids(value)
+        if ids is None:
+            raise RowError(f"field {field!r} must be a list of non-negative integers, got {short_repr(value)}")
+        checked.append(ids)
+    return PromptRow(index, row_id, None, checked[0], {}, continuation_token_ids=checked[1])
 
 
 def error_row(record: dict[str, Any] | None, index: int, cfg: DataConfig, error: str) -> PromptRow:

@@ -43,6 +43,16 @@ COMPLETIONS_SCHEMA = pa.schema(
         pa.field("num_cached_tokens", pa.int32()),  # prompt tokens found in the prefix cache
         pa.field("logprobs", pa.list_(LOGPROB_ENTRY)),  # one per output token; null unless sampling.logprobs
         pa.field("prompt_logprobs", pa.list_(LOGPROB_ENTRY)),  # one per prompt token, the first null
+        # job.task=score: the continuation tokens' summed logprob given the context, their number, all argmax
+        pa.field("continuation_logprob", pa.float64()),
+        pa.field("continuation_num_tokens", pa.int32()),
+        pa.field("continuation_is_greedy", pa.bool_()),
+        pa.field("embedding", pa.list_(pa.float32())),  # job.task=embed
+        # job.task=classify: label logits, their softmax, the argmax's id2label name; a reward model's one logit
+        pa.field("logits", pa.list_(pa.float32())),
+        pa.field("probs", pa.list_(pa.float32())),
+        pa.field("label", pa.string()),
+        pa.field("score", pa.float64()),
     ]
 )
 

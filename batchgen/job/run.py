@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchgen.config import Config, ConfigError
 from batchgen.core.kv_sizing import KVDemand
+from batchgen.engine.continuation import PREFILL_ONLY, encode_pair
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.outputs import RequestOutput
 from batchgen.io.errors import InputError
@@ -35,19 +36,24 @@ log = logging.getLogger(__name__)
 KERNELS_FILE = "kernels.parquet"
 
 
+TASK_COLUMNS = ("continuation_logprob", "continuation_num_tokens", "continuation_is_greedy", "embedding", "logits",
+                "probs", "label", "score")  # RequestOutput fields of the score, embed and classify tasks
+
+
 def completion_record(row: PromptRow, output: RequestOutput | None = None) -> dict[str, Any]:
     """One completions.parquet row; without an output, the row's own input error."""
     if output is None:
-        return {"index": row.index, "id": row.id, "prompt": row.prompt, "finish_reason": "error", "error": row.error,
+        return {"index": row.index, "id": row.id, "prompt": row.text, "finish_reason": "error", "error": row.error,
                 "sample_index": 0}
     return {
-        "index": row.index, "sample_index": output.sample_index, "id": row.id, "prompt": row.prompt,
+        "index": row.index, "sample_index": output.sample_index, "id": row.id, "prompt": row.text,
         "completion": output.text, "num_cached_tokens": output.num_cached_tokens,
         "prompt_token_ids": output.prompt_token_ids, "output_token_ids": output.token_ids,
         "num_prompt_tokens": len(output.prompt_token_ids), "num_output_tokens": len(output.token_ids),
         "finish_reason": output.finish_reason, "error": output.error,
         "ttft_ms": output.ttft_ms, "tpot_ms": output.tpot_ms, "latency_ms": output.latency_ms,
         "logprobs": output.logprobs, "prompt_logprobs": output.prompt_logprobs,
+        **{column: getattr(output, column) for column in TASK_COLUMNS},
     }
 
 
@@ -67,13 +73,14 @@ def check_run_dir(config: Config, run_dir: Path) -> dict[str, Any] | None:
 class Job:
     def __init__(self, config: Config, run_dir: Path):
         self.config = config
+        self.task = config.job.task
         self.run_dir = Path(run_dir)
         read_start = time.perf_counter()
         # Input problems surface here, before the model loads.
         self.openai_results = openai_results_wanted(config)
         self.detokenizer = Detokenizer.load(config.model)
         rows = iter_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
-                            model_name(config.model))
+                            model_name(config.model), self.task)
         self.rows = self._read_shard(rows)
         read_seconds = time.perf_counter() - read_start
         if self.num_input_rows == 0:
@@ -117,6 +124,8 @@ class Job:
         an error row when it is added)."""
         if row.error is not None:
             return None
+        if self.task != "generate":
+            return PREFILL_ONLY  # nothing is generated; sampling options mean nothing
         try:
             return self.config.sampling.with_overrides(row.overrides)
         except ValueError:
@@ -131,12 +140,25 @@ class Job:
 
     def _num_prompt_tokens(self, row: PromptRow, params: SamplingParams) -> int:
         """The prompt's length as the engine takes it. A text row is tokenized here, once: the engine takes its ids."""
+        if self.task == "score":
+            context_ids, continuation_ids = self._score_token_ids(row) or ([], [])
+            return max(1, len(context_ids)) + len(continuation_ids)  # an empty context is the prefix token
         if row.prompt_token_ids is None and self.detokenizer is not None:
             row.prompt_token_ids = self.detokenizer.encode(row.prompt)
         num_prompt_tokens = len(row.prompt_token_ids or ())
         if params.truncate_prompt_tokens is not None:
             num_prompt_tokens = min(num_prompt_tokens, params.truncate_prompt_tokens)
         return num_prompt_tokens
+
+    def _score_token_ids(self, row: PromptRow) -> tuple[list[int], list[int]] | None:
+        """A score row's context and continuation tokens, tokenized here once as lm-eval pairs them; None for texts
+        without a tokenizer."""
+        if row.continuation_token_ids is None:
+            if self.detokenizer is None:
+                return None
+            row.prompt_token_ids, row.continuation_token_ids = encode_pair(self.detokenizer.tokenizer, row.prompt,
+                                                                           row.continuation)
+        return row.prompt_token_ids, row.continuation_token_ids
 
     def _num_samples(self, row: PromptRow) -> int:
         """Completion rows the input row yields: sampling.n, or 1 for a row that is an error."""
@@ -174,7 +196,8 @@ class Job:
         clock = time.perf_counter()
         try:
             rows_to_run = [row for row in self.pending if row.error is None]
-            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run))
+            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run),
+                               self.task)
             if self.config.job.profile_steps:
                 from batchgen.worker.step_profiler import StepProfiler  # torch.profiler: only when asked for
 
@@ -262,6 +285,12 @@ class Job:
             row = next(rows, None)
             if row is None:
                 return False
+            if self.task == "score":
+                self._add_score_request(engine, row)
+                continue
+            if self.task != "generate":
+                engine.add_pooling_request(row.index, row.prompt, row.prompt_token_ids)
+                continue
             try:
                 params = self.config.sampling.with_overrides(row.overrides)
             except ValueError as exc:
@@ -271,6 +300,15 @@ class Job:
                 engine.add_request(row.index, row.prompt, row.prompt_token_ids, params,
                                    self.missing_samples[row.index])
         return True
+
+    def _add_score_request(self, engine: LLMEngine, row: PromptRow) -> None:
+        token_ids = self._score_token_ids(row)
+        if token_ids is None:
+            row.error = (f"row {row.index}: the model has no tokenizer: give context_token_ids and "
+                         "continuation_token_ids instead of texts")
+            self._write_error_row(row)
+            return
+        engine.add_score_request(row.index, *token_ids, row.text)
 
 
 def run(config: Config, run_dir: Path) -> dict[str, Any]:

@@ -149,7 +149,7 @@ class ModelRunner:
         """Peak memory of a forward over num_tokens one-token sequences (a scratch one-block cache, no KV writes),
         its num_logits sampling rows' logits, and then, as a step with logprobs has them, one slice of logprobs rows
         scored with the most alternatives a request may ask for. Without scores_logits (pooling steps), the forward
-        alone."""
+        and a float32 copy of its hidden states (mean pooling sums them)."""
         self.allocate_kv_cache(1)
         torch.cuda.reset_peak_memory_stats(self.device)
         meta = AttentionMetadata(
@@ -167,6 +167,8 @@ class ModelRunner:
                 sample_logits = self.model.compute_logits(hidden[:num_logits])  # alive while a step scores logprobs
                 score_slice(self.model.compute_logits(hidden[:slice_rows]), ids[:slice_rows], MAX_LOGPROBS)
                 del sample_logits
+            else:
+                hidden.float()  # mean pooling's float32 copy: it counts at the peak, then is freed
             del hidden
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)

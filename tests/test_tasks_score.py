@@ -13,8 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchgen import LLM
+from batchgen.config import Config, ConfigError, DataConfig, JobConfig
 from batchgen.engine.continuation import encode_pair
 from batchgen.engine.tokenizer import load_tokenizer
+from batchgen.io.openai_results import openai_results_wanted
 from tests.test_job import batchgen
 from tests.test_tokenizer import SHAKESPEARE_MODEL, byte_level_bpe_dir  # noqa: F401 (a fixture)
 
@@ -157,3 +159,13 @@ def test_a_score_job_writes_each_rows_result_in_place(tmp_path):
     assert half["finish_reason"] == "error" and "line 5: field 'continuation' must be a string" in half["error"]
     for output in (empty, long, half):
         assert output["continuation_logprob"] is None
+
+
+@pytest.mark.parametrize("task", ["score", "classify"])
+def test_openai_batch_files_are_refused_by_tasks_that_do_not_read_them(tmp_path, task):
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                 "body": {"prompt": "x"}}) + "\n")
+    config = Config(job=JobConfig(task=task), data=DataConfig(path=str(batch)))
+    with pytest.raises(ConfigError, match=f"job.task={task} does not read OpenAI Batch files"):
+        openai_results_wanted(config)

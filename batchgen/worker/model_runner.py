@@ -1,4 +1,5 @@
-"""Runs one scheduled step on the device: inputs, eager prefill or graph decode, sampling."""
+"""Runs one scheduled step on the device: inputs, eager prefill or graph decode, sampling; or, for embed and classify
+engines, an eager prefill whose hidden states are pooled."""
 
 from __future__ import annotations
 

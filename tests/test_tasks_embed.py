@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModel
 
 from batchgen import LLM
+from tests.conftest import tiny_hf_config
 from tests.test_job import batchgen
 from tests.test_tokenizer import SHAKESPEARE_MODEL
 
@@ -72,6 +73,28 @@ def test_unnormalized_embeddings(tiny_model_dir):
     for prompt, output in zip(prompts, outputs, strict=True):
         reference = hf_embedding(model, prompt, "mean", normalize=False)
         assert torch.allclose(torch.tensor(output.embedding), reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3Model", "Qwen3ForCausalLM"])
+def test_a_bare_decoders_checkpoint_embeds(tmp_path, architecture):
+    """A checkpoint of the decoder alone (tensors without the "model." prefix and no LM head), as Qwen3-Embedding
+    ships one: its config.json names Qwen3ForCausalLM; transformers' own save names Qwen3Model."""
+    torch.manual_seed(0)
+    reference = AutoModel.from_config(tiny_hf_config("Qwen3ForCausalLM")).float()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    reference.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}))
+    prompts = prompts_with_a_repeat(3)
+    outputs = embed(tmp_path, prompts, pooling="last")
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert torch.allclose(torch.tensor(output.embedding), hf_embedding(reference.eval(), prompt, "last"),
+                              atol=1e-4)
+    if architecture == "Qwen3Model":
+        with pytest.raises(ValueError, match="job.task=generate needs a model with a head; Qwen3Model"):
+            LLM(str(tmp_path), device="cpu")
 
 
 def sentence_transformers_dir(tiny_model_dir, tmp_path: Path, modes: dict[str, bool]) -> Path:

@@ -149,7 +149,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(hf_config)
 
         start = time.perf_counter()
-        model = load_model(model_config, hf_config, self.dtype, self.device)
+        model = load_model(model_config, hf_config, self.dtype, self.device, task)
         self.max_model_len = self._max_model_len(hf_config)
         compile_layers = self.device.type == "cuda" and engine_config.torch_compile
         if compile_layers:

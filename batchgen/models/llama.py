@@ -183,8 +183,10 @@ class LlamaForCausalLM(nn.Module):
         load_llama_weights(self, weights, tied_lm_head=self.config.tie_word_embeddings)
 
 
-def load_llama_weights(network: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied_lm_head: bool) -> None:
-    """Loads Hugging Face-named tensors, packing q/k/v and gate/up into the fused projections."""
+def load_llama_weights(network: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied_lm_head: bool,
+                       skipped_heads: tuple[str, ...] = ()) -> None:
+    """Loads Hugging Face-named tensors, packing q/k/v and gate/up into the fused projections. skipped_heads: the
+    checkpoint's head tensors the network has no use for."""
     targets: dict[str, WeightTarget] = {}
     for name, param in network.named_parameters():  # a tied lm_head is listed once, as embed_tokens
         if ".qkv_proj." in name:
@@ -200,9 +202,15 @@ def load_llama_weights(network: nn.Module, weights: Iterable[tuple[str, torch.Te
             targets[name] = WeightTarget(param)
 
     def ignored(name: str) -> bool:
-        return name.endswith("rotary_emb.inv_freq") or (tied_lm_head and name == "lm_head.weight")
+        return (name.endswith("rotary_emb.inv_freq") or (tied_lm_head and name == "lm_head.weight")
+                or name in skipped_heads)
 
-    load_into(targets, weights, ignored)
+    def rename(name: str) -> str:
+        """A bare decoder's checkpoint (sentence-transformers' Qwen3-Embedding, say) names its tensors without the
+        "model." prefix."""
+        return name if name.startswith(("model.", "lm_head.", "score.")) else f"model.{name}"
+
+    load_into(targets, weights, ignored, rename)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -257,4 +265,37 @@ class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
 
 
 class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
+    qk_norm = True
+
+
+class LlamaForEmbedding(nn.Module):
+    """The decoder alone, for job.task=embed, whose final hidden states are pooled: from a causal LM's or a
+    classifier's checkpoint (its head is not loaded) or a bare decoder's."""
+
+    qkv_bias_always = False
+    qk_norm = False
+
+    def __init__(self, config: HFConfig) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias_always or getattr(config, "attention_bias", False)
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
+
+    def forward(self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:  # (T, hidden)
+        return self.model(input_ids, positions, meta)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_llama_weights(self, weights, tied_lm_head=False, skipped_heads=("lm_head.weight", "score.weight"))
+
+
+class MistralForEmbedding(LlamaForEmbedding):
+    pass
+
+
+class Qwen2ForEmbedding(LlamaForEmbedding):
+    qkv_bias_always = True
+
+
+class Qwen3ForEmbedding(LlamaForEmbedding):
     qk_norm = True

@@ -105,9 +105,11 @@ def init_dummy_weights(model: nn.Module) -> None:
                     param.zero_()
 
 
-def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Builds the model for hf_config's architecture on `device` in `dtype` and fills its weights."""
-    cls = model_class(hf_config)
+def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device,
+               task: str = "generate") -> nn.Module:
+    """Builds the model for hf_config's architecture and job.task `task` on `device` in `dtype` and fills its
+    weights."""
+    cls = model_class(hf_config, task)
     files = [] if model.load_format == "dummy" else safetensors_files(model.path)
     with _default_dtype(dtype), torch.device(device):
         network = cls(hf_config)

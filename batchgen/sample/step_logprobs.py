@@ -25,7 +25,8 @@ class PromptLogprobsPlan:
 
 def plan_prompt_logprobs(step: SchedulerOutput, inputs: StepInputs) -> PromptLogprobsPlan | None:
     """Called at launch, before `Scheduler.advance`; skips positions already recorded (a recompute after
-    preemption scores the same prompt again)."""
+    preemption scores the same prompt again). A continuation-scoring request's entries start recorded up to its
+    context (engine/continuation.py), so only its continuation's positions are scored."""
     token_index: list[int] = []
     targets: list[int] = []
     owners: list[tuple[int, int]] = []

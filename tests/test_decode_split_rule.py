@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU build has none)")
 
 from batchgen.layers import attention_triton  # noqa: E402
 

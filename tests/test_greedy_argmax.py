@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU build has none)")
 
 from triton_support import DEVICE, TRITON_MARKS  # noqa: E402
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from paged_helpers import PagedTestCache
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU build has none)")
 
 from triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 

@@ -67,8 +67,8 @@ def test_every_module_but_the_triton_kernels_imports(without_triton):
     failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
     assert failed == []
     imported = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("imported ")}
-    assert {"batchgen.engine.llm_engine", "batchgen.engine.cuda_graph", "batchgen.job", "batchgen.llm",
-            "batchgen.layers.sampler", "batchgen.models.llama"} <= imported
+    assert {"batchgen.engine.llm_engine", "batchgen.worker.cuda_graph", "batchgen.job.run", "batchgen.llm",
+            "batchgen.sample.sampler", "batchgen.models.llama"} <= imported
 
 
 def test_the_main_job_runs_on_cpu(without_triton, tmp_path):

@@ -115,6 +115,16 @@ def test_malformed_row_fails_fast_naming_file_and_line(tmp_path):
     assert not (tmp_path / "run" / "completions.parquet").exists()
 
 
+def test_own_prompts_without_the_jobs_id_field_say_how_to_number_them(tmp_path):
+    """job=shakespeare takes ids from an `id` field, which one's own prompts may lack."""
+    prompts = write_lines(tmp_path / "prompts.jsonl", ['{"prompt": "ROMEO:"}'])
+    result = batchgen(tmp_path / "run", "job=shakespeare", f"data.path={prompts}")
+    assert result.returncode == 2
+    [error] = [line for line in (result.stdout + result.stderr).splitlines() if "ERROR" in line]
+    assert f"{prompts}: line 1: missing id field 'id'" in error
+    assert "data.id_field=null" in error and "data.id_field=<field>" in error
+
+
 def test_malformed_rows_are_recorded_under_skip(tmp_path):
     prompts = write_lines(tmp_path / "prompts.jsonl", [
         '{"prompt": "ROMEO:"}', '{"prompt": "JULIET:"', '{"x": 1}', '{"prompt": "KING:", "max_tokens": 3}',

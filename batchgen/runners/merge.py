@@ -24,7 +24,7 @@ from batchgen.run_outputs import SUMMARY_FILE
 from batchgen.runners.errors import MergeError
 from batchgen.runners.merge_results import merge_results
 from batchgen.runners.shards import MARKER_FILE, SHARD_DIR_PATTERN, SHARDED_STEPS_SCHEMA, ShardMarker
-from batchgen.summary import generation_phase, step_medians, versions
+from batchgen.summary import generation_phase, ran_rows, step_medians, versions
 
 NAMED_AT_MOST = 20
 
@@ -137,7 +137,7 @@ def combine_summaries(completions: pa.Table, steps: pa.Table, summaries: dict[in
     return {
         "rows": completions.num_rows,
         "finish_reasons": {r["values"]: r["counts"] for r in reasons},
-        "prompt_tokens": pc.sum(completions["num_prompt_tokens"]).as_py() or 0,
+        "prompt_tokens": pc.sum(ran_rows(completions)["num_prompt_tokens"]).as_py() or 0,
         "output_tokens": pc.sum(completions["num_output_tokens"]).as_py() or 0,
         "num_shards": len(summaries),
         "wall_seconds": wall,

@@ -112,6 +112,45 @@ def ran_rows(completions: pa.Table) -> pa.Table:
     return completions.filter(pc.invert(failed_unrun))
 
 
+def job_totals(completions: pa.Table, steps: pa.Table, attempts: int) -> dict[str, Any]:
+    """The `job` scope: every row and step on disk, over all `attempts`."""
+    reasons = {r["values"]: r["counts"] for r in completions.column("finish_reason").value_counts().to_pylist()}
+    ran = ran_rows(completions)
+    prompt_tokens = pc.sum(ran["num_prompt_tokens"]).as_py() or 0
+    cached_tokens = pc.sum(ran["num_cached_tokens"]).as_py() or 0
+    return {
+        "rows": completions.num_rows,
+        "error_rows": reasons.get("error", 0),
+        "finish_reasons": reasons,
+        "prompt_tokens": prompt_tokens,
+        "cached_prompt_tokens": cached_tokens,
+        "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "output_tokens": pc.sum(completions["num_output_tokens"]).as_py() or 0,
+        "attempts": attempts,
+        "steps": steps.num_rows,
+        "step_seconds": (pc.sum(steps["step_ms"]).as_py() or 0) / 1000,
+    }
+
+
+def summary_document(job: dict[str, Any], attempt: dict[str, Any], attempt_steps: list[dict[str, Any]],
+                     engine_info: dict[str, Any] | None, config: dict[str, Any] | None) -> dict[str, Any]:
+    """summary.json's keys, the same for a local run and a merge of shards: `job` and `this_attempt`, and at the top
+    level the keys of earlier versions taken from them."""
+    return {
+        **{key: job[key] for key in ("rows", "finish_reasons", "prompt_tokens", "cached_prompt_tokens",
+                                     "prefix_cache_hit_rate", "output_tokens")},
+        **{key: attempt[key] for key in ("attempt", "wall_seconds", "steps", "prompt_tokens_per_s",
+                                         "output_tokens_per_s")},
+        "step_medians": step_medians(attempt_steps),
+        "generation": attempt["generation"],
+        "job": job,
+        "this_attempt": attempt,
+        "engine": engine_info,
+        "versions": versions(),
+        "config": config,
+    }
+
+
 def summarize(completions_path: Path, steps_path: Path, stats: AttemptStats, engine_info: dict[str, Any],
               config: dict[str, Any]) -> dict[str, Any]:
     """The top-level keys keep their first meaning: rows, finish_reasons and token totals are the whole job's;
@@ -125,33 +164,5 @@ def summarize(completions_path: Path, steps_path: Path, stats: AttemptStats, eng
                                                            "num_cached_tokens"])
     steps = pq.read_table(steps_path)
     this_attempt = steps.filter(pc.equal(steps["attempt"], stats.number)).to_pylist()
-    reasons = {r["values"]: r["counts"] for r in completions.column("finish_reason").value_counts().to_pylist()}
-    ran = ran_rows(completions)
-    prompt_tokens = pc.sum(ran["num_prompt_tokens"]).as_py() or 0
-    cached_tokens = pc.sum(ran["num_cached_tokens"]).as_py() or 0
-    job = {
-        "rows": completions.num_rows,
-        "error_rows": reasons.get("error", 0),
-        "finish_reasons": reasons,
-        "prompt_tokens": prompt_tokens,
-        "cached_prompt_tokens": cached_tokens,
-        "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
-        "output_tokens": pc.sum(completions["num_output_tokens"]).as_py() or 0,
-        "attempts": stats.number + 1,
-        "steps": steps.num_rows,
-        "step_seconds": (pc.sum(steps["step_ms"]).as_py() or 0) / 1000,
-    }
-    attempt = attempt_summary(stats, this_attempt)
-    return {
-        **{key: job[key] for key in ("rows", "finish_reasons", "prompt_tokens", "cached_prompt_tokens",
-                                     "prefix_cache_hit_rate", "output_tokens")},
-        **{key: attempt[key] for key in ("attempt", "wall_seconds", "steps", "prompt_tokens_per_s",
-                                         "output_tokens_per_s")},
-        "step_medians": step_medians(this_attempt),
-        "generation": attempt["generation"],
-        "job": job,
-        "this_attempt": attempt,
-        "engine": engine_info,
-        "versions": versions(),
-        "config": config,
-    }
+    return summary_document(job_totals(completions, steps, stats.number + 1), attempt_summary(stats, this_attempt),
+                            this_attempt, engine_info, config)

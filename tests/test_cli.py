@@ -66,17 +66,18 @@ def test_job_starts_with_the_imported_modules_frozen_out_of_garbage_collection(t
 
 
 @pytest.mark.parametrize(
-    ("overrides", "key"),
+    ("overrides", "key", "nearest"),
     [
-        (["+engine.max_num_seqz=4"], "engine.max_num_seqz"),
-        (["+job.foo=1"], "job.foo"),
-        (["++data.bar=2"], "data.bar"),
-        (["+sampling.temprature=0.5"], "sampling.temprature"),
-        (["+engine.cuda_graph.sizes=[1]"], "engine.cuda_graph.sizes"),
-        (["+zzz=1"], "zzz"),
+        (["+engine.max_num_seqz=4"], "engine.max_num_seqz", "engine.max_num_seqs"),
+        (["+job.foo=1"], "job.foo", None),
+        (["++data.bar=2"], "data.bar", "data.path"),
+        (["+sampling.temprature=0.5"], "sampling.temprature", "sampling.temperature"),
+        (["+engine.cuda_graph.sizes=[1]"], "engine.cuda_graph.sizes", "engine.cuda_graph.capture_sizes"),
+        (["+sampling.max_num_seqs=4"], "sampling.max_num_seqs", "engine.max_num_seqs"),  # in the wrong group
+        (["+zzz=1"], "zzz", None),
     ],
 )
-def test_unknown_keys_fail_however_they_arrive(overrides, key):
+def test_unknown_keys_fail_however_they_arrive(overrides, key, nearest):
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
         cfg = compose("config", overrides=["job=shakespeare", *overrides])
     with pytest.raises(ConfigError, match=f"{key} is not a configuration key") as raised:
@@ -84,6 +85,26 @@ def test_unknown_keys_fail_however_they_arrive(overrides, key):
     group = key.rpartition(".")[0]
     if group == "engine":
         assert "max_num_seqs" in str(raised.value)  # the keys the group does know
+    guess = f"did you mean {nearest}?"
+    assert (guess in str(raised.value)) if nearest else ("did you mean" not in str(raised.value))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("sampling.temprature=0", "sampling.temprature is not a configuration key: did you mean sampling.temperature?"),
+        ("temperature=0", "temperature is not a configuration key: did you mean sampling.temperature?"),
+        ("engine.cuda_graph.sizes=[1]", "did you mean engine.cuda_graph.capture_sizes?"),
+    ],
+)
+def test_an_unknown_key_without_plus_names_the_nearest_key_not_plus_key(tmp_path, override, message):
+    """Hydra's own message suggests `+key=value`, which batchgen refuses as well."""
+    run_dir = tmp_path / "run"
+    result = batchgen(f"hydra.run.dir={run_dir}", "job=shakespeare", override)
+    assert result.returncode == 2
+    [line] = (result.stdout + result.stderr).splitlines()
+    assert message in line and "+" not in line
+    assert not run_dir.exists()
 
 
 @pytest.mark.parametrize(

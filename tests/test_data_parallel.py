@@ -22,6 +22,7 @@ from batchgen.runners.ranks import PARENT_MERGES_ENV, run_shard
 from batchgen.runners.shards import MARKER_FILE, shard_dir_name
 from batchgen.runners.start_barrier import FileStartBarrier, StartBarrier, arrival_file
 from tests.test_config import composed
+from tests.test_shards import key_paths
 
 REPO = Path(__file__).resolve().parent.parent
 TIMING_COLUMNS = ["ttft_ms", "tpot_ms", "latency_ms"]
@@ -81,6 +82,9 @@ def test_data_parallel_size_2_equals_a_single_process(tmp_path, reference, sampl
     assert generation["finished_at"] == max(rank["generation"]["finished_at"] for rank in ranks)
     assert [shard["engine_start_seconds"] for shard in merged["shards"]] == [
         rank["this_attempt"]["time_seconds"]["engine_start"] for rank in ranks]
+    # One schema for every summary: each rank's is a local run's.
+    assert key_paths(ranks[0]) <= key_paths(merged)
+    assert merged["job"]["error_rows"] == 0 and merged["this_attempt"]["rows"] == merged["rows"] == 24
 
 
 class CountingBarrier(StartBarrier):

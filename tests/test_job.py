@@ -13,7 +13,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen.config import JobConfig
+from batchgen.engine.outputs import RequestOutput
 from batchgen.io.schema import read_metadata
+from batchgen.job.progress import Progress
 
 REPO = Path(__file__).resolve().parent.parent
 TIMING_COLUMNS = ["ttft_ms", "tpot_ms", "latency_ms"]
@@ -115,6 +118,16 @@ def test_malformed_row_fails_fast_naming_file_and_line(tmp_path):
     assert not (tmp_path / "run" / "completions.parquet").exists()
 
 
+def test_own_prompts_without_the_jobs_id_field_say_how_to_number_them(tmp_path):
+    """job=shakespeare takes ids from an `id` field, which one's own prompts may lack."""
+    prompts = write_lines(tmp_path / "prompts.jsonl", ['{"prompt": "ROMEO:"}'])
+    result = batchgen(tmp_path / "run", "job=shakespeare", f"data.path={prompts}")
+    assert result.returncode == 2
+    [error] = [line for line in (result.stdout + result.stderr).splitlines() if "ERROR" in line]
+    assert f"{prompts}: line 1: missing id field 'id'" in error
+    assert "data.id_field=null" in error and "data.id_field=<field>" in error
+
+
 def test_malformed_rows_are_recorded_under_skip(tmp_path):
     prompts = write_lines(tmp_path / "prompts.jsonl", [
         '{"prompt": "ROMEO:"}', '{"prompt": "JULIET:"', '{"x": 1}', '{"prompt": "KING:", "max_tokens": 3}',
@@ -129,6 +142,32 @@ def test_malformed_rows_are_recorded_under_skip(tmp_path):
     assert "line 2" in rows[1]["error"] and "line 3" in rows[2]["error"]
     assert rows[0]["num_output_tokens"] == 5 and rows[3]["num_output_tokens"] == 3
     assert rows[4]["finish_reason"] == "error" and "max_model_len" in rows[4]["error"]
+
+
+def test_the_summary_counts_the_prompt_tokens_that_ran(tmp_path):
+    """An over-long prompt becomes an error row before it runs: its length stays in its row, not in the totals."""
+    prompts = write_lines(tmp_path / "prompts.jsonl", [
+        '{"prompt": "ROMEO:"}', '{"prompt": "' + "x" * 5000 + '"}', '{"prompt": "KING:"}'])
+    result = batchgen(tmp_path, "job=shakespeare", f"data.path={prompts}", "data.id_field=null",
+                      "sampling.max_tokens=3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = pq.read_table(tmp_path / "completions.parquet").to_pylist()
+    assert [r["finish_reason"] for r in rows] == ["length", "error", "length"]
+    assert [r["num_prompt_tokens"] for r in rows] == [6, 5000, 5]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["prompt_tokens"] == summary["job"]["prompt_tokens"] == summary["this_attempt"]["prompt_tokens"] == 11
+    assert summary["prompt_tokens_per_s"] * summary["wall_seconds"] == pytest.approx(11)
+    assert summary["job"]["error_rows"] == 1 and summary["output_tokens"] == 6
+
+
+def test_progress_counts_the_prompt_tokens_that_ran():
+    progress = Progress(3, 0, JobConfig(progress=False))
+    ran = RequestOutput(0, "ROMEO:", [1] * 6, "abc", [2, 3, 4], "length")
+    never_ran = RequestOutput(1, "x" * 5000, [1] * 5000, None, [], "error", error="the prompt has 5000 tokens")
+    failed_while_running = RequestOutput(2, "KING:", [1] * 5, None, [2], "error", error="the grammar refused a token")
+    progress.update([ran, never_ran, failed_while_running])
+    progress.close()
+    assert (progress.prompt_tokens, progress.output_tokens, progress.errors) == (11, 4, 2)
 
 
 def comparable(path: Path) -> list[dict]:

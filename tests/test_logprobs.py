@@ -53,6 +53,20 @@ def test_logprobs_equal_transformers(tiny_model_dir, architecture, setup):
             check_entry(output.prompt_logprobs[position], prompt[position], reference[position - 1], 2)
 
 
+def test_each_request_gets_the_number_of_top_tokens_it_asked_for(tiny_model_dir):
+    """A step computes the most alternatives any of its rows asks for; each row keeps only its own k."""
+    prompts = random_prompts(256, count=3)
+    llm = LLM(str(tiny_model_dir("LlamaForCausalLM")), device="cpu", dtype="float32")
+    params = [SamplingParams(max_tokens=4, ignore_eos=True, logprobs=k, prompt_logprobs=k) for k in (0, 1, 5)]
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.close()
+    for output, k in zip(outputs, (0, 1, 5), strict=True):
+        assert [len(entry["top"]) for entry in output.logprobs] == [k] * 4
+        assert [len(entry["top"]) for entry in output.prompt_logprobs[1:]] == [k] * (len(output.prompt_token_ids) - 1)
+
+
 def test_processed_logprobs_are_of_the_sampled_distribution(tiny_model_dir):
     model_dir = tiny_model_dir("LlamaForCausalLM")
     prompt = random_prompts(256, count=1)[0]

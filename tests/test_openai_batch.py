@@ -186,6 +186,58 @@ def test_results_group_samples_into_choices_in_input_order(tmp_path: Path) -> No
     assert third["error"] == {"code": "invalid_request", "message": "line 3: bad"}
 
 
+def logprob_entry(token_id: int, text: str | None, logprob: float, top: list[tuple[int, str | None, float]]) -> dict:
+    """A completions.parquet logprobs entry: the sampled token and the k most likely, most likely first."""
+    return {"token_id": token_id, "text": text, "logprob": logprob, "rank": 1 + sum(lp > logprob for _, _, lp in top),
+            "top": [{"token_id": t, "text": tt, "logprob": lp} for t, tt, lp in top]}
+
+
+LOGPROBS = [logprob_entry(7, "Hé", -0.5, [(7, "Hé", -0.5), (8, " x", -1.5)]),
+            logprob_entry(9, "llo", -2.0, [(8, " x", -0.25), (10, "!", float("-inf"))])]
+
+
+def test_results_answer_logprobs_in_openai_shapes(tmp_path: Path) -> None:
+    table = completions_table([
+        {"index": i, "sample_index": 0, "completion": "Héllo", "num_prompt_tokens": 2, "num_output_tokens": 2,
+         "finish_reason": "length", "logprobs": LOGPROBS} for i in range(2)
+    ] + [{"index": 2, "sample_index": 0, "completion": "ab", "num_prompt_tokens": 2, "num_output_tokens": 2,
+          "finish_reason": "length", "logprobs": None}])
+    pq.write_table(table, tmp_path / "completions.parquet")
+    lines = [BatchLine("chat", CHAT), BatchLine("text", COMPLETIONS), BatchLine("plain", COMPLETIONS)]
+    path = write_results(tmp_path / "completions.parquet", lines, "m")
+    chat, text, plain = [json.loads(line) for line in path.read_text().splitlines()]
+
+    # An impossible token's -inf is OpenAI's -9999.0: results.jsonl stays strict JSON.
+    assert chat["response"]["body"]["choices"][0]["logprobs"] == {"content": [
+        {"token": "Hé", "logprob": -0.5, "bytes": [72, 195, 169], "top_logprobs": [
+            {"token": "Hé", "logprob": -0.5, "bytes": [72, 195, 169]},
+            {"token": " x", "logprob": -1.5, "bytes": [32, 120]}]},
+        {"token": "llo", "logprob": -2.0, "bytes": [108, 108, 111], "top_logprobs": [
+            {"token": " x", "logprob": -0.25, "bytes": [32, 120]},
+            {"token": "!", "logprob": -9999.0, "bytes": [33]}]},
+    ]}
+    # The sampled token is always among top_logprobs (up to logprobs + 1 of them); text_offset counts characters.
+    assert text["response"]["body"]["choices"][0]["logprobs"] == {
+        "tokens": ["Hé", "llo"], "token_logprobs": [-0.5, -2.0],
+        "top_logprobs": [{"Hé": -0.5, " x": -1.5}, {" x": -0.25, "!": -9999.0, "llo": -2.0}], "text_offset": [0, 2]}
+    assert plain["response"]["body"]["choices"][0]["logprobs"] is None
+
+
+def test_logprobs_of_tokens_without_text_name_their_ids(tmp_path: Path) -> None:
+    """A model without a tokenizer (token-id prompts) has no token texts."""
+    entries = [logprob_entry(5, None, -1.0, [(6, None, -0.5)])]
+    pq.write_table(completions_table([{"index": i, "completion": None, "num_prompt_tokens": 1, "num_output_tokens": 1,
+                                       "finish_reason": "length", "logprobs": entries} for i in range(2)]),
+                   tmp_path / "completions.parquet")
+    path = write_results(tmp_path / "completions.parquet", [BatchLine("c", CHAT), BatchLine("t", COMPLETIONS)], "m")
+    chat, text = [json.loads(line)["response"]["body"]["choices"][0]["logprobs"] for line in
+                  path.read_text().splitlines()]
+    assert chat == {"content": [{"token": "token_id:5", "logprob": -1.0, "bytes": None, "top_logprobs": [
+        {"token": "token_id:6", "logprob": -0.5, "bytes": None}]}]}
+    assert text == {"tokens": ["token_id:5"], "token_logprobs": [-1.0],
+                    "top_logprobs": [{"token_id:6": -0.5, "token_id:5": -1.0}], "text_offset": [0]}
+
+
 def test_results_without_a_sample_index_column(tmp_path: Path) -> None:
     table = completions_table([{"index": i, "completion": str(i), "num_prompt_tokens": 1, "num_output_tokens": 1,
                                 "finish_reason": "length"} for i in (1, 0)])
@@ -298,6 +350,37 @@ def test_chat_and_completion_lines_agree_on_a_model_with_a_chat_template(tmp_pat
     assert len(chat_text) == 8 and chat_text == text["response"]["body"]["choices"][0]["text"]
     assert chat["response"]["body"]["usage"] == text["response"]["body"]["usage"]
     assert "body.model='gpt-4o' is not the loaded model 'bard'" in other["error"]["message"]
+
+
+def test_logprobs_asked_for_in_a_body_come_back_in_results(tmp_path: Path) -> None:
+    model_dir = shutil.copytree(REPO / "jobs/shakespeare/model", tmp_path / "bard")
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()), "chat_template": template}))
+    path = write_lines(tmp_path / "batch.jsonl", [
+        request("chat", CHAT, messages=[{"role": "user", "content": "ROMEO:"}], max_tokens=6, logprobs=True,
+                top_logprobs=2),
+        request("text", COMPLETIONS, prompt="ROMEO:\n", max_tokens=6, logprobs=3),
+        request("bare", COMPLETIONS, prompt="ROMEO:\n", max_tokens=6),
+    ])
+    result = batchgen(tmp_path / "run", "job=shakespeare", f"model.path={model_dir}", f"data.path={path}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    chat, text, bare = [line["response"]["body"]["choices"][0] for line in results_of(tmp_path / "run")]
+    stored = pq.read_table(tmp_path / "run" / "completions.parquet").column("logprobs").to_pylist()
+
+    content = chat["logprobs"]["content"]
+    assert "".join(token["token"] for token in content) == chat["message"]["content"]
+    assert [token["logprob"] for token in content] == [entry["logprob"] for entry in stored[0]]
+    assert all(len(token["top_logprobs"]) == 2 and bytes(token["bytes"]).decode() == token["token"]
+               for token in content)
+
+    logprobs = text["logprobs"]
+    assert "".join(logprobs["tokens"]) == text["text"] and len(logprobs["tokens"]) == 6
+    assert logprobs["token_logprobs"] == [entry["logprob"] for entry in stored[1]]
+    assert logprobs["text_offset"] == list(range(6))  # one character per token
+    assert all(3 <= len(top) <= 4 and top[token] == logprob for top, token, logprob in
+               zip(logprobs["top_logprobs"], logprobs["tokens"], logprobs["token_logprobs"], strict=True))
+    assert bare["logprobs"] is None and stored[2] is None
 
 
 def test_output_format_is_validated() -> None:

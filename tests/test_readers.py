@@ -340,6 +340,20 @@ def test_malformed_row_is_kept_in_place_under_skip(tmp_path: Path, bad_line: Any
     assert rows[1].prompt_token_ids is None and rows[1].overrides == {}
 
 
+@pytest.mark.parametrize(("text", "problem"), [
+    ('{"prompt": "a', "invalid JSON: Unterminated string starting at column 12"),  # a last line without a newline
+    ('{"prompt": "a\n', "invalid JSON: Invalid control character at column 14"),
+    ('{"prompt": "a\tb"}\n', "invalid JSON: Invalid control character at column 14"),
+    ('{"prompt" "a"}\n', "invalid JSON: Expecting ':' delimiter at column 11"),
+])
+def test_invalid_json_names_the_problem_and_its_column_once(tmp_path: Path, text: str, problem: str) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    with pytest.raises(InputError) as raised:
+        read_with(path)
+    assert str(raised.value) == f"{path}: line 1: {problem}"
+
+
 def test_the_first_bad_row_is_reported(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": 1}, "{broken"])
     with pytest.raises(InputError, match="line 2:"):

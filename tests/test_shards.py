@@ -13,6 +13,7 @@ import pytest
 
 from batchgen.config import Config, ConfigError, DataConfig, EngineConfig, validate_data, validate_runner
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
+from batchgen.job.summary import AttemptStats, summarize
 from batchgen.runners.merge import MergeError, merge_shards
 from batchgen.runners.shards import ShardMarker, ShardSplit, shard_dir_name
 from tests.test_config import composed
@@ -86,30 +87,68 @@ def test_a_job_keeps_only_its_shard_of_the_rows(tmp_path, shard_by):
 
 def fake_shard(root: Path, num_shards: int, index: int, rows: list[int], num_input_rows: int,
                times: tuple[float, float] = (100.0, 110.0), finished: bool = True, digest: str = "d",
-               results: bool = False) -> Path:
-    """A shard directory as a finished shard run leaves it, with 2 output tokens per row; its engine loop runs
-    from 5 s after its start to its end."""
+               results: bool = False, unrun_errors: tuple[int, ...] = ()) -> Path:
+    """A shard directory as a finished shard run leaves it, with 3 prompt and 2 output tokens per row (rows in
+    `unrun_errors`: errors with a 5000-token prompt that never ran); its engine is ready 4 s after its start, waits
+    1 s for the other ranks, then runs its loop to its end."""
     directory = root / shard_dir_name(num_shards, index)
     completions = CompletionWriter(directory, {})
     for row in rows:
-        completions.write({"index": row, "id": f"r{row}", "finish_reason": "length", "num_prompt_tokens": 3,
-                           "num_output_tokens": 2})
-    completions.close()
+        if row in unrun_errors:
+            completions.write({"index": row, "id": f"r{row}", "finish_reason": "error", "error": "too long",
+                               "num_prompt_tokens": 5000, "num_output_tokens": 0})
+        else:
+            completions.write({"index": row, "id": f"r{row}", "finish_reason": "length", "num_prompt_tokens": 3,
+                               "num_output_tokens": 2, "num_cached_tokens": 1})
     steps = StepWriter(directory, {})
     steps.write({**STEP, "step_ms": 4.0 + index})
-    steps.close()
-    wall = times[1] - times[0]
-    generation = {"started_at": times[0] + 5, "finished_at": times[1], "output_tokens": 2 * len(rows)}
-    write_json_atomic(directory / "summary.json", {
-        "rows": len(rows), "attempt": 0, "wall_seconds": wall, "prompt_tokens_per_s": 3 * len(rows) / wall,
-        "output_tokens_per_s": 2 * len(rows) / wall, "engine": {"device": "cpu"}, "config": {"job": {}},
-        "this_attempt": {"time_seconds": {"engine_start": 4.0, "wait_for_ranks": 1.0}}, "generation": generation,
-    })
+    ran = len(rows) - len(unrun_errors)
+    stats = AttemptStats(0, rows=len(rows), prompt_tokens=3 * ran, output_tokens=2 * ran, engine_start_seconds=4.0,
+                         wait_for_ranks_seconds=1.0, engine_loop_seconds=times[1] - times[0] - 5,
+                         engine_ready_at=times[0] + 4, generation_started_at=times[0] + 5,
+                         generation_finished_at=times[1])
+    summary = summarize(completions.close(), steps.close(), stats, {"device": "cpu"}, {"job": {}})
+    write_json_atomic(directory / "summary.json", summary)
     if results:
         (directory / "results.jsonl").write_text("".join(json.dumps({"custom_id": f"c{row}"}) + "\n" for row in rows))
     if finished:
         ShardMarker(num_shards, index, num_input_rows, *times, "work", digest).write(directory)
     return directory
+
+
+# Maps whose keys are data (finish reasons, step groups) or copied whole from a shard: their own keys are not the
+# summary's schema.
+NOT_SCHEMA = ("finish_reasons", "step_medians", "engine", "versions", "config")
+
+
+def key_paths(summary: dict, prefix: str = "") -> set[str]:
+    """Every key of a summary, dotted, down through the nested figures (job, this_attempt, time_seconds, ...)."""
+    paths = set()
+    for key, value in summary.items():
+        paths.add(f"{prefix}{key}")
+        if isinstance(value, dict) and key not in NOT_SCHEMA:
+            paths |= key_paths(value, f"{prefix}{key}.")
+    return paths
+
+
+def test_a_merged_summary_has_every_key_of_a_local_one(tmp_path):
+    fake_shard(tmp_path, 2, 0, [0, 2, 3], 5, (100.0, 110.0), unrun_errors=(2,))
+    fake_shard(tmp_path, 2, 1, [1, 4], 5, (101.0, 120.0))
+    local = json.loads((tmp_path / "shard-00000-of-00002" / "summary.json").read_text())
+    merged = merge_shards(tmp_path)
+    assert key_paths(local) <= key_paths(merged)
+    assert {"num_shards", "shards"} <= merged.keys()
+    job, attempt = merged["job"], merged["this_attempt"]
+    assert job["rows"] == merged["rows"] == 5 and job["error_rows"] == 1 and job["attempts"] == 1
+    # The error row never ran: its 5000-token prompt counts in no total.
+    assert job["prompt_tokens"] == attempt["prompt_tokens"] == merged["prompt_tokens"] == 12
+    assert job["prefix_cache_hit_rate"] == merged["prefix_cache_hit_rate"] == pytest.approx(4 / 12)
+    assert attempt["rows"] == 5 and attempt["output_tokens"] == 8 and attempt["wall_seconds"] == 20.0
+    assert attempt["prompt_tokens_per_s"] == merged["prompt_tokens_per_s"] == pytest.approx(12 / 20)
+    # Each phase is the shards' together: the shards ran 10 s and 19 s.
+    assert attempt["time_seconds"]["engine_start"] == 8.0 and sum(attempt["time_seconds"].values()) == 29.0
+    assert attempt["engine_ready_at"] == 105.0  # when the last shard's engine was ready
+    assert attempt["generation"] == merged["generation"]
 
 
 def test_merge_writes_rows_in_input_order_steps_per_shard_and_a_combined_summary(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import sys
@@ -9,15 +10,19 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra._internal.utils import get_args_parser
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
+from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from batchgen.cli.config_keys import check_known_keys
+from batchgen.cli.config_keys import check_known_keys, check_override_keys
 from batchgen.cli.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarted_run_dir
-from batchgen.cli.usage import early_exit
+from batchgen.cli.usage import config_groups, early_exit
 from batchgen.config import Config, ConfigError, validate
 from batchgen.io.errors import InputError
 from batchgen.job.stop_signals import JobStopped, resume_command
@@ -106,11 +111,31 @@ class MergeShardsCallback(Callback):
                      config.hydra.sweep.dir)
 
 
+def changed_keys(args: list[str]) -> list[str]:
+    """The keys that the command line's plain `key=value` overrides set, read with Hydra's own parsers: not config
+    groups (group=option), not Hydra's own keys; none for a command line that Hydra itself refuses."""
+    parser = get_args_parser()
+    parser.exit_on_error = False
+    try:
+        overrides = OverridesParser.create().parse_overrides(parser.parse_known_args(args)[0].overrides)
+    except (argparse.ArgumentError, OverrideParseException):
+        return []
+    groups = config_groups(CONF_DIR)
+    return [override.key_or_group for override in overrides if override.type == OverrideType.CHANGE
+            and override.key_or_group not in groups and "/" not in override.key_or_group
+            and override.key_or_group.partition(".")[0] != "hydra"]
+
+
 def main() -> None:
     text = early_exit(sys.argv[1:])
     if text is not None:
         print(text)
         return
+    try:
+        check_override_keys(changed_keys(sys.argv[1:]))
+    except ConfigError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG_OR_INPUT)
     try:
         _main()
     except SystemExit as exc:

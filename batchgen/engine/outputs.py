@@ -30,3 +30,10 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens_run(self) -> int:
+        """The prompt tokens the engine ran: none for a request that failed before it ran (a prompt longer than
+        max_model_len, an option the engine refuses), which has an error and no output tokens. The rule of
+        summary.ran_rows."""
+        return 0 if self.finish_reason == "error" and not self.token_ids else len(self.prompt_token_ids)

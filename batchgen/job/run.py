@@ -247,7 +247,7 @@ class Job:
 
     def _count(self, output: RequestOutput) -> None:
         self.stats.rows += 1
-        self.stats.prompt_tokens += len(output.prompt_token_ids)
+        self.stats.prompt_tokens += output.num_prompt_tokens_run
         self.stats.output_tokens += len(output.token_ids)
 
     def _write_error_row(self, row: PromptRow) -> None:

@@ -23,7 +23,6 @@ from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
 from batchgen.runners.errors import MergeError, RankFailedError
 from batchgen.stop_signals import JobStopped, resume_command
-from batchgen.usage import early_exit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -107,10 +106,7 @@ class MergeShardsCallback(Callback):
 
 
 def main() -> None:
-    text = early_exit(sys.argv[1:])
-    if text is not None:
-        print(text)
-        return
+    """Runs the job that the command line composes (batchgen/__main__.py answers --help and --version first)."""
     try:
         _main()
     except SystemExit as exc:

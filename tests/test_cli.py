@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -48,10 +49,27 @@ def test_help_is_batchgens_own():
 def test_version_is_batchgens_and_imports_no_torch():
     assert batchgen("--version").stdout.strip() == f"batchgen {version('batchgen')}"
     probe = ("import sys; sys.argv = ['batchgen', '--version']\n"
-             "import batchgen.__main__\n"
+             "from batchgen.__main__ import main; main()\n"
              "print('torch' in sys.modules, 'hydra' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.stdout.splitlines()[-1] == "False False", result.stdout + result.stderr
+
+
+def test_console_script_and_python_m_run_the_same_function():
+    """pyproject's `batchgen` script and `python -m batchgen` start through one function, so they behave alike."""
+    tomllib = pytest.importorskip("tomllib")
+    from batchgen.__main__ import main as python_m_main
+
+    target = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["batchgen"]
+    module_name, function_name = target.split(":")
+    assert getattr(importlib.import_module(module_name), function_name) is python_m_main
+    # The console script as pip writes it.
+    script = f"import sys; from {module_name} import {function_name}; sys.exit({function_name}())"
+    by_script = subprocess.run([sys.executable, "-c", script, "--version"], cwd=REPO, capture_output=True, text=True,
+                               timeout=60)
+    by_module = batchgen("--version")
+    assert by_script.returncode == by_module.returncode == 0, by_script.stderr + by_module.stderr
+    assert by_script.stdout == by_module.stdout == f"batchgen {version('batchgen')}\n"
 
 
 def test_job_starts_with_the_imported_modules_frozen_out_of_garbage_collection(tmp_path):
@@ -59,7 +77,7 @@ def test_job_starts_with_the_imported_modules_frozen_out_of_garbage_collection(t
     probe = (f"import sys; sys.argv = ['batchgen', 'job=shakespeare', 'hydra.run.dir={tmp_path}']\n"
              "import gc, batchgen.runners.launch as launch\n"
              "launch.launch = lambda *args: print('frozen objects:', gc.get_freeze_count()) or sys.exit(0)\n"
-             "import batchgen.__main__")
+             "from batchgen.__main__ import main; main()")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     frozen = [line for line in result.stdout.splitlines() if line.startswith("frozen objects:")]
     assert frozen and int(frozen[0].split(":")[1]) > 100_000, result.stdout + result.stderr

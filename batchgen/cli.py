@@ -73,8 +73,12 @@ def _main(cfg: DictConfig) -> float | None:
         from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
 
         # The imported modules' objects (mostly torch's) live as long as the process: left out of every later
-        # collection, a full one (the engine's close, Python's own) takes microseconds instead of 0.2 s.
-        gc.freeze()
+        # collection, a full one (the engine's close, Python's own) takes microseconds instead of 0.2 s. Frozen
+        # objects are never collected, not even at exit, so only before a process's first job: in a multirun, a
+        # freeze before the next job would keep what the previous one imported (Triton) alive past the
+        # interpreter's end, where nanobind lists Triton's objects as leaked.
+        if gc.get_freeze_count() == 0:
+            gc.freeze()
         summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)

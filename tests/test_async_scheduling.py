@@ -65,3 +65,5 @@ def test_async_step_rows_cover_every_launched_step(prompts):
     assert sum(r.num_decode_tokens + r.num_prefill_tokens for r in records) >= sum(
         o.num_output_tokens - 1 + len(o.prompt_token_ids) for o in finished)
     assert all(r.step_ms >= r.wait_ms >= 0 for r in records)
+    # Each step's launch counts in its own step_ms, although the next step is launched before it is applied.
+    assert all(r.schedule_ms + r.prepare_ms + r.forward_ms + r.sample_ms + r.wait_ms <= r.step_ms for r in records)

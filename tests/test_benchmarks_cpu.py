@@ -43,13 +43,3 @@ def test_pytest_gpu_deals_every_file_once_into_balanced_groups():
     assert sorted(f for group in groups for f in group) == sorted(counts)
     assert sorted(sum(counts[f] for f in group) for group in groups) == [50, 55, 150]
     assert deal(Counter({"a.py": 1}), 3) == [["a.py"]]
-
-
-def test_startup_modules_are_the_other_packages_a_run_imports_once_batchgen_starts():
-    from benchmarks.record_startup_modules import imported_modules, other_packages_modules
-
-    names = imported_modules(["job=shakespeare", "engine.device=cpu", "data.limit=1", "job.progress=false"])
-    modules = other_packages_modules(names)
-    assert {"torch", "torch.nn", "omegaconf", "pyarrow.parquet"} <= modules
-    assert not [name for name in modules if name.split(".")[0] == "batchgen"]
-    assert "encodings" not in names  # imported by the interpreter before batchgen, so before any cache is filled

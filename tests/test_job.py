@@ -91,6 +91,19 @@ def test_summary_scopes_and_where_the_time_went(tmp_path):
     assert (tmp_path / "summary.json").read_text() == summary_text
 
 
+def test_each_steps_parts_fit_inside_its_step_ms(tmp_path):
+    """On CPU every part is host time spent on the step itself, so the parts add up to no more than step_ms, even
+    with async scheduling launching the next step before this one's results are applied."""
+    result = batchgen(tmp_path, "job=shakespeare", "preset=smoke_test", "data.limit=12", "engine.max_num_seqs=4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = pq.read_table(tmp_path / "steps.parquet").to_pandas()
+    parts = steps[["schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "wait_ms"]].sum(axis="columns")
+    assert (parts <= steps["step_ms"] + 1e-9).all(), steps[["step", "kind", "forward_ms", "step_ms"]].to_string()
+    assert (steps["num_tokens"] > 0).all() and (steps["forward_ms"] > 0).all() and (steps["step_ms"] > 0).all()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["this_attempt"]["time_seconds"]["steps"] == pytest.approx(steps["step_ms"].sum() / 1000)
+
+
 def test_empty_input_warns_or_fails_naming_the_file(tmp_path):
     prompts = tmp_path / "empty.jsonl"
     prompts.write_text("")

@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.cli.config_keys import check_known_keys, check_override_keys
 from batchgen.cli.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarted_run_dir
-from batchgen.cli.usage import config_groups, early_exit
+from batchgen.cli.usage import config_groups
 from batchgen.config import Config, ConfigError, validate
 from batchgen.io.errors import InputError
 from batchgen.job.stop_signals import JobStopped, resume_command
@@ -79,8 +79,12 @@ def _main(cfg: DictConfig) -> float | None:
         from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
 
         # The imported modules' objects (mostly torch's) live as long as the process: left out of every later
-        # collection, a full one (the engine's close, Python's own) takes microseconds instead of 0.2 s.
-        gc.freeze()
+        # collection, a full one (the engine's close, Python's own) takes microseconds instead of 0.2 s. Frozen
+        # objects are never collected, not even at exit, so only before a process's first job: in a multirun, a
+        # freeze before the next job would keep what the previous one imported (Triton) alive past the
+        # interpreter's end, where nanobind lists Triton's objects as leaked.
+        if gc.get_freeze_count() == 0:
+            gc.freeze()
         summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))
     except (ConfigError, InputError) as exc:
         log.error("%s", exc)
@@ -127,10 +131,7 @@ def changed_keys(args: list[str]) -> list[str]:
 
 
 def main() -> None:
-    text = early_exit(sys.argv[1:])
-    if text is not None:
-        print(text)
-        return
+    """Runs the job that the command line composes (batchgen/__main__.py answers --help and --version first)."""
     try:
         check_override_keys(changed_keys(sys.argv[1:]))
     except ConfigError as exc:

@@ -36,7 +36,18 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepRecord:
-    """One row of steps.parquet."""
+    """One row of steps.parquet. The *_ms columns:
+
+    schedule_ms, prepare_ms: host time choosing the requests; building and copying the inputs.
+    forward_ms, sample_ms: device time of the forward and the sampling (CUDA events; host time on CPU).
+    wait_ms: host time waiting for the step's sampled ids.
+    step_ms: the wall time given to this step: its launch (scheduling, preparing, queueing its work) and, until its
+        results are applied, everything since the previous step's results but the next step's launch (which async
+        scheduling runs in between and which counts in the next step's step_ms). The steps' step_ms add up to the
+        engine loop's time, less what ran while the engine was idle, and hold every host part of their own step:
+        on CPU all five parts add up to no more than step_ms; on a GPU forward_ms and sample_ms are device time,
+        which overlaps the host's wait and the next step's launch.
+    """
 
     step: int
     kind: str
@@ -67,8 +78,8 @@ class _InFlight:
 
     step: SchedulerOutput
     launched: LaunchedStep
-    start: float  # perf_counter when its scheduling began
     schedule_ms: float
+    launch_ms: float  # scheduling to queued: the host time of its launch, counted in its own step_ms
 
 
 def resolve_device(name: str) -> torch.device:
@@ -186,7 +197,10 @@ class LLMEngine:
         self._finished_on_arrival: list[Request] = []
         self._prompts: dict[tuple[int, int], str | None] = {}  # (request id, sample index) -> prompt text
         self._in_flight: _InFlight | None = None
-        self._last_result_time: float | None = None  # when the previous step's sampled ids reached the host
+        # The open window of wall time that the next applied step's step_ms closes: since the previous step's results
+        # (or, after an idle engine, the next launch), less the launches in it, each of which its own step counts.
+        self._window_start: float | None = None
+        self._launches_in_window_ms = 0.0
         self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
         self.num_steps = 0
         self.profiler: StepProfiler | None = None  # set by the job for job.profile_steps
@@ -366,7 +380,11 @@ class LLMEngine:
         else:
             launched = self.runner.launch(step)
         self.scheduler.advance(step)
-        return _InFlight(step, launched, start, schedule_ms)
+        launch_ms = (time.perf_counter() - start) * 1000
+        if self._window_start is None:
+            self._window_start = start
+        self._launches_in_window_ms += launch_ms
+        return _InFlight(step, launched, schedule_ms, launch_ms)
 
     def _apply(self, in_flight: _InFlight) -> tuple[list[Request], StepRecord]:
         step = in_flight.step
@@ -380,9 +398,11 @@ class LLMEngine:
             attach_logprobs(step, result, self._token_text)
         self.runner.release(finished)
         now = time.perf_counter()
-        step_ms = (now - (self._last_result_time or in_flight.start)) * 1000
+        window_ms = (now - self._window_start) * 1000 - self._launches_in_window_ms
+        step_ms = window_ms + in_flight.launch_ms
         idle = self._in_flight is None and not self.scheduler.has_unfinished_requests()
-        self._last_result_time = None if idle else now
+        self._window_start = None if idle else now
+        self._launches_in_window_ms = 0.0
         block_manager = self.scheduler.block_manager
         record = StepRecord(
             step=self.num_steps, kind=step.kind, num_seqs=step.num_seqs, num_tokens=step.num_tokens,

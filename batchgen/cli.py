@@ -19,6 +19,7 @@ from batchgen.config import Config, ConfigError, validate
 from batchgen.config_keys import check_known_keys
 from batchgen.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarted_run_dir
 from batchgen.io.errors import InputError
+from batchgen.models.hf_config import check_checkpoint
 from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
 from batchgen.runners.errors import MergeError, RankFailedError
@@ -37,13 +38,15 @@ if not OmegaConf.has_resolver("repo"):
 
 
 def to_config(cfg: DictConfig) -> Config:
-    """The composed DictConfig as plain dataclasses, validated; errors name the key."""
+    """The composed DictConfig as plain dataclasses, validated, its checkpoint checked; errors name the key."""
     try:
         check_known_keys(OmegaConf.to_container(cfg, resolve=False))
         config = OmegaConf.to_object(cfg)
     except (OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
-    return validate(config)
+    validate(config)
+    check_checkpoint(config.model, config.engine.max_model_len)
+    return config
 
 
 class MultirunReport(Callback):

@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from batchgen.config import Config, ConfigError, validate
 from batchgen.config_keys import check_known_keys
 from batchgen.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarted_run_dir
+from batchgen.io.atomic import DirectoryInUse
 from batchgen.io.errors import InputError
 from batchgen.models.hf_config import check_checkpoint
 from batchgen.report.run_brief import brief_table
@@ -80,7 +81,7 @@ def _main(cfg: DictConfig) -> float | None:
         # collection, a full one (the engine's close, Python's own) takes microseconds instead of 0.2 s.
         gc.freeze()
         summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))
-    except (ConfigError, InputError) as exc:
+    except (ConfigError, InputError, DirectoryInUse) as exc:
         log.error("%s", exc)
         remove_unstarted_run_dir(run_dir)
         sys.exit(EXIT_BAD_CONFIG_OR_INPUT)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from batchgen.config import Config, ConfigError
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.kv_sizing import KVDemand
+from batchgen.io.atomic import DirectoryLock
 from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
@@ -75,24 +76,27 @@ class Job:
         rows = iter_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
                             model_name(config.model))
         self.rows = self._read_shard(rows)
-        read_seconds = time.perf_counter() - read_start
+        self.read_seconds = time.perf_counter() - read_start
         if self.num_input_rows == 0:
             if config.data.on_empty == "fail":
                 raise InputError(f"{config.data.path}: no rows to generate (data.on_empty=fail)")
             log.warning("%s has no rows: writing empty outputs (data.on_empty=fail makes this an error)",
                         config.data.path)
-        forced = check_run_dir(config, self.run_dir)
+
+    def _open_run_dir(self) -> None:
+        """Checks the run dir (check_run_dir) and opens its outputs, or finds the run already finished there."""
+        forced = check_run_dir(self.config, self.run_dir)
         self.finished_summary = self._finished_summary()
         if self.finished_summary is not None:
             return
-        self.outputs = RunOutputs(config, self.run_dir, forced)
+        self.outputs = RunOutputs(self.config, self.run_dir, forced)
         written = self.outputs.written
         # A row is done when all its samples are; a resumed row generates only the samples it lacks.
         self.num_samples = {row.index: self._num_samples(row) for row in self.rows}
         self.missing_samples = {row.index: [i for i in range(self.num_samples[row.index])
                                             if i not in written.get(row.index, ())] for row in self.rows}
         self.pending = [row for row in self.rows if self.missing_samples[row.index]]
-        self.stats = AttemptStats(self.outputs.attempt, read_input_seconds=read_seconds)
+        self.stats = AttemptStats(self.outputs.attempt, read_input_seconds=self.read_seconds)
         if written:
             log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.stats.number,
                      len(self.rows) - len(self.pending), len(self.rows))
@@ -155,8 +159,15 @@ class Job:
 
     def run(self, signals: StopSignals | None = None, wait_for_ranks: Callable[[], None] | None = None
             ) -> dict[str, Any]:
-        """wait_for_ranks: a data-parallel rank's start barrier, passed once the engine is ready, so that the ranks
-        generate together (a run with nothing to generate never calls it)."""
+        """Generates the rows the run dir lacks, holding its lock from the first write to the last, so that a second
+        job on the same directory stops at once (DirectoryInUse). wait_for_ranks: a data-parallel rank's start
+        barrier, passed once the engine is ready, so that the ranks generate together (a run with nothing to generate
+        never calls it)."""
+        with DirectoryLock(self.run_dir):
+            self._open_run_dir()
+            return self._generate(signals, wait_for_ranks)
+
+    def _generate(self, signals: StopSignals | None, wait_for_ranks: Callable[[], None] | None) -> dict[str, Any]:
         if self.finished_summary is not None:
             log.info("Nothing to do: %s already holds all %d rows; its summary.json is kept", self.run_dir,
                      self.finished_summary["rows"])

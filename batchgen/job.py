@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from batchgen.config import Config, ConfigError
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.kv_sizing import KVDemand
+from batchgen.exits import is_environment_fault
 from batchgen.io.atomic import DirectoryLock
 from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
@@ -219,10 +220,11 @@ class Job:
             clock = self._lap("engine_loop_seconds", clock)
             self.stats.generation_finished_at = time.time()
         except BaseException as exc:
-            self.outputs.flush()
+            self._flush_after(exc)
             if isinstance(exc, StopRequested):
                 raise JobStopped(exc.signum, self._rows_done(), len(self.rows)) from None
-            log.error("Job stopped; finished rows are in %s (resume with job.resume=true)", self.run_dir)
+            if not is_environment_fault(exc):  # the CLI reports those in one line
+                log.error("Job stopped; finished rows are in %s (resume with job.resume=true)", self.run_dir)
             raise
         finally:
             self.progress.close()
@@ -239,6 +241,15 @@ class Job:
         log.info("Done: %d rows (%d errors) in %.1f s -> %s", summary["rows"], summary["job"]["error_rows"],
                  self.stats.wall_seconds, self.run_dir)
         return summary
+
+    def _flush_after(self, failure: BaseException) -> None:
+        """Flushes the finished rows after `failure`. When it was a failed write (a full disk), the flush may fail the
+        same way: the rows flushed before are kept, and `failure` is the one to report."""
+        try:
+            self.outputs.flush()
+        except OSError:
+            if not isinstance(failure, OSError):
+                raise
 
     def _kv_demand(self, rows: list[PromptRow]) -> KVDemand:
         """The rows' prompt lengths and max_tokens, so that the KV cache is sized to the job."""

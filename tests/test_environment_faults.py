@@ -1,11 +1,15 @@
 """Faults of the machine around the job, in real subprocesses: a checkpoint directory batchgen cannot load, a second
-job on a run directory. Each is one line naming the path or key, with a documented exit code, and leaves nothing a
-rerun or a resume trips over."""
+job on a run directory, an output directory that cannot be written, a full disk. Each is one line naming the path or
+key, with the exit code docs/reliability.md gives, and leaves nothing a rerun or a resume trips over."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import io
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -18,23 +22,28 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.config import ConfigError, ModelConfig
-from batchgen.exits import EXIT_BAD_CONFIG_OR_INPUT, remove_unstarted_run_dir
-from batchgen.io.atomic import LOCK_FILE, DirectoryInUse, DirectoryLock
+from batchgen.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_ENVIRONMENT, remove_unstarted_run_dir
+from batchgen.io.atomic import LOCK_FILE, DirectoryInUse, DirectoryLock, write_atomically
 from batchgen.models.hf_config import ARCHITECTURES, SAFETENSORS_INDEX, check_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE_MODEL = REPO / "jobs" / "shakespeare" / "model"
+TIMING_COLUMNS = ["ttft_ms", "tpot_ms", "latency_ms"]
 SMALL_JOB = ["job=shakespeare", "preset=smoke_test", "data.limit=2"]
+PR_CAPBSET_DROP = 24
+CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2
 
 
-def batchgen(run_dir: Path, *overrides: str, wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
+def batchgen(run_dir: Path, *overrides: str, wait: bool = True, preexec_fn=None
+             ) -> subprocess.CompletedProcess | subprocess.Popen:
     command = [sys.executable, "-m", "batchgen", f"hydra.run.dir={run_dir}", "engine.device=cpu",
                "job.progress=false", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if not wait:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+                          preexec_fn=preexec_fn)
 
 
 def assert_one_line(result: subprocess.CompletedProcess, *expected: str) -> str:
@@ -165,3 +174,104 @@ def test_the_lock_is_per_directory_and_dies_with_its_holder(tmp_path):
         pass
     remove_unstarted_run_dir(shard_0)
     assert not shard_0.exists()
+
+
+def test_a_failed_write_names_its_file_and_leaves_no_tmp_file(tmp_path):
+    target = tmp_path / "part-000003.parquet"
+
+    def fill_the_disk(file: io.BufferedWriter) -> None:
+        file.write(b"half a part")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        write_atomically(target, fill_the_disk)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def without_file_permission_override() -> None:
+    """Root writes anywhere, whatever the mode bits; without these capabilities (dropped before exec) root too
+    is refused by a read-only directory, as any other user is."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+        if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory no process of the test may write in, and what a child process must run under to be bound by
+    it (root must shed its capabilities to be)."""
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o555)
+    preexec_fn = without_file_permission_override if os.geteuid() == 0 else None
+    if preexec_fn is not None:
+        probe = subprocess.run(["touch", str(directory / "probe")], preexec_fn=preexec_fn, capture_output=True)
+        if probe.returncode == 0:
+            pytest.skip("this root cannot shed CAP_DAC_OVERRIDE, so no directory is read-only to it")
+    yield directory, preexec_fn
+    directory.chmod(0o755)
+
+
+@pytest.mark.parametrize("where", ["the run dir itself", "a run dir to be made in it"])
+def test_a_read_only_output_dir_is_one_line_and_exit_3(read_only_dir, where):
+    directory, preexec_fn = read_only_dir
+    run_dir = directory if where == "the run dir itself" else directory / "run"
+    result = batchgen(run_dir, *SMALL_JOB, preexec_fn=preexec_fn)
+    assert result.returncode == EXIT_ENVIRONMENT
+    assert_one_line(result, f"hydra.run.dir={run_dir} cannot be written: Permission denied (EACCES): {run_dir}")
+    assert list(directory.iterdir()) == []
+
+
+def test_an_output_path_through_a_file_is_a_configuration_error(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    result = batchgen(tmp_path / "a-file" / "run", *SMALL_JOB)
+    assert result.returncode == EXIT_BAD_CONFIG_OR_INPUT
+    assert_one_line(result, f"hydra.run.dir={tmp_path / 'a-file' / 'run'} cannot be written", "ENOTDIR")
+
+
+def part_size(completions: Path, rows: slice) -> int:
+    """The size of a part file holding these rows of a finished run's completions (same schema and metadata)."""
+    table = pq.read_table(completions)
+    buffer = io.BytesIO()
+    pq.write_table(table.slice(rows.start, rows.stop - rows.start), buffer)
+    return len(buffer.getvalue())
+
+
+def test_a_full_disk_keeps_the_flushed_rows_and_the_resume_gives_the_uninterrupted_rows(tmp_path):
+    """The disk fills while rows are written: a file-size limit on the job's process (RLIMIT_FSIZE, with SIGXFSZ
+    ignored, so that a write beyond it fails with EFBIG as a write to a full disk fails with ENOSPC) that the
+    parts of 4 short rows fit under and the parts of 4 long rows do not."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "ROMEO:", "max_tokens": 4 if row < 8 else 200}) + "\n"
+                               for row in range(16)))
+    overrides = ["job=shakespeare", f"data.path={prompts}", "data.id_field=null", "engine.max_num_seqs=4",
+                 "job.flush_rows=4", "job.flush_seconds=3600"]  # parts of 4 rows, in the order the rows finish
+    reference = batchgen(tmp_path / "reference", *overrides)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    reference_completions = tmp_path / "reference" / "completions.parquet"
+    short_part, long_part = part_size(reference_completions, slice(0, 4)), part_size(reference_completions,
+                                                                                       slice(8, 12))
+    assert short_part < long_part
+    limit = (short_part + long_part) // 2
+
+    def full_disk() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    run_dir = tmp_path / "full"
+    result = batchgen(run_dir, *overrides, preexec_fn=full_disk)
+    assert result.returncode == EXIT_ENVIRONMENT, result.stdout + result.stderr
+    line = assert_one_line(result, f"File too large (EFBIG): {run_dir / 'completions.parts'}")
+    assert line.endswith(f"resume with: python -m batchgen engine.device=cpu job.progress=false {' '.join(overrides)} "
+                         f"hydra.run.dir={run_dir} job.resume=true")
+    assert not list(run_dir.rglob("*.tmp"))
+    kept = pq.read_table(run_dir / "completions.parts").column("index").to_pylist()
+    assert sorted(kept) == list(range(8))  # the short rows' two parts
+
+    resumed = batchgen(run_dir, *overrides, "job.resume=true")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert (pq.read_table(run_dir / "completions.parquet").drop_columns(TIMING_COLUMNS).to_pylist()
+            == pq.read_table(reference_completions).drop_columns(TIMING_COLUMNS).to_pylist())
+    assert json.loads((run_dir / "summary.json").read_text())["this_attempt"]["rows"] == 8

@@ -38,15 +38,22 @@ def fsync_directory(directory: Path) -> None:
 def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Runs `write` on `<path>.tmp`, fsyncs it and renames it over `path`.
 
-    A crash leaves at most a stale `.tmp` file behind, which the next writer removes.
+    A failure (a full disk, a file-size limit) removes the `.tmp` file and raises an OSError naming `path`; a crash
+    leaves at most a stale `.tmp` file behind, which the next writer removes.
     """
     tmp_path = tmp_path_for(path)
-    with tmp_path.open("wb") as file:
-        write(file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp_path, path)
-    fsync_directory(path.parent)
+    try:
+        with tmp_path.open("wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp_path, path)
+        fsync_directory(path.parent)
+    except BaseException as exc:
+        tmp_path.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # write() names no file: name the one being written
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
 
 
 class DirectoryInUse(Exception):

@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,20 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from batchgen.cli.config_keys import check_known_keys, check_override_keys
-from batchgen.cli.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarted_run_dir
 from batchgen.cli.usage import config_groups
 from batchgen.config import Config, ConfigError, validate
+from batchgen.io.atomic import DirectoryInUse
 from batchgen.io.errors import InputError
+from batchgen.job.exits import (
+    EXIT_BAD_CONFIG_OR_INPUT,
+    EXIT_CRASH,
+    EXIT_ENVIRONMENT,
+    describe_os_error,
+    is_environment_fault,
+    remove_unstarted_run_dir,
+)
 from batchgen.job.stop_signals import JobStopped, resume_command
+from batchgen.models.hf_config import check_checkpoint
 from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
 from batchgen.runners.errors import MergeError, RankFailedError
@@ -42,13 +52,15 @@ if not OmegaConf.has_resolver("repo"):
 
 
 def to_config(cfg: DictConfig) -> Config:
-    """The composed DictConfig as plain dataclasses, validated; errors name the key."""
+    """The composed DictConfig as plain dataclasses, validated, its checkpoint checked; errors name the key."""
     try:
         check_known_keys(OmegaConf.to_container(cfg, resolve=False))
         config = OmegaConf.to_object(cfg)
     except (OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
-    return validate(config)
+    validate(config)
+    check_checkpoint(config.model, config.engine.max_model_len)
+    return config
 
 
 class MultirunReport(Callback):
@@ -86,7 +98,7 @@ def _main(cfg: DictConfig) -> float | None:
         if gc.get_freeze_count() == 0:
             gc.freeze()
         summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))
-    except (ConfigError, InputError) as exc:
+    except (ConfigError, InputError, DirectoryInUse) as exc:
         log.error("%s", exc)
         remove_unstarted_run_dir(run_dir)
         sys.exit(EXIT_BAD_CONFIG_OR_INPUT)
@@ -95,11 +107,48 @@ def _main(cfg: DictConfig) -> float | None:
         print(f"{stop}; resume with: {resume_command(list(HydraConfig.get().overrides.task), run_dir)}",
               file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)
+    except OSError as exc:
+        if not is_environment_fault(exc):
+            raise
+        remove_unstarted_run_dir(run_dir)
+        kept = (f"; what was written is kept: once that is fixed, resume with: "
+                f"{resume_command(list(HydraConfig.get().overrides.task), run_dir)}" if run_dir.exists() else "")
+        # Printed, not logged: on a full disk the log file cannot take it.
+        print(f"{describe_os_error(exc)}{kept}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_ENVIRONMENT)
     except (MergeError, RankFailedError) as exc:
         log.error("%s", exc)
         sys.exit(EXIT_CRASH)
     print(brief_table(summary))
     return read_figures(summary).output_tok_s
+
+
+def exit_unless_writable(directory: Path, key: str) -> None:
+    """Creates `directory` (the value of `key`) and checks that files can be made in it; if not, exits in one line:
+    EXIT_ENVIRONMENT for a read-only or full file system, EXIT_BAD_CONFIG_OR_INPUT for a path that cannot be a
+    directory (a file on the way)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            tempfile.TemporaryFile(dir=directory).close()
+        except OSError as exc:  # named by the directory: the probe's own name means nothing to the user
+            raise OSError(exc.errno, exc.strerror, str(directory)) from exc
+    except OSError as exc:
+        print(f"{key}={directory} cannot be written: {describe_os_error(exc)}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_ENVIRONMENT if is_environment_fault(exc) else EXIT_BAD_CONFIG_OR_INPUT)
+
+
+class WritableOutputDir(Callback):
+    """Hydra makes the run directory and writes .hydra/ and its log there before batchgen runs, and reports a
+    failure with a traceback; this checks the directory first (conf/config.yaml)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        HydraConfig.instance().set_config(config)  # as Hydra's run_job does before it reads the directory
+        exit_unless_writable(Path(config.hydra.run.dir), "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        HydraConfig.instance().set_config(config)
+        exit_unless_writable(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
 
 
 class MergeShardsCallback(Callback):

@@ -14,12 +14,10 @@ from torch import nn
 
 from batchgen.config import ModelConfig
 from batchgen.layers.norms import RMSNorm
-from batchgen.models.hf_config import hf_config_from_dict, read_hf_config
+from batchgen.models.hf_config import SAFETENSORS_FILE, SAFETENSORS_INDEX, hf_config_from_dict, read_hf_config
 from batchgen.models.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SINGLE_FILE = "model.safetensors"
-SHARD_INDEX = "model.safetensors.index.json"
 
 
 def load_hf_config(model: ModelConfig) -> Any:
@@ -64,12 +62,12 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
 def safetensors_files(directory: str) -> list[Path]:
     """The checkpoint's safetensors files: the shards a model.safetensors.index.json names, or model.safetensors."""
     root = Path(directory)
-    if (root / SHARD_INDEX).is_file():
-        weight_map = json.loads((root / SHARD_INDEX).read_text())["weight_map"]
+    if (root / SAFETENSORS_INDEX).is_file():
+        weight_map = json.loads((root / SAFETENSORS_INDEX).read_text())["weight_map"]
         return [root / name for name in sorted(set(weight_map.values()))]
-    if (root / SINGLE_FILE).is_file():
-        return [root / SINGLE_FILE]
-    raise FileNotFoundError(f"no {SINGLE_FILE} or {SHARD_INDEX} in {directory}")
+    if (root / SAFETENSORS_FILE).is_file():
+        return [root / SAFETENSORS_FILE]
+    raise FileNotFoundError(f"no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} in {directory}")
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -27,6 +29,15 @@ def test_every_job_composes_and_validates(job):
 def test_kv_cache_dtype_defaults_to_the_model_dtype_and_takes_fp8():
     assert composed("job=shakespeare").engine.kv_cache_dtype == "auto"
     assert composed("job=shakespeare", "engine.kv_cache_dtype=fp8").engine.kv_cache_dtype == "fp8"
+
+
+def test_engine_options_compose_into_a_frozen_engine_config():
+    engine = composed("job=shakespeare", "engine.max_num_seqs=4", "engine.cuda_graph.capture_sizes=[2,1]").engine
+    assert (engine.max_num_seqs, engine.cuda_graph_sizes, engine.wanted_backlog) == (4, (1, 2), 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.max_num_seqs = 8  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.cuda_graph.capture_sizes = None  # type: ignore[misc]
 
 
 def test_default_job_asks_for_data_and_model():

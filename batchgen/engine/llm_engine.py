@@ -26,7 +26,6 @@ from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.sample.bad_words import bad_words_token_ids
 from batchgen.sample.params import SamplingParams
-from batchgen.worker.cuda_graph import default_capture_sizes
 from batchgen.worker.host_threads import intra_op_threads
 from batchgen.worker.model_runner import LaunchedStep, ModelRunner
 from batchgen.worker.step_profiler import StepProfiler
@@ -151,7 +150,7 @@ class LLMEngine:
             use_triton_layers(model, gemv=not engine_config.enforce_eager, elementwise=not compile_layers)
         self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start}
         self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
-                                  engine_config.max_num_seqs, kv_cache_dtype, attention_ops(backend))
+                                  engine_config.max_step_rows, kv_cache_dtype, attention_ops(backend))
         self.runner.logprobs_mode = engine_config.logprobs_mode
         # Only the Triton kernels cascade, and only layers without a sliding window (Mistral windows every layer).
         # A job whose rows never share a long prefix never captures a cascade graph (shares_long_prefix).
@@ -228,9 +227,7 @@ class LLMEngine:
                                  f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}", limit)
 
     def _capture_graphs(self) -> None:
-        graph_cfg = self.config.cuda_graph
-        sizes = graph_cfg.capture_sizes or default_capture_sizes(self.config.max_num_seqs, graph_cfg.max_capture_size)
-        stats = self.runner.capture_graphs(sorted(set(sizes)))
+        stats = self.runner.capture_graphs(list(self.config.cuda_graph_sizes))
         self.info.update(cuda_graph_sizes=stats.sizes, cuda_graph_capture_seconds=stats.seconds,
                          cuda_graph_pool_bytes=stats.pool_bytes,
                          cuda_graph_capture_seconds_per_size={str(k): v for k, v in stats.seconds_per_size.items()})

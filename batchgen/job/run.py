@@ -257,8 +257,7 @@ class Job:
 
     def _add_requests(self, engine: LLMEngine, rows: Iterator[PromptRow]) -> bool:
         """Adds rows until about two batches wait (rows are read lazily); returns whether rows are left."""
-        backlog = 2 * self.config.engine.max_num_seqs
-        while engine.num_waiting < backlog:
+        while engine.num_waiting < self.config.engine.wanted_backlog:
             row = next(rows, None)
             if row is None:
                 return False

@@ -32,18 +32,6 @@ from batchgen.worker.upload import aligned_length, staging_buffer
 
 log = logging.getLogger(__name__)
 
-MAX_CAPTURE_SIZE = 512
-
-
-def default_capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> list[int]:
-    """1, 2, 4, then steps of 8, up to max_capture_size (default: max_num_seqs, at most 512)."""
-    limit = min(max_capture_size or max_num_seqs, MAX_CAPTURE_SIZE)
-    sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
-    if sizes[-1] != limit:
-        sizes.append(limit)
-    return sizes
-
-
 def padded_size(sizes: list[int], n: int) -> int | None:
     """The smallest bucket >= n, or None when n is above the largest (the step then runs eagerly)."""
     i = bisect.bisect_left(sizes, n)

@@ -96,7 +96,7 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, device: torch.device, block_size: int, max_model_len: int,
-                 max_num_seqs: int, kv_cache_dtype: torch.dtype, attention_ops=attention_torch):
+                 max_step_rows: int, kv_cache_dtype: torch.dtype, attention_ops=attention_torch):
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -108,7 +108,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.block_tables = BlockTables(self.block_table_width)
         # The latest step's sampled ids stay on the device as the next step's inputs; the host learns them later.
-        self.last_sampled = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self.last_sampled = torch.zeros(max_step_rows, dtype=torch.int64, device=device)
         self._last_sample_rows: dict[int, int] = {}  # id(request) -> its row in last_sampled
         self._pinned = device.type == "cuda"
         self.vocab_size = model.lm_head.weight.shape[0]
@@ -119,8 +119,8 @@ class ModelRunner:
         self.logprobs_mode = "raw_logprobs"  # raw_logprobs | processed_logprobs
         self.cascade_attention = False  # set by the engine: only the Triton decode kernels cascade
         # The Triton decode attention's per-(sequence, kv head) counters, shared by every layer, step and graph.
-        self._num_kv_heads = max((layer.num_kv_heads for layer in self.attention_layers), default=0)
-        self.split_arrivals = self._zeroed_arrivals(max_num_seqs)
+        num_kv_heads = max((layer.num_kv_heads for layer in self.attention_layers), default=0)
+        self.split_arrivals = torch.zeros(max_step_rows * num_kv_heads, dtype=torch.int32, device=device)
 
     # -- KV cache -------------------------------------------------------------------------------------------
 
@@ -162,12 +162,7 @@ class ModelRunner:
 
     # -- CUDA graphs ----------------------------------------------------------------------------------------
 
-    def _zeroed_arrivals(self, num_seqs: int) -> torch.Tensor:
-        return torch.zeros(num_seqs * self._num_kv_heads, dtype=torch.int32, device=self.device)
-
     def capture_graphs(self, sizes: list[int]) -> CaptureStats:
-        if self.split_arrivals.numel() < max(sizes) * self._num_kv_heads:  # buckets above max_num_seqs
-            self.split_arrivals = self._zeroed_arrivals(max(sizes))
         buffers = GraphCaptureBuffers(max(sizes), self.block_table_width, self.block_size, self.device,
                                       self.split_arrivals)
         self.graphs = CudaGraphRunner(self.model, buffers, sizes, self.last_sampled, self.cascade_attention)

@@ -163,22 +163,23 @@ class Job:
             if self.openai_results:  # derived from the final completions, so it can always be written again
                 write_openai_results(self.config, self.run_dir)
             return self.finished_summary
-        from batchgen.engine.llm_engine import LLMEngine  # torch: imported once the inputs have been read
+        from batchgen.engine.llm_engine import LLMEngine, resolve_device  # torch: once the inputs have been read
 
         signals = signals or StopSignals()
         rows_by_index = {row.index: row for row in self.pending}
         total_samples = sum(self.num_samples.values())
         missing = sum(len(samples) for samples in self.missing_samples.values())
         self.progress = Progress(total_samples, total_samples - missing, self.config.job)
-        engine = None
+        engine = profiler = None
         clock = time.perf_counter()
         try:
             rows_to_run = [row for row in self.pending if row.error is None]
-            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run))
             if self.config.job.profile_steps:
                 from batchgen.worker.step_profiler import StepProfiler  # torch.profiler: only when asked for
 
-                engine.profiler = StepProfiler(self.config.job.profile_steps, engine.device)
+                profiler = StepProfiler(self.config.job.profile_steps, resolve_device(self.config.engine.device))
+            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run),
+                               profiler)
             clock = self._lap("engine_start_seconds", clock)
             self.stats.engine_ready_at = time.time()
             if wait_for_ranks is not None:
@@ -216,8 +217,8 @@ class Job:
         finally:
             self.progress.close()
             if engine is not None:
-                if engine.profiler is not None:
-                    write_kernels(self.run_dir / KERNELS_FILE, engine.profiler.rows, self.outputs.metadata)
+                if profiler is not None:
+                    write_kernels(self.run_dir / KERNELS_FILE, profiler.rows, self.outputs.metadata)
                 engine.close()
         if signals.received is not None:
             self.outputs.flush()

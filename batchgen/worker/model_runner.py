@@ -6,10 +6,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 from itertools import pairwise
+from types import ModuleType
 
 import torch
 from torch import nn
 
+from batchgen.config import EngineConfig
 from batchgen.core.request import Request
 from batchgen.core.scheduler import SchedulerOutput
 from batchgen.layers import attention_torch
@@ -94,33 +96,45 @@ class LaunchedStep:
     logprobs: StepLogprobs | None = None
 
 
+def attention_ops(backend: str) -> ModuleType:
+    if backend == "triton":
+        from batchgen.layers import attention_triton
+
+        return attention_triton
+    return attention_torch
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, device: torch.device, block_size: int, max_model_len: int,
-                 max_step_rows: int, kv_cache_dtype: torch.dtype, attention_ops=attention_torch):
+    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device, kv_cache_dtype: torch.dtype,
+                 bitmask_provider: BitmaskProvider | None = None):
+        """config: as the engine resolved it for the model and device (max_model_len and attention_backend set).
+        bitmask_provider: the structured-output mask of a step's sampling rows."""
+        self.config = config
         self.model = model
         self.device = device
-        self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
-        self.block_table_width = -(-max_model_len // block_size)
+        self.bitmask_provider = bitmask_provider
+        self.block_table_width = -(-config.max_model_len // config.block_size)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self.attention_ops = attention_ops
+        self.attention_ops = attention_ops(config.attention_backend)
+        # Only the Triton kernels cascade, and only layers without a sliding window (Mistral windows every layer).
+        # A job whose rows never share a long prefix never captures a cascade graph (shares_long_prefix).
+        self.cascade_attention = (config.cascade_attention and config.attention_backend == "triton"
+                                  and any(a.sliding_window is None for a in self.attention_layers))
         self.kv_cache: torch.Tensor | None = None
         self.graphs: CudaGraphRunner | None = None
         self.block_tables = BlockTables(self.block_table_width)
         # The latest step's sampled ids stay on the device as the next step's inputs; the host learns them later.
-        self.last_sampled = torch.zeros(max_step_rows, dtype=torch.int64, device=device)
+        self.last_sampled = torch.zeros(config.max_step_rows, dtype=torch.int64, device=device)
         self._last_sample_rows: dict[int, int] = {}  # id(request) -> its row in last_sampled
         self._pinned = device.type == "cuda"
         self.vocab_size = model.lm_head.weight.shape[0]
         self.sampling_state: SamplingState | None = None  # allocated when a request first uses penalties
         self._last_packed = LastPacked()
         self.sampler_graphs: SamplerGraphs | None = None
-        self.bitmask_provider: BitmaskProvider | None = None  # set by the engine for structured output
-        self.logprobs_mode = "raw_logprobs"  # raw_logprobs | processed_logprobs
-        self.cascade_attention = False  # set by the engine: only the Triton decode kernels cascade
         # The Triton decode attention's per-(sequence, kv head) counters, shared by every layer, step and graph.
         num_kv_heads = max((layer.num_kv_heads for layer in self.attention_layers), default=0)
-        self.split_arrivals = torch.zeros(max_step_rows * num_kv_heads, dtype=torch.int32, device=device)
+        self.split_arrivals = torch.zeros(config.max_step_rows * num_kv_heads, dtype=torch.int32, device=device)
 
     # -- KV cache -------------------------------------------------------------------------------------------
 
@@ -128,19 +142,23 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]
         per_token = 2 * layer.num_kv_heads * layer.head_dim * self.kv_cache_dtype.itemsize
-        return per_token * self.block_size * len(self.attention_layers)
+        return per_token * self.config.block_size * len(self.attention_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         layer = self.attention_layers[0]
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        shape = (2, len(self.attention_layers), num_blocks, self.config.block_size, layer.num_kv_heads,
+                 layer.head_dim)
         # Not zero-filled: no attention path reads a slot before it is written (tests/test_kv_cache_uninitialized.py).
         self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)  # (2, L, NB, BS, KVH, D)
         for i, attention in enumerate(self.attention_layers):
             attention.k_cache, attention.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             attention.ops = self.attention_ops
 
-    def profile_peak_bytes(self, num_tokens: int, num_logits: int) -> int:
-        """Peak memory of a forward over num_tokens one-token sequences (a scratch one-block cache, no KV writes)."""
+    def profile_peak_bytes(self) -> int:
+        """Peak memory of a forward over a step's most tokens as one-token sequences, and of the logits of as many
+        as a step samples (a scratch one-block cache, no KV writes)."""
+        num_tokens = self.config.max_num_batched_tokens
+        num_logits = min(self.config.max_num_seqs, num_tokens)
         self.allocate_kv_cache(1)
         torch.cuda.reset_peak_memory_stats(self.device)
         meta = AttentionMetadata(
@@ -162,11 +180,12 @@ class ModelRunner:
 
     # -- CUDA graphs ----------------------------------------------------------------------------------------
 
-    def capture_graphs(self, sizes: list[int]) -> CaptureStats:
-        buffers = GraphCaptureBuffers(max(sizes), self.block_table_width, self.block_size, self.device,
+    def capture_graphs(self) -> CaptureStats:
+        sizes = self.config.cuda_graph_sizes
+        buffers = GraphCaptureBuffers(sizes[-1], self.block_table_width, self.config.block_size, self.device,
                                       self.split_arrivals)
-        self.graphs = CudaGraphRunner(self.model, buffers, sizes, self.last_sampled, self.cascade_attention)
-        self.sampler_graphs = SamplerGraphs(max(sizes), self.vocab_size, self.last_sampled, self.device)
+        self.graphs = CudaGraphRunner(self.model, buffers, list(sizes), self.last_sampled, self.cascade_attention)
+        self.sampler_graphs = SamplerGraphs(sizes[-1], self.vocab_size, self.last_sampled, self.device)
         with torch.inference_mode():
             return self.graphs.capture()
 
@@ -182,8 +201,9 @@ class ModelRunner:
         graphed = self.graphs is not None and _is_pure_decode(step) and sampling.bad_words is None
         graph_size = self.graphs.padded_size(step.num_seqs) if graphed else None
         width = self.block_table_width if graph_size else None
-        inputs = build_step_inputs(step, self.block_size, self.block_tables, width, self._last_sample_rows)
-        cascade = self.cascade_attention and inputs.is_decode and shares_long_prefix(step.requests, self.block_size)
+        block_size = self.config.block_size
+        inputs = build_step_inputs(step, block_size, self.block_tables, width, self._last_sample_rows)
+        cascade = self.cascade_attention and inputs.is_decode and shares_long_prefix(step.requests, block_size)
         timer = _Timer(self.device)
         prompt_logprobs = None
         if graph_size:
@@ -264,7 +284,7 @@ class ModelRunner:
                           sample_rows: list[int], prompt: tuple | None) -> StepLogprobs | None:
         if not sampling.wants_logprobs and prompt is None:
             return None
-        scored = output.processed_logits() if self.logprobs_mode == "processed_logprobs" else logits
+        scored = output.processed_logits() if self.config.logprobs_mode == "processed_logprobs" else logits
         rows, tensors = sampled_logprobs(scored, output.token_ids, sampling.logprobs, self._pinned)
         return StepLogprobs([sample_rows[i] for i in rows], tensors, prompt)
 
@@ -317,7 +337,7 @@ class ModelRunner:
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             is_decode=inputs.is_decode,
-            shared_prefix_len=shared_prefix_len(block_tables, seq_lens, self.block_size) if cascade else None,
+            shared_prefix_len=shared_prefix_len(block_tables, seq_lens, self.config.block_size) if cascade else None,
             split_arrivals=self.split_arrivals,
         )
         if pending:
@@ -338,8 +358,9 @@ class ModelRunner:
             attention.k_cache = attention.v_cache = torch.empty(0)
 
     def close(self) -> None:
-        """Drops every device tensor the runner holds: graphs (their pool and static buffers), KV cache, and the
-        sampled-ids buffer, so the caching allocator can hand the memory back."""
+        """Drops every device tensor the runner holds: the model, graphs (their pool and static buffers), KV cache,
+        and the sampled-ids buffer, so the caching allocator can hand the memory back."""
+        self.model = None
         self.graphs = None
         self.sampler_graphs = None
         self.sampling_state = None

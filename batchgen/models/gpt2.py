@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.layers.attention import Attention, AttentionMetadata
-from batchgen.layers.embedding import PendingTokens, token_ids
+from batchgen.layers.embedding import InputIdsWithPending, token_ids
 from batchgen.layers.linear import Linear
 from batchgen.models.hf_config import HFConfig
 from batchgen.models.weights import WeightTarget, load_into
@@ -88,7 +88,7 @@ class GPT2Model(nn.Module):
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor | InputIdsWithPending, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.wte(token_ids(input_ids)) + self.wpe(positions)  # (T, E)
         for block in self.h:
@@ -107,7 +107,7 @@ class GPT2LMHeadModel(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor | PendingTokens,  # (T,) int64
+        input_ids: torch.Tensor | InputIdsWithPending,  # (T,) int64
         positions: torch.Tensor,  # (T,) int64
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, hidden)

@@ -15,7 +15,7 @@ from torch import nn
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.compiled import compiled
-from batchgen.layers.embedding import Embedding, PendingTokens
+from batchgen.layers.embedding import Embedding, InputIdsWithPending
 from batchgen.layers.fused import norm_then_gate_up, norm_then_linear
 from batchgen.layers.linear import Linear
 from batchgen.layers.norms import RMSNorm, rms_norm
@@ -128,7 +128,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor | InputIdsWithPending, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # (T, hidden)
         for layer in self.layers:
@@ -170,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor | PendingTokens,  # (T,) int64
+        input_ids: torch.Tensor | InputIdsWithPending,  # (T,) int64
         positions: torch.Tensor,  # (T,) int64
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, hidden)

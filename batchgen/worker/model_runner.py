@@ -16,7 +16,6 @@ from batchgen.core.request import Request
 from batchgen.core.scheduler import SchedulerOutput
 from batchgen.layers import attention_torch
 from batchgen.layers.attention import Attention, AttentionMetadata
-from batchgen.layers.embedding import PendingTokens
 from batchgen.layers.shared_prefix import shared_prefix_len
 from batchgen.sample.graph import SamplerGraphs
 from batchgen.sample.logprobs import compute_logprobs
@@ -32,6 +31,7 @@ from batchgen.worker.cuda_graph import (
     GraphCaptureBuffers,
     GraphOutputs,
 )
+from batchgen.worker.pending_tokens import PendingTokens
 from batchgen.worker.step_inputs import StepInputs, build_step_inputs
 from batchgen.worker.upload import upload_packed
 
@@ -125,8 +125,7 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.block_tables = BlockTables(self.block_table_width)
         # The latest step's sampled ids stay on the device as the next step's inputs; the host learns them later.
-        self.last_sampled = torch.zeros(config.max_step_rows, dtype=torch.int64, device=device)
-        self._last_sample_rows: dict[int, int] = {}  # id(request) -> its row in last_sampled
+        self.pending_tokens = PendingTokens(config.max_step_rows, device)
         self._pinned = device.type == "cuda"
         self.vocab_size = model.lm_head.weight.shape[0]
         self.sampling_state: SamplingState | None = None  # allocated when a request first uses penalties
@@ -184,8 +183,8 @@ class ModelRunner:
         sizes = self.config.cuda_graph_sizes
         buffers = GraphCaptureBuffers(sizes[-1], self.block_table_width, self.config.block_size, self.device,
                                       self.split_arrivals)
-        self.graphs = CudaGraphRunner(self.model, buffers, list(sizes), self.last_sampled, self.cascade_attention)
-        self.sampler_graphs = SamplerGraphs(sizes[-1], self.vocab_size, self.last_sampled, self.device)
+        self.graphs = CudaGraphRunner(self.model, buffers, list(sizes), self.pending_tokens, self.cascade_attention)
+        self.sampler_graphs = SamplerGraphs(sizes[-1], self.vocab_size, self.pending_tokens.ids, self.device)
         with torch.inference_mode():
             return self.graphs.capture()
 
@@ -202,7 +201,7 @@ class ModelRunner:
         graph_size = self.graphs.padded_size(step.num_seqs) if graphed else None
         width = self.block_table_width if graph_size else None
         block_size = self.config.block_size
-        inputs = build_step_inputs(step, block_size, self.block_tables, width, self._last_sample_rows)
+        inputs = build_step_inputs(step, block_size, self.block_tables, width, self.pending_tokens)
         cascade = self.cascade_attention and inputs.is_decode and shares_long_prefix(step.requests, block_size)
         timer = _Timer(self.device)
         prompt_logprobs = None
@@ -237,7 +236,7 @@ class ModelRunner:
         done = torch.cuda.Event() if self._pinned else None
         if done is not None:
             done.record(timer.stream)
-        self._last_sample_rows = {id(step.requests[row]): i for i, row in enumerate(inputs.sample_rows)}
+        self.pending_tokens.sampled(step.requests, inputs.sample_rows)
         return LaunchedStep(step.num_seqs, inputs.sample_rows, sampled, done, timer, prepare_ms, graph_size, cascade,
                             logprobs)
 
@@ -254,7 +253,8 @@ class ModelRunner:
     def _graph_sample(self, sampling: StepSampling, size: int, outputs: GraphOutputs,
                       logits: torch.Tensor) -> SamplerOutput:
         """The forward graph's own argmax where the step is greedy and nothing else; else the sampler graph. Both
-        leave the ids in last_sampled. outputs: the forward graph's, whose first rows are the step's (`logits`)."""
+        leave the ids in the pending tokens. outputs: the forward graph's, whose first rows are the step's
+        (`logits`)."""
         if not sampling.packed.features.any:
             return SamplerOutput(outputs.greedy_ids[:len(logits)], logits, None, None)
         return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, outputs.logits, self.sampling_state,
@@ -277,7 +277,7 @@ class ModelRunner:
         if not len(logits):
             return SamplerOutput(logits.new_empty(0, dtype=torch.int64), logits, None, None)
         output = run_sampler(logits, sampling.tensors(self.device, self.sampling_state, last_tokens))
-        self.last_sampled[:len(logits)].copy_(output.token_ids)
+        self.pending_tokens.ids[:len(logits)].copy_(output.token_ids)
         return output
 
     def _sampled_logprobs(self, sampling: StepSampling, logits: torch.Tensor, output: SamplerOutput,
@@ -327,8 +327,8 @@ class ModelRunner:
         arrays = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.sample_token_index,
                   inputs.seq_lens, inputs.query_start_loc, inputs.block_tables]
         input_ids, positions, slot_mapping, sample_token_index, seq_lens, query_start_loc, block_tables, \
-            *pending_source = upload_packed(arrays + [inputs.pending_source] if pending else arrays, self.device,
-                                            self._pinned)
+            *pending_rows = upload_packed(arrays + [inputs.pending_rows] if pending else arrays, self.device,
+                                          self._pinned)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             seq_lens=seq_lens,
@@ -341,7 +341,7 @@ class ModelRunner:
             split_arrivals=self.split_arrivals,
         )
         if pending:
-            input_ids = PendingTokens(input_ids, pending_source[0], self.last_sampled).filled()
+            input_ids = self.pending_tokens.input_ids(input_ids, pending_rows[0]).filled()
         return input_ids, positions, meta, sample_token_index
 
     def _eager_forward(self, inputs: StepInputs, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -359,16 +359,15 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drops every device tensor the runner holds: the model, graphs (their pool and static buffers), KV cache,
-        and the sampled-ids buffer, so the caching allocator can hand the memory back."""
+        and the pending tokens, so the caching allocator can hand the memory back."""
         self.model = None
         self.graphs = None
         self.sampler_graphs = None
         self.sampling_state = None
         self._unbind_kv_cache()
         self.attention_layers = []
-        self.last_sampled = None
+        self.pending_tokens = None
         self.split_arrivals = None
-        self._last_sample_rows = {}
 
 
 def _is_pure_decode(step: SchedulerOutput) -> bool:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from batchgen.models.base import CausalLM
 from batchgen.models.gpt2 import GPT2LMHeadModel
 from batchgen.models.hf_config import HFConfig
 from batchgen.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -23,7 +24,7 @@ DEFAULT_ARCHITECTURE = {
 }
 
 
-def model_class(hf_config: HFConfig) -> type:
+def model_class(hf_config: HFConfig) -> type[CausalLM]:
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures and hf_config.model_type in DEFAULT_ARCHITECTURE:
         architectures = [DEFAULT_ARCHITECTURE[hf_config.model_type]]

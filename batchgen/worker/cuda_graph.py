@@ -22,10 +22,10 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch import nn
 
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.shared_prefix import shared_prefix_len
+from batchgen.models.base import CausalLM
 from batchgen.worker.pending_tokens import PendingTokens
 from batchgen.worker.step_inputs import StepInputs
 from batchgen.worker.upload import aligned_length, staging_buffer
@@ -158,7 +158,7 @@ class CaptureStats:
 class CudaGraphRunner:
     """Captures model forward + logits for each bucket, largest first, into one shared memory pool."""
 
-    def __init__(self, model: nn.Module, buffers: GraphCaptureBuffers, sizes: list[int], pending: PendingTokens,
+    def __init__(self, model: CausalLM, buffers: GraphCaptureBuffers, sizes: list[int], pending: PendingTokens,
                  cascade: bool = False):
         self.model = model
         self.buffers = buffers

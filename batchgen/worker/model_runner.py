@@ -9,7 +9,6 @@ from itertools import pairwise
 from types import ModuleType
 
 import torch
-from torch import nn
 
 from batchgen.config import EngineConfig
 from batchgen.core.request import Request
@@ -17,6 +16,7 @@ from batchgen.core.scheduler import SchedulerOutput
 from batchgen.layers import attention_torch
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.shared_prefix import shared_prefix_len
+from batchgen.models.base import CausalLM
 from batchgen.sample.graph import SamplerGraphs
 from batchgen.sample.logprobs import compute_logprobs
 from batchgen.sample.sampler import SamplerOutput, run_sampler
@@ -105,7 +105,7 @@ def attention_ops(backend: str) -> ModuleType:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device, kv_cache_dtype: torch.dtype,
+    def __init__(self, config: EngineConfig, model: CausalLM, device: torch.device, kv_cache_dtype: torch.dtype,
                  bitmask_provider: BitmaskProvider | None = None):
         """config: as the engine resolved it for the model and device (max_model_len and attention_backend set).
         bitmask_provider: the structured-output mask of a step's sampling rows."""

@@ -1,0 +1,40 @@
+"""What every architecture shares: a decoder over a step's flattened tokens, and the lm_head over chosen rows."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from batchgen.layers.attention import AttentionMetadata
+from batchgen.layers.embedding import InputIdsWithPending
+from batchgen.layers.linear import Linear
+from batchgen.models.hf_config import HFConfig
+
+
+class CausalLM(nn.Module):
+    """A decoder, registered under its Hugging Face name (`decoder_name`) so that checkpoint names are parameter
+    names, and the lm_head that turns its hidden states into logits."""
+
+    decoder_name: ClassVar[str]
+
+    def __init__(self, config: HFConfig, decoder: nn.Module, tied_embedding: nn.Embedding | None) -> None:
+        """tied_embedding: the input embedding whose weight the lm_head shares; None for an lm_head of its own."""
+        super().__init__()
+        self.config = config
+        self.add_module(self.decoder_name, decoder)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if tied_embedding is not None:
+            self.lm_head.weight = tied_embedding.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | InputIdsWithPending,  # (T,) int64
+        positions: torch.Tensor,  # (T,) int64
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, hidden)
+        return getattr(self, self.decoder_name)(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab)
+        return self.lm_head(hidden)

@@ -18,13 +18,13 @@ from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, iter_prompts
+from batchgen.io.shard_split import ShardSplit
 from batchgen.io.writers import CompletionWriter, write_kernels
 from batchgen.job.progress import Progress
 from batchgen.job.resume_check import check_resume
 from batchgen.job.run_outputs import SUMMARY_FILE, RunOutputs
 from batchgen.job.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.job.summary import AttemptStats
-from batchgen.runners.shards import ShardSplit
 from batchgen.sample.params import SamplingParams
 
 if TYPE_CHECKING:

@@ -1,8 +1,7 @@
 """An embedding lookup as a Triton kernel launched with PDL (CUDA only): weight rows gathered by token id.
 
 torch's lookup is as fast on its own, but it cannot take part in PDL: the kernel after it (a decode step's first
-GEMV) then starts only once it has finished. Launched with PDL, that GEMV requests its weight while the lookup runs:
-a Qwen3-0.6B decode step at batch 1 and 2 took 1-4 us less on an H200 (benchmarks/RESULTS.md, sixteenth session).
+GEMV) then starts only once it has finished. Launched with PDL, that GEMV requests its weight while the lookup runs.
 It also takes a decode graph's pending tokens from the previous step's sampled ids (embedding.InputIdsWithPending).
 """
 

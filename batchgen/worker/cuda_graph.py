@@ -8,8 +8,8 @@ Steps whose rows share a KV prefix replay a bucket's cascade variant (`attention
 length inside the graph. Each is captured on first use, so jobs without shared prefixes never pay for them.
 
 A bucket whose attention reads short contexts' KV before its PDL wait also has an early-start variant, captured
-under `pdl.early_start`, which steps whose contexts all fit replay (`early_read_limit`): on an H200, a Qwen3-0.6B
-step took 41 us less at batch 1 and 48 at batch 2 (benchmarks/RESULTS.md, fourteenth session).
+under `pdl.early_start`, which steps whose contexts all fit replay (`early_read_limit`): the next kernel starts
+while the attention still reads, which shortens small-batch steps.
 """
 
 from __future__ import annotations
@@ -50,9 +50,8 @@ class BucketInputs(NamedTuple):
 
 
 class GraphCaptureBuffers:
-    """Static device inputs in one byte buffer, which each step fills with one host-to-device copy (the block
-    tables in a second copy, from a pinned buffer of their own, cost a Qwen3-0.6B step at batch 1 17 us more on an
-    H200: benchmarks/RESULTS.md, sixteenth session).
+    """Static device inputs in one byte buffer, which each step fills with one host-to-device copy (a second copy
+    for the block tables made small steps measurably slower).
 
     A bucket of `size` rows lays its inputs out from the buffer's start: five int64 rows (ids, positions, slots,
     context lengths, pending rows), each starting 64-byte aligned (Triton specializes on alignment), then the
@@ -137,7 +136,7 @@ def _rows_nbytes(size: int) -> int:
 class GraphOutputs(NamedTuple):
     logits: torch.Tensor  # (size, vocab)
     # (size,) int64: each row's argmax, also written into the pending tokens: the whole sampling of a greedy step,
-    # in the graph (run eagerly after it, torch's argmax and its copies took 15 us of an H200 step at batch 1)
+    # in the graph (eagerly after it, torch's argmax and its copies are launches of their own)
     greedy_ids: torch.Tensor
 
 
@@ -187,7 +186,7 @@ class CudaGraphRunner:
         """The longest context that every layer's decode attention at this bucket reads before its PDL wait; 0 for
         none. A step whose contexts all fit replays the bucket's early-start variant (`pdl.early_start`): its
         kernels let the next start before they wait. Elsewhere more resident kernels hold up the attention's reads
-        after its wait (batch 4 was 23-73 us slower, contexts of 2,048 at batch 1 64 us)."""
+        after its wait, which makes larger batches and longer contexts slower."""
         if size not in self._early_read_limits:
             limits = [layer.decode_early_read_limit(size, self._dtype) for layer in self._attention]
             self._early_read_limits[size] = min(limits, default=0)

@@ -322,7 +322,7 @@ class ModelRunner:
 
     def _to_device(self, inputs: StepInputs,
                    cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The step's arrays in one copy (eight separate ones cost a prefill step 0.3 ms of host)."""
+        """The step's arrays in one copy: each separate copy costs the host a staging buffer and a launch."""
         pending = inputs.has_pending_tokens
         arrays = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.sample_token_index,
                   inputs.seq_lens, inputs.query_start_loc, inputs.block_tables]

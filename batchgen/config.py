@@ -87,14 +87,11 @@ class EngineConfig:
         return tuple(sizes if sizes[-1] == limit else [*sizes, limit])
 
     @property
-    def max_step_rows(self) -> int:
-        """The rows of a step's device buffers: max_num_seqs, or the largest CUDA-graph bucket where it is larger
-        (a replay computes its padding rows too)."""
+    def max_step_rows(self) -> int:  # a step's device buffers hold a CUDA-graph bucket's padding rows too
         return max(self.max_num_seqs, self.cuda_graph_sizes[-1])
 
     @property
-    def wanted_backlog(self) -> int:
-        """Requests kept waiting (two batches), so that the scheduler always has rows to admit."""
+    def wanted_backlog(self) -> int:  # requests kept waiting (two batches): the scheduler always has rows to admit
         return 2 * self.max_num_seqs
 
 

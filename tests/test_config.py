@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from batchgen.cli.main import CONF_DIR, to_config
-from batchgen.config import Config, ConfigError
+from batchgen.config import Config, ConfigError, EngineConfig
+from batchgen.engine.llm_engine import resolve_engine_config
 
 JOBS = sorted(p.stem for p in (CONF_DIR / "job").glob("*.yaml"))
 PRESETS = sorted(p.stem for p in (CONF_DIR / "preset").glob("*.yaml"))
@@ -38,6 +41,17 @@ def test_engine_options_compose_into_a_frozen_engine_config():
         engine.max_num_seqs = 8  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         engine.cuda_graph.capture_sizes = None  # type: ignore[misc]
+
+
+def test_engine_config_is_resolved_for_the_model_and_device():
+    model, cpu = SimpleNamespace(max_position_embeddings=128), torch.device("cpu")
+    resolved = resolve_engine_config(EngineConfig(), model, cpu)
+    assert (resolved.max_model_len, resolved.attention_backend) == (128, "torch")
+    assert resolve_engine_config(EngineConfig(max_model_len=64), model, cpu).max_model_len == 64
+    with pytest.raises(ValueError, match="engine.max_model_len=256 is invalid"):
+        resolve_engine_config(EngineConfig(max_model_len=256), model, cpu)
+    with pytest.raises(ValueError, match="engine.attention_backend='triton' needs a CUDA device"):
+        resolve_engine_config(EngineConfig(attention_backend="triton"), model, cpu)
 
 
 def test_default_job_asks_for_data_and_model():

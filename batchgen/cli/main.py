@@ -31,10 +31,8 @@ CONF_DIR = REPO_ROOT / "conf"
 log = logging.getLogger("batchgen")
 
 
-
 def writable(node: DictConfig) -> DictConfig:
-    """The schema with its frozen dataclasses' nodes made writable: Hydra merges conf/ and the command line into it
-    (the dataclasses built from the result stay frozen)."""
+    """The schema, its frozen dataclasses' nodes made writable: Hydra merges conf/ and the command line into it."""
     OmegaConf.set_readonly(node, False)
     for value in node.values():
         if isinstance(value, DictConfig):

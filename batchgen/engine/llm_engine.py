@@ -16,7 +16,7 @@ from batchgen.config import EngineConfig, ModelConfig
 from batchgen.core.block_manager import BlockManager
 from batchgen.core.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit
 from batchgen.core.request import Request
-from batchgen.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batchgen.core.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.request_logprobs import attach_logprobs, token_texts
@@ -81,21 +81,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if name == "triton" and device.type != "cuda":
+def resolve_engine_config(config: EngineConfig, hf_config: Any, device: torch.device) -> EngineConfig:
+    """The config as it applies to this model and device: max_model_len and attention_backend set."""
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    elif backend == "triton" and device.type != "cuda":
         raise ValueError("engine.attention_backend='triton' needs a CUDA device; allowed on CPU: torch, auto")
-    return name
-
-
-def resolve_max_model_len(wanted: int | None, hf_config: Any) -> int:
-    """engine.max_model_len, or the model's positions when it is unset."""
     limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-    wanted = wanted or limit
-    if limit is not None and wanted > limit:
-        raise ValueError(f"engine.max_model_len={wanted} is invalid: the model supports at most {limit} positions")
-    return wanted
+    max_model_len = config.max_model_len or limit
+    if limit is not None and max_model_len > limit:
+        raise ValueError(f"engine.max_model_len={max_model_len} is invalid: the model supports at most {limit} "
+                         "positions")
+    return replace(config, max_model_len=max_model_len, attention_backend=backend)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -144,10 +142,8 @@ class LLMEngine:
 
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, self.device)
-        backend = resolve_attention_backend(engine_config.attention_backend, self.device)
-        max_model_len = resolve_max_model_len(engine_config.max_model_len, hf_config)
-        # The config as it applies to this model and device: what the runner and the scheduler read.
-        self.config = replace(engine_config, max_model_len=max_model_len, attention_backend=backend)
+        self.config = resolve_engine_config(engine_config, hf_config, self.device)
+        backend = self.config.attention_backend
         compile_layers = self.device.type == "cuda" and engine_config.torch_compile
         if compile_layers:
             compile_small_layers(model)  # compiles lazily, at the memory-profiling run below
@@ -180,11 +176,7 @@ class LLMEngine:
                  kv_choice.reason)
         if self.device.type == "cuda" and not engine_config.enforce_eager:
             self._capture_graphs()
-        self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.config.max_model_len,
-                            self.config.mixed_prefill_decode),
-            BlockManager(num_blocks, block_size, self.config.enable_prefix_caching),
-        )
+        self.scheduler = Scheduler(self.config, BlockManager(num_blocks, block_size, self.config.enable_prefix_caching))
         self._finished_on_arrival: list[Request] = []
         self._prompts: dict[tuple[int, int], str | None] = {}  # (request id, sample index) -> prompt text
         self._in_flight: _InFlight | None = None

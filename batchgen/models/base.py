@@ -14,10 +14,7 @@ from batchgen.models.hf_config import HFConfig
 
 
 class CausalLM(nn.Module):
-    """A decoder, registered under its Hugging Face name (`decoder_name`) so that checkpoint names are parameter
-    names, and the lm_head that turns its hidden states into logits."""
-
-    decoder_name: ClassVar[str]
+    decoder_name: ClassVar[str]  # the decoder's Hugging Face name, so that checkpoint names are parameter names
 
     def __init__(self, config: HFConfig, decoder: nn.Module, tied_embedding: nn.Embedding | None) -> None:
         """tied_embedding: the input embedding whose weight the lm_head shares; None for an lm_head of its own."""
@@ -28,12 +25,8 @@ class CausalLM(nn.Module):
         if tied_embedding is not None:
             self.lm_head.weight = tied_embedding.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | InputIdsWithPending,  # (T,) int64
-        positions: torch.Tensor,  # (T,) int64
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # (T, hidden)
+    def forward(self, input_ids: torch.Tensor | InputIdsWithPending, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:  # (T,) int64 ids and positions -> (T, hidden)
         return getattr(self, self.decoder_name)(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab)

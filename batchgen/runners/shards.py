@@ -1,5 +1,4 @@
-"""Shards of a run, each in its own directory: the directory names, and the marker a finished shard leaves for the
-merge. How the rows are split is io/shard_split.py."""
+"""Shard directories and the marker a finished shard leaves for the merge (the split itself: io/shard_split.py)."""
 
 from __future__ import annotations
 

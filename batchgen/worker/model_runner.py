@@ -96,14 +96,6 @@ class LaunchedStep:
     logprobs: StepLogprobs | None = None
 
 
-def attention_ops(backend: str) -> ModuleType:
-    if backend == "triton":
-        from batchgen.layers import attention_triton
-
-        return attention_triton
-    return attention_torch
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: CausalLM, device: torch.device, kv_cache_dtype: torch.dtype,
                  bitmask_provider: BitmaskProvider | None = None):
@@ -116,7 +108,11 @@ class ModelRunner:
         self.bitmask_provider = bitmask_provider
         self.block_table_width = -(-config.max_model_len // config.block_size)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self.attention_ops = attention_ops(config.attention_backend)
+        if config.attention_backend == "triton":
+            from batchgen.layers import attention_triton as attention_ops  # Triton only where it runs
+        else:
+            attention_ops = attention_torch
+        self.attention_ops: ModuleType = attention_ops
         # Only the Triton kernels cascade, and only layers without a sliding window (Mistral windows every layer).
         # A job whose rows never share a long prefix never captures a cascade graph (shares_long_prefix).
         self.cascade_attention = (config.cascade_attention and config.attention_backend == "triton"

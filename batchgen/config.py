@@ -24,6 +24,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 EMPTY_POLICIES = ("warn", "fail")
 RUNNERS = ("local", "ray")
 SHARD_BY = ("work", "index")
+MAX_CAPTURE_SIZE = 512  # the largest default CUDA-graph bucket
 
 
 class ConfigError(ValueError):
@@ -40,13 +41,13 @@ class ModelConfig:
     served_model_name: str | None = None  # the name OpenAI Batch responses carry; None: the checkpoint dir's name
 
 
-@dataclass
+@dataclass(frozen=True)
 class CudaGraphConfig:
     capture_sizes: list[int] | None = None  # None: 1, 2, 4, then steps of 8 up to max_capture_size
     max_capture_size: int | None = None  # None: max_num_seqs, at most 512
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     max_num_seqs: int = 256
@@ -74,6 +75,24 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs (after penalties, temperature, filters)
     data_parallel_size: int = 1  # N > 1: start N processes, one shard each on its own GPU (cuda:rank) or CPU
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+
+    @property
+    def cuda_graph_sizes(self) -> tuple[int, ...]:
+        """The CUDA-graph buckets, ascending: engine.cuda_graph.capture_sizes, else vLLM's 1, 2, 4, then steps of 8
+        up to max_capture_size (default: max_num_seqs, at most MAX_CAPTURE_SIZE)."""
+        if self.cuda_graph.capture_sizes:
+            return tuple(sorted(set(self.cuda_graph.capture_sizes)))
+        limit = min(self.cuda_graph.max_capture_size or self.max_num_seqs, MAX_CAPTURE_SIZE)
+        sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
+        return tuple(sizes if sizes[-1] == limit else [*sizes, limit])
+
+    @property
+    def max_step_rows(self) -> int:  # a step's device buffers hold a CUDA-graph bucket's padding rows too
+        return max(self.max_num_seqs, self.cuda_graph_sizes[-1])
+
+    @property
+    def wanted_backlog(self) -> int:  # requests kept waiting (two batches): the scheduler always has rows to admit
+        return 2 * self.max_num_seqs
 
 
 @dataclass

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from batchgen.cli.main import CONF_DIR, to_config
-from batchgen.config import Config, ConfigError
+from batchgen.config import Config, ConfigError, EngineConfig
+from batchgen.engine.llm_engine import resolve_engine_config
 
 JOBS = sorted(p.stem for p in (CONF_DIR / "job").glob("*.yaml"))
 PRESETS = sorted(p.stem for p in (CONF_DIR / "preset").glob("*.yaml"))
@@ -27,6 +32,26 @@ def test_every_job_composes_and_validates(job):
 def test_kv_cache_dtype_defaults_to_the_model_dtype_and_takes_fp8():
     assert composed("job=shakespeare").engine.kv_cache_dtype == "auto"
     assert composed("job=shakespeare", "engine.kv_cache_dtype=fp8").engine.kv_cache_dtype == "fp8"
+
+
+def test_engine_options_compose_into_a_frozen_engine_config():
+    engine = composed("job=shakespeare", "engine.max_num_seqs=4", "engine.cuda_graph.capture_sizes=[2,1]").engine
+    assert (engine.max_num_seqs, engine.cuda_graph_sizes, engine.wanted_backlog) == (4, (1, 2), 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.max_num_seqs = 8  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.cuda_graph.capture_sizes = None  # type: ignore[misc]
+
+
+def test_engine_config_is_resolved_for_the_model_and_device():
+    model, cpu = SimpleNamespace(max_position_embeddings=128), torch.device("cpu")
+    resolved = resolve_engine_config(EngineConfig(), model, cpu)
+    assert (resolved.max_model_len, resolved.attention_backend) == (128, "torch")
+    assert resolve_engine_config(EngineConfig(max_model_len=64), model, cpu).max_model_len == 64
+    with pytest.raises(ValueError, match="engine.max_model_len=256 is invalid"):
+        resolve_engine_config(EngineConfig(max_model_len=256), model, cpu)
+    with pytest.raises(ValueError, match="engine.attention_backend='triton' needs a CUDA device"):
+        resolve_engine_config(EngineConfig(attention_backend="triton"), model, cpu)
 
 
 def test_default_job_asks_for_data_and_model():

@@ -1,13 +1,25 @@
-"""Capture-size lists and the size -> padded bucket lookup (no GPU needed)."""
+"""Capture-size lists (`EngineConfig.cuda_graph_sizes`) and the size -> padded bucket lookup (no GPU needed)."""
 
-from batchgen.worker.cuda_graph import default_capture_sizes, padded_size
+from batchgen.config import CudaGraphConfig, EngineConfig
+from batchgen.worker.cuda_graph import padded_size
 
 
 def test_default_capture_sizes_follow_vllm():
-    assert default_capture_sizes(256) == [1, 2, 4] + list(range(8, 257, 8))
-    assert default_capture_sizes(1024)[-1] == 512
-    assert default_capture_sizes(6) == [1, 2, 4, 6]
-    assert default_capture_sizes(256, max_capture_size=16) == [1, 2, 4, 8, 16]
+    assert EngineConfig(max_num_seqs=256).cuda_graph_sizes == (1, 2, 4, *range(8, 257, 8))
+    assert EngineConfig(max_num_seqs=1024).cuda_graph_sizes[-1] == 512
+    assert EngineConfig(max_num_seqs=6).cuda_graph_sizes == (1, 2, 4, 6)
+    assert EngineConfig(max_num_seqs=256, cuda_graph=CudaGraphConfig(max_capture_size=16)).cuda_graph_sizes == (
+        1, 2, 4, 8, 16)
+
+
+def test_given_capture_sizes_are_sorted_once_each():
+    config = EngineConfig(max_num_seqs=8, cuda_graph=CudaGraphConfig(capture_sizes=[16, 1, 4, 4]))
+    assert config.cuda_graph_sizes == (1, 4, 16)
+
+
+def test_step_buffers_hold_a_bucket_larger_than_max_num_seqs():
+    assert EngineConfig(max_num_seqs=8, cuda_graph=CudaGraphConfig(capture_sizes=[1, 16])).max_step_rows == 16
+    assert EngineConfig(max_num_seqs=8, cuda_graph=CudaGraphConfig(capture_sizes=[1, 4])).max_step_rows == 8
 
 
 def test_padded_size_is_the_smallest_bucket_that_holds_the_batch():

@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU bu
 from triton_support import DEVICE, TRITON_MARKS  # noqa: E402
 
 from batchgen.layers import embedding_triton  # noqa: E402
-from batchgen.layers.embedding import Embedding, PendingTokens  # noqa: E402
+from batchgen.layers.embedding import Embedding, InputIdsWithPending  # noqa: E402
 from batchgen.layers.triton_layers import use_triton_layers  # noqa: E402
 
 pytestmark = TRITON_MARKS
@@ -50,12 +50,12 @@ def test_layer_takes_the_kernel_for_one_dimensional_ids_only(monkeypatch: pytest
     assert torch.equal(layer(ids), expected) and calls == [(2,)]  # 2-D ids: torch's
 
 
-def pending_tokens(num_tokens: int, vocab: int, gen: torch.Generator) -> PendingTokens:
+def pending_tokens(num_tokens: int, vocab: int, gen: torch.Generator) -> InputIdsWithPending:
     ids = torch.randint(0, vocab, (num_tokens,), generator=gen)
-    last_sampled = torch.randint(0, vocab, (8,), generator=gen)
-    source = torch.randint(-1, 8, (num_tokens,), generator=gen)
-    source[0], source[-1] = -1, 7  # a token of its own (unless it is the only one), and one from the last sampled row
-    return PendingTokens(*(t.to(DEVICE) for t in (ids, source, last_sampled)))
+    pending_ids = torch.randint(0, vocab, (8,), generator=gen)
+    pending_rows = torch.randint(-1, 8, (num_tokens,), generator=gen)
+    pending_rows[0], pending_rows[-1] = -1, 7  # a token of its own (unless it is the only one), and one pending
+    return InputIdsWithPending(*(t.to(DEVICE) for t in (ids, pending_rows, pending_ids)))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 9, 300])
@@ -64,11 +64,12 @@ def test_pending_tokens_come_from_the_sampled_ids(num_tokens: int) -> None:
     weight = torch.randn(1000, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
     pending = pending_tokens(num_tokens, 1000, gen)
 
-    rows = embedding_triton.embedding(pending.ids, weight, pending.source, pending.last_sampled)
+    rows = embedding_triton.embedding(pending.ids, weight, pending.pending_rows, pending.pending_ids)
 
     filled = pending.filled().cpu()
-    assert filled[-1] == pending.last_sampled[7].item() and (num_tokens == 1 or filled[0] == pending.ids[0].item())
-    assert torch.equal(filled, torch.where(pending.source.cpu() >= 0, pending.last_sampled.cpu()[pending.source.cpu()],
+    assert filled[-1] == pending.pending_ids[7].item() and (num_tokens == 1 or filled[0] == pending.ids[0].item())
+    pending_rows = pending.pending_rows.cpu()
+    assert torch.equal(filled, torch.where(pending_rows >= 0, pending.pending_ids.cpu()[pending_rows],
                                            pending.ids.cpu()))
     assert torch.equal(rows.cpu(), F.embedding(filled, weight.cpu()))
 

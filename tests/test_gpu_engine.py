@@ -51,7 +51,7 @@ def test_graph_replay_equals_eager_for_every_bucket(tiny_model_dir, architecture
         size = runner.graphs.padded_size(num_seqs)
         assert size == min(s for s in CAPTURE_SIZES if s >= num_seqs)
         with torch.inference_mode():
-            inputs = build_step_inputs(step, runner.block_size, runner.block_tables, runner.block_table_width)
+            inputs = build_step_inputs(step, runner.config.block_size, runner.block_tables, runner.block_table_width)
             graph_logits = runner.graphs.replay(inputs, size).logits[:num_seqs].clone()
             eager_logits = runner._eager_forward(inputs, *runner._to_device(inputs))[1]
         torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-4, atol=1e-4)

@@ -23,7 +23,7 @@ def _decode_inputs(n: int, seed: int) -> StepInputs:
         query_start_loc=np.arange(n + 1, dtype=np.int32),
         block_tables=rng.integers(1, 600, (n, WIDTH)).astype(np.int32),
         sample_rows=list(range(n)), sample_token_index=np.arange(n, dtype=np.int64),
-        pending_source=pending, max_query_len=1, max_seq_len=500,
+        pending_rows=pending, max_query_len=1, max_seq_len=500,
     )
 
 
@@ -35,9 +35,9 @@ def test_each_bucket_reads_its_step_and_padding_rows() -> None:
         views = buffers.views(size)
         assert all(view.shape[0] == size for view in views)
         assert views.block_tables.shape == (size, WIDTH) and views.block_tables.dtype == torch.int32
-        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "pending_source", "block_tables"):
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "pending_rows", "block_tables"):
             assert np.array_equal(getattr(views, name)[:n].numpy(), getattr(inputs, name)), name
-        padding = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 0, "pending_source": -1,
+        padding = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 0, "pending_rows": -1,
                    "block_tables": 0}
         for name, value in padding.items():
             assert (getattr(views, name)[n:] == value).all(), name
@@ -48,9 +48,9 @@ def test_each_bucket_reads_its_step_and_padding_rows() -> None:
 def test_a_step_without_pending_tokens_gets_none_pending() -> None:
     buffers = GraphCaptureBuffers(8, WIDTH, block_size=16, device=torch.device("cpu"))
     inputs = _decode_inputs(4, seed=1)
-    inputs.pending_source = None
+    inputs.pending_rows = None
     buffers.load(inputs, 4)
-    assert (buffers.views(4).pending_source == -1).all()
+    assert (buffers.views(4).pending_rows == -1).all()
 
 
 def test_clear_leaves_padding_rows_only() -> None:
@@ -58,5 +58,5 @@ def test_clear_leaves_padding_rows_only() -> None:
     buffers.load(_decode_inputs(16, seed=2), 16)
     buffers.clear(8)  # a capture of bucket 8 while bucket 16's step is staged
     views = buffers.views(8)
-    assert (views.slot_mapping == -1).all() and (views.pending_source == -1).all()
+    assert (views.slot_mapping == -1).all() and (views.pending_rows == -1).all()
     assert (views.seq_lens == 0).all() and (views.block_tables == 0).all() and (views.input_ids == 0).all()

@@ -5,18 +5,21 @@ from collections import Counter
 
 import pytest
 
+from batchgen.config import EngineConfig
 from batchgen.core.block_manager import BlockManager
 from batchgen.core.request import PENDING_TOKEN, Request, RequestStatus
-from batchgen.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batchgen.core.scheduler import Scheduler, SchedulerOutput
 from batchgen.sample.params import SamplingParams
 
 EOS = 2
 
 
 def make_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 64, max_model_len: int = 1024,
-                   num_blocks: int = 1000, block_size: int = 4, mixed: bool = False) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, mixed_prefill_decode=mixed)
-    return Scheduler(config, BlockManager(num_blocks, block_size))
+                   num_blocks: int = 1000, block_size: int = 4, mixed: bool = False,
+                   prefix_caching: bool = True) -> Scheduler:
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, mixed_prefill_decode=mixed)
+    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching))
 
 
 def make_request(request_id: int, prompt_len: int, max_tokens: int = 16, **params) -> Request:
@@ -449,7 +452,7 @@ def test_admission_looks_past_at_most_max_num_seqs_waiting_requests():
 
 
 def test_without_prefix_caching_requests_sharing_a_prefix_are_admitted_together():
-    scheduler = Scheduler(SchedulerConfig(16, 64, 1024), BlockManager(100, 4, enable_prefix_caching=False))
+    scheduler = make_scheduler(num_blocks=100, prefix_caching=False)
     for i in range(2):
         scheduler.add_request(make_shared_request(i, prefix_len=8, suffix_len=2))
     output, _ = run_step(scheduler)
@@ -525,8 +528,7 @@ def test_later_samples_of_a_prompt_without_a_full_block_join_at_once():
 
 
 def test_later_samples_join_at_once_without_prefix_caching():
-    config = SchedulerConfig(16, 64, 1024)
-    scheduler = Scheduler(config, BlockManager(100, 4, enable_prefix_caching=False))
+    scheduler = make_scheduler(num_blocks=100, prefix_caching=False)
     samples = add_samples(scheduler, 0, prompt_len=10, n=3)
     assert list(scheduler.waiting) == samples
     output, _ = run_step(scheduler)

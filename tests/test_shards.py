@@ -12,10 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.config import Config, ConfigError, DataConfig, EngineConfig, validate_data, validate_runner
+from batchgen.io.shard_split import ShardSplit
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
 from batchgen.job.summary import AttemptStats, summarize
 from batchgen.runners.merge import MergeError, merge_shards
-from batchgen.runners.shards import ShardMarker, ShardSplit, shard_dir_name
+from batchgen.runners.shards import ShardMarker, shard_dir_name
 from tests.test_config import composed
 
 REPO = Path(__file__).resolve().parent.parent

@@ -81,7 +81,7 @@ def references(tiny_model_dir):
 def test_greedy_tokens_equal_transformers_past_the_window(references, architecture: str, setup: str) -> None:
     model_dir, prompts, expected = references(architecture)
     llm = LLM(str(model_dir), device="cpu", dtype="float32", max_model_len=128, **ENGINE_SETUPS[setup])
-    assert llm.engine.max_model_len == 128  # no longer capped at the window
+    assert llm.engine.config.max_model_len == 128  # no longer capped at the window
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
     assert [o.error for o in outputs] == [None] * len(prompts)

@@ -1,9 +1,12 @@
 """build_step_inputs: the flattened arrays of a step with multi-token chunks."""
 
+import torch
+
 from batchgen.core.request import PENDING_TOKEN, Request
 from batchgen.core.scheduler import SchedulerOutput
 from batchgen.sample.params import SamplingParams
 from batchgen.worker.block_tables import BlockTables
+from batchgen.worker.pending_tokens import PendingTokens
 from batchgen.worker.step_inputs import build_step_inputs
 
 
@@ -26,10 +29,12 @@ def test_chunks_flatten_in_request_order():
 def test_a_pending_token_in_a_chunk_reads_the_previous_step_sample():
     request = Request(0, [10, 11], SamplingParams(), output_token_ids=[30, PENDING_TOKEN], block_ids=[0, 1])
     step = SchedulerOutput([request], [4], [], 4, 0)
-    inputs = build_step_inputs(step, block_size=2, tables=BlockTables(width=2),
-                               previous_sample_rows={id(request): 5})
+    pending = PendingTokens(8, torch.device("cpu"))
+    others = [Request(i, [1], SamplingParams()) for i in range(1, 6)]
+    pending.sampled([*others, request], list(range(6)))  # the previous step sampled its token into row 5
+    inputs = build_step_inputs(step, block_size=2, tables=BlockTables(width=2), pending=pending)
     assert inputs.input_ids.tolist() == [10, 11, 30, PENDING_TOKEN]
-    assert inputs.pending_source.tolist() == [-1, -1, -1, 5]
+    assert inputs.pending_rows.tolist() == [-1, -1, -1, 5]
     assert inputs.has_pending_tokens
 
 

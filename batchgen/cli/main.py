@@ -45,7 +45,17 @@ CONF_DIR = REPO_ROOT / "conf"
 
 log = logging.getLogger("batchgen")
 
-ConfigStore.instance().store(name="schema", node=Config)
+
+def writable(node: DictConfig) -> DictConfig:
+    """The schema, its frozen dataclasses' nodes made writable: Hydra merges conf/ and the command line into it."""
+    OmegaConf.set_readonly(node, False)
+    for value in node.values():
+        if isinstance(value, DictConfig):
+            writable(value)
+    return node
+
+
+ConfigStore.instance().store(name="schema", node=writable(OmegaConf.structured(Config)))
 if not OmegaConf.has_resolver("repo"):
     # ${repo:} lets configs name files shipped in the repository from whatever directory the job starts in.
     OmegaConf.register_new_resolver("repo", lambda: str(REPO_ROOT))

@@ -7,15 +7,16 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from batchgen.config import EngineConfig, ModelConfig
 from batchgen.core.block_manager import BlockManager
 from batchgen.core.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit
 from batchgen.core.request import Request
-from batchgen.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batchgen.core.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.request_logprobs import attach_logprobs, token_texts
@@ -26,10 +27,11 @@ from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.sample.bad_words import bad_words_token_ids
 from batchgen.sample.params import SamplingParams
-from batchgen.worker.cuda_graph import default_capture_sizes
 from batchgen.worker.host_threads import intra_op_threads
 from batchgen.worker.model_runner import LaunchedStep, ModelRunner
-from batchgen.worker.step_profiler import StepProfiler
+
+if TYPE_CHECKING:
+    from batchgen.worker.step_profiler import StepProfiler  # torch.profiler: imported only when asked for
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +92,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if name == "triton" and device.type != "cuda":
+def resolve_engine_config(config: EngineConfig, hf_config: Any, device: torch.device) -> EngineConfig:
+    """The config as it applies to this model and device: max_model_len and attention_backend set."""
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    elif backend == "triton" and device.type != "cuda":
         raise ValueError("engine.attention_backend='triton' needs a CUDA device; allowed on CPU: torch, auto")
-    return name
+    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    max_model_len = config.max_model_len or limit
+    if limit is not None and max_model_len > limit:
+        raise ValueError(f"engine.max_model_len={max_model_len} is invalid: the model supports at most {limit} "
+                         "positions")
+    return replace(config, max_model_len=max_model_len, attention_backend=backend)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -114,14 +123,6 @@ def check_kv_cache_dtype_supported(kv_cache_dtype: torch.dtype, backend: str, de
                          "or engine.attention_backend=torch")
 
 
-def attention_ops(backend: str):
-    if backend == "triton":
-        from batchgen.layers import attention_triton
-
-        return attention_triton
-    return attention_torch
-
-
 def request_seed(engine_seed: int, request_id: int) -> int:
     """A per-request seed that depends only on the engine seed and the request id, so resumed runs sample alike."""
     return (engine_seed * 1_000_003 + request_id * 7_919 + 1) % (2**31 - 1)
@@ -137,9 +138,9 @@ def sample_seed(row_seed: int, sample_index: int) -> int:
 
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, detokenizer: Detokenizer | None = None,
-                 kv_demand: KVDemand | None = None):
-        """kv_demand: the job's rows (prompt lengths and max_tokens), when known: the KV cache is sized to them."""
-        self.config = engine_config
+                 kv_demand: KVDemand | None = None, profiler: StepProfiler | None = None):
+        """kv_demand: the job's rows (prompt lengths and max_tokens), when known: the KV cache is sized to them.
+        profiler: records the kernels of the steps it chooses (job.profile_steps)."""
         self.device = resolve_device(engine_config.device)
         if (threads := intra_op_threads(engine_config.cpu_threads, self.device)) is not None:
             torch.set_num_threads(threads)
@@ -148,52 +149,45 @@ class LLMEngine:
         self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
         self.detokenizer = detokenizer or Detokenizer.load(model_config)
         self.eos_token_ids = self._eos_token_ids(hf_config)
+        self.profiler = profiler
 
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, self.device)
-        self.max_model_len = self._max_model_len(hf_config)
+        self.config = resolve_engine_config(engine_config, hf_config, self.device)
+        backend = self.config.attention_backend
         compile_layers = self.device.type == "cuda" and engine_config.torch_compile
         if compile_layers:
             compile_small_layers(model)  # compiles lazily, at the memory-profiling run below
-        backend = resolve_attention_backend(engine_config.attention_backend, self.device)
         kv_cache_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, self.dtype)
         check_kv_cache_dtype_supported(kv_cache_dtype, backend, self.device)
         if backend == "triton":
             use_triton_layers(model, gemv=not engine_config.enforce_eager, elementwise=not compile_layers)
         self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start}
-        self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
-                                  engine_config.max_num_seqs, kv_cache_dtype, attention_ops(backend))
-        self.runner.logprobs_mode = engine_config.logprobs_mode
-        # Only the Triton kernels cascade, and only layers without a sliding window (Mistral windows every layer).
-        # A job whose rows never share a long prefix never captures a cascade graph (shares_long_prefix).
-        self.runner.cascade_attention = (engine_config.cascade_attention and backend == "triton"
-                                         and any(a.sliding_window is None for a in self.runner.attention_layers))
+        self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
+        self.runner = ModelRunner(self.config, model, self.device, kv_cache_dtype, self._bitmask)
         self._token_text = token_texts(self.detokenizer)
         start = time.perf_counter()
         kv_choice = self._num_kv_blocks(kv_demand)  # on CUDA, a forward that measures the activations' peak
         num_blocks = kv_choice.num_blocks
         self.runner.allocate_kv_cache(num_blocks)
+        block_size = self.config.block_size
         self.info.update(
             kv_sizing_seconds=time.perf_counter() - start,
             device=str(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else "cpu",
             dtype=str(self.dtype).removeprefix("torch."),
             kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
-            max_model_len=self.max_model_len,
+            max_model_len=self.config.max_model_len,
             kv_blocks=num_blocks,
             kv_blocks_reason=kv_choice.reason,
-            kv_capacity_tokens=num_blocks * engine_config.block_size,
+            kv_capacity_tokens=num_blocks * block_size,
             kv_cache_bytes=num_blocks * self.runner.kv_block_bytes,
         )
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s): %s", num_blocks,
-                 engine_config.block_size, num_blocks * engine_config.block_size, self.info["kv_cache_bytes"] / 2**30,
-                 self.info["kv_cache_dtype"], kv_choice.reason)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s): %s", num_blocks, block_size,
+                 num_blocks * block_size, self.info["kv_cache_bytes"] / 2**30, self.info["kv_cache_dtype"],
+                 kv_choice.reason)
         if self.device.type == "cuda" and not engine_config.enforce_eager:
             self._capture_graphs()
-        self.scheduler = Scheduler(
-            SchedulerConfig(engine_config.max_num_seqs, engine_config.max_num_batched_tokens, self.max_model_len,
-                            engine_config.mixed_prefill_decode),
-            BlockManager(num_blocks, engine_config.block_size, engine_config.enable_prefix_caching),
-        )
+        self.scheduler = Scheduler(self.config, BlockManager(num_blocks, block_size, self.config.enable_prefix_caching))
         self._finished_on_arrival: list[Request] = []
         self._prompts: dict[tuple[int, int], str | None] = {}  # (request id, sample index) -> prompt text
         self._in_flight: _InFlight | None = None
@@ -201,18 +195,9 @@ class LLMEngine:
         # (or, after an idle engine, the next launch), less the launches in it, each of which its own step counts.
         self._window_start: float | None = None
         self._launches_in_window_ms = 0.0
-        self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
         self.num_steps = 0
-        self.profiler: StepProfiler | None = None  # set by the job for job.profile_steps
 
     # -- setup ----------------------------------------------------------------------------------------------
-
-    def _max_model_len(self, hf_config) -> int:
-        limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-        wanted = self.config.max_model_len or limit
-        if limit is not None and wanted > limit:
-            raise ValueError(f"engine.max_model_len={wanted} is invalid: the model supports at most {limit} positions")
-        return wanted
 
     def _eos_token_ids(self, hf_config) -> list[int]:
         eos = self.detokenizer.eos_token_id if self.detokenizer else None
@@ -226,13 +211,12 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_gpu_blocks_override is not None:
             return KVBlockChoice(cfg.num_gpu_blocks_override, "engine.num_gpu_blocks_override")
-        limit = job_block_limit(cfg.max_num_seqs, self.max_model_len, cfg.block_size, demand)
+        limit = job_block_limit(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, demand)
         block_bytes = self.runner.kv_block_bytes
         if self.device.type == "cpu":
             budget = max(1, int(cfg.cpu_kv_cache_space_gib * 2**30) // block_bytes)
             return choose_num_blocks(budget, f"engine.cpu_kv_cache_space_gib={cfg.cpu_kv_cache_space_gib}", limit)
-        peak = self.runner.profile_peak_bytes(cfg.max_num_batched_tokens, min(cfg.max_num_seqs,
-                                                                                cfg.max_num_batched_tokens))
+        peak = self.runner.profile_peak_bytes()
         total = torch.cuda.get_device_properties(self.device).total_memory
         available = int(total * cfg.gpu_memory_utilization) - peak
         if available < block_bytes:
@@ -242,9 +226,7 @@ class LLMEngine:
                                  f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}", limit)
 
     def _capture_graphs(self) -> None:
-        graph_cfg = self.config.cuda_graph
-        sizes = graph_cfg.capture_sizes or default_capture_sizes(self.config.max_num_seqs, graph_cfg.max_capture_size)
-        stats = self.runner.capture_graphs(sorted(set(sizes)))
+        stats = self.runner.capture_graphs()
         self.info.update(cuda_graph_sizes=stats.sizes, cuda_graph_capture_seconds=stats.seconds,
                          cuda_graph_pool_bytes=stats.pool_bytes,
                          cuda_graph_capture_seconds_per_size={str(k): v for k, v in stats.seconds_per_size.items()})
@@ -320,8 +302,11 @@ class LLMEngine:
                 raise ValueError("structured output (guided_*) needs the model's tokenizer")
             self.structured_output = StructuredOutputManager(self.detokenizer.transformers_tokenizer(),
                                                              self.hf_config.vocab_size)
-            self.runner.bitmask_provider = self.structured_output.bitmask
         return self.structured_output
+
+    def _bitmask(self, requests: list[Request]) -> np.ndarray | None:
+        """The structured-output mask of a step's sampling rows; None while no request is guided."""
+        return None if self.structured_output is None else self.structured_output.bitmask(requests)
 
     def _finish_with_error(self, request: Request, error: str) -> None:
         request.finish_reason, request.error = "error", error
@@ -442,7 +427,6 @@ class LLMEngine:
     def close(self) -> None:
         """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean."""
         self.runner.close()
-        self.runner.model = None
         self._in_flight = None  # a stopped job may leave a launched step holding device tensors
         gc.collect()
         if self.device.type == "cuda":

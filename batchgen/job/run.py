@@ -19,6 +19,7 @@ from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, iter_prompts
+from batchgen.io.shard_split import ShardSplit
 from batchgen.io.writers import CompletionWriter, write_kernels
 from batchgen.job.exits import is_environment_fault
 from batchgen.job.progress import Progress
@@ -26,7 +27,6 @@ from batchgen.job.resume_check import check_resume
 from batchgen.job.run_outputs import SUMMARY_FILE, RunOutputs
 from batchgen.job.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.job.summary import AttemptStats
-from batchgen.runners.shards import ShardSplit
 from batchgen.sample.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -175,22 +175,23 @@ class Job:
             if self.openai_results:  # derived from the final completions, so it can always be written again
                 write_openai_results(self.config, self.run_dir)
             return self.finished_summary
-        from batchgen.engine.llm_engine import LLMEngine  # torch: imported once the inputs have been read
+        from batchgen.engine.llm_engine import LLMEngine, resolve_device  # torch: once the inputs have been read
 
         signals = signals or StopSignals()
         rows_by_index = {row.index: row for row in self.pending}
         total_samples = sum(self.num_samples.values())
         missing = sum(len(samples) for samples in self.missing_samples.values())
         self.progress = Progress(total_samples, total_samples - missing, self.config.job)
-        engine = None
+        engine = profiler = None
         clock = time.perf_counter()
         try:
             rows_to_run = [row for row in self.pending if row.error is None]
-            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run))
             if self.config.job.profile_steps:
                 from batchgen.worker.step_profiler import StepProfiler  # torch.profiler: only when asked for
 
-                engine.profiler = StepProfiler(self.config.job.profile_steps, engine.device)
+                profiler = StepProfiler(self.config.job.profile_steps, resolve_device(self.config.engine.device))
+            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run),
+                               profiler)
             clock = self._lap("engine_start_seconds", clock)
             self.stats.engine_ready_at = time.time()
             if wait_for_ranks is not None:
@@ -229,8 +230,8 @@ class Job:
         finally:
             self.progress.close()
             if engine is not None:
-                if engine.profiler is not None:
-                    write_kernels(self.run_dir / KERNELS_FILE, engine.profiler.rows, self.outputs.metadata)
+                if profiler is not None:
+                    write_kernels(self.run_dir / KERNELS_FILE, profiler.rows, self.outputs.metadata)
                 engine.close()
         if signals.received is not None:
             self.outputs.flush()
@@ -279,8 +280,7 @@ class Job:
 
     def _add_requests(self, engine: LLMEngine, rows: Iterator[PromptRow]) -> bool:
         """Adds rows until about two batches wait (rows are read lazily); returns whether rows are left."""
-        backlog = 2 * self.config.engine.max_num_seqs
-        while engine.num_waiting < backlog:
+        while engine.num_waiting < self.config.engine.wanted_backlog:
             row = next(rows, None)
             if row is None:
                 return False

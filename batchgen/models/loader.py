@@ -14,6 +14,7 @@ from torch import nn
 
 from batchgen.config import ModelConfig
 from batchgen.layers.norms import RMSNorm
+from batchgen.models.base import CausalLM
 from batchgen.models.hf_config import SAFETENSORS_FILE, SAFETENSORS_INDEX, hf_config_from_dict, read_hf_config
 from batchgen.models.registry import model_class
 
@@ -103,7 +104,7 @@ def init_dummy_weights(model: nn.Module) -> None:
                     param.zero_()
 
 
-def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """Builds the model for hf_config's architecture on `device` in `dtype` and fills its weights."""
     cls = model_class(hf_config)
     files = [] if model.load_format == "dummy" else safetensors_files(model.path)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from batchgen.models.base import CausalLM
 from batchgen.models.gpt2 import GPT2LMHeadModel
 from batchgen.models.hf_config import HFConfig, architecture_of
 from batchgen.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 # Keyed by hf_config.ARCHITECTURES' values, which check_checkpoint reads without importing the models (torch).
-MODEL_REGISTRY: dict[str, type] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -16,5 +17,5 @@ MODEL_REGISTRY: dict[str, type] = {
 }
 
 
-def model_class(hf_config: HFConfig) -> type:
+def model_class(hf_config: HFConfig) -> type[CausalLM]:
     return MODEL_REGISTRY[architecture_of(hf_config)]

@@ -25,10 +25,9 @@ def staging_buffer(nbytes: int, cuda: bool) -> torch.Tensor:
     """A host byte buffer whose one copy fills a static device buffer (a CUDA graph's inputs).
 
     Up to PAGEABLE_STAGING_BYTES it is pageable: the driver copies it into its own staging memory before the copy
-    call returns, and the device had it 5-15 us sooner than a DMA from pinned memory (a Qwen3-0.6B step at batch 1
-    to 8 on an H200, benchmarks/RESULTS.md, sixteenth session). A larger one, which the driver might stage in chunks
-    while the host waits, is fresh from torch's pinned-memory cache, which reuses a buffer only after its copy has
-    run. Either way the host may stage the next step while this one is still queued."""
+    call returns, and the device has it sooner than by a DMA from pinned memory. A larger one, which the driver
+    might stage in chunks while the host waits, is fresh from torch's pinned-memory cache, which reuses a buffer
+    only after its copy has run. Either way the host may stage the next step while this one is still queued."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda and nbytes > PAGEABLE_STAGING_BYTES)
 
 

@@ -3,7 +3,7 @@
 Importing transformers' config classes costs seconds of start-up (they pull in most of transformers); the models
 read only a few dozen fields. `HFConfig` holds every key of config.json as an attribute, with transformers' defaults
 (v5) for the fields our models read when the file leaves them out, its derived values (head_dim, num_key_value_heads,
-Qwen's layer_types) and GPT-2's aliases (hidden_size for n_embd, ...). tests/test_hf_config.py checks every field
+Qwen's layer_types) and GPT-2's aliases (hidden_size for n_embd, ...). tests/models/test_hf_config.py checks every field
 against transformers' own config classes. Other model types return None: the loader falls back to transformers.
 
 check_checkpoint checks a checkpoint directory from its files alone (config.json, the safetensors files present),

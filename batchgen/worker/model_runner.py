@@ -146,7 +146,8 @@ class ModelRunner:
         layer = self.attention_layers[0]
         shape = (2, len(self.attention_layers), num_blocks, self.config.block_size, layer.num_kv_heads,
                  layer.head_dim)
-        # Not zero-filled: no attention path reads a slot before it is written (tests/test_kv_cache_uninitialized.py).
+        # Not zero-filled: no attention path reads a slot before it is written
+        # (tests/worker/test_kv_cache_uninitialized.py).
         self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)  # (2, L, NB, BS, KVH, D)
         for i, attention in enumerate(self.attention_layers):
             attention.k_cache, attention.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

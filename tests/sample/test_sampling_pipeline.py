@@ -1,0 +1,216 @@
+"""The sampling pipeline: same tokens as the sampler it replaced, the static-buffer (graph) path equal to the eager
+one, the bitmask hook, and the penalties' arithmetic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from batchgen.core.request import Request
+from batchgen.sample.bitmask import apply_token_bitmask
+from batchgen.sample.graph import SamplerGraphs
+from batchgen.sample.params import SamplingParams
+from batchgen.sample.penalties import PenaltyTensors, SamplingStateRows, apply_penalties
+from batchgen.sample.sampler import SamplingTensors, run_sampler, sample
+from batchgen.sample.state import SamplingState
+from batchgen.sample.step_sampling import LastPacked, build_step_sampling
+from tests.helpers import reference_sampler
+
+VOCAB = 300
+
+
+def mixed_params(rows: int) -> list[SamplingParams]:
+    choices = [dict(temperature=0), dict(temperature=0.8), dict(temperature=0.7, top_k=20),
+               dict(temperature=1.2, top_p=0.8), dict(temperature=0.9, min_p=0.1),
+               dict(temperature=0.6, top_k=5, top_p=0.9, min_p=0.02)]
+    return [SamplingParams(**choices[i % len(choices)]) for i in range(rows)]
+
+
+def logits_for(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("rows", [1, 6, 37])
+def test_pipeline_equals_the_replaced_sampler(rows):
+    params = mixed_params(rows)
+    seeds, positions = [1000 + i for i in range(rows)], [7 * i for i in range(rows)]
+    logits = logits_for(rows)
+    old = reference_sampler.sample(logits, reference_sampler.SamplingTensors.from_params(params, seeds, positions,
+                                                                                           "cpu"))
+    new = sample(logits, SamplingTensors.from_params(params, seeds, positions, "cpu"))
+    assert torch.equal(old, new)
+
+
+def make_requests(params: list[SamplingParams], outputs: list[list[int]] | None = None) -> list[Request]:
+    requests = []
+    for i, p in enumerate(params):
+        p.seed = 50 + i
+        request = Request(i, [i % VOCAB, (3 * i) % VOCAB], p, eos_token_id=0)
+        request.output_token_ids = list(outputs[i]) if outputs else [5, 6]
+        requests.append(request)
+    return requests
+
+
+def penalized_params(rows: int) -> list[SamplingParams]:
+    params = mixed_params(rows)
+    for i, p in enumerate(params):
+        if i % 3 == 0:
+            p.repetition_penalty, p.frequency_penalty, p.presence_penalty = 1.3, 0.2, 0.5
+        if i % 4 == 1:
+            p.logit_bias, p.min_tokens = {7: 5.0}, 4
+    return params
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["decode_logits", "staged_eager_logits"])
+@pytest.mark.parametrize("penalties", [False, True], ids=["plain", "penalized"])
+def test_static_buffer_path_equals_eager(penalties, staged):
+    """The path a graphed decode step takes (static buffers padded to the bucket) gives the eager step's tokens, as
+    does that of an eager forward's logits staged into the sampler's own buffer; on CPU it runs without capture,
+    which the GPU tests add."""
+    rows, size = 11, 16
+    params = penalized_params(rows) if penalties else mixed_params(rows)
+    results = []
+    for graphed in (False, True):
+        requests = make_requests([SamplingParams(**vars(p)) for p in params])
+        state = SamplingState(VOCAB, torch.device("cpu")) if penalties else None
+        last_sampled = torch.zeros(size, dtype=torch.int64)
+        graphs = SamplerGraphs(size, VOCAB, last_sampled, torch.device("cpu"))
+        tokens = []
+        for step in range(4):
+            sampling = build_step_sampling(requests, state, pinned=False)
+            logits = torch.zeros(size, VOCAB)
+            logits[:rows] = logits_for(rows, seed=step)
+            if graphed:
+                static = graphs.stage_logits(logits[:rows]) if staged else logits
+                ids = graphs.run(sampling.packed, sampling.bitmask, size, static, state).token_ids.clone()
+                assert torch.equal(last_sampled[:rows], ids)
+            else:
+                ids = run_sampler(logits[:rows], sampling.tensors(torch.device("cpu"), state, None)).token_ids
+            tokens.append(ids.tolist())
+            for request, token in zip(requests, ids.tolist(), strict=True):
+                request.output_token_ids.append(token)
+        results.append(tokens)
+    assert results[0] == results[1]
+
+
+def test_bitmask_restricts_sampling():
+    rows = 8
+    allowed_sets = [{3, 40, 41}, {0}, {299}, set(range(32, 64))] * 2
+    bitmask = np.zeros((rows, -(-VOCAB // 32)), dtype=np.int32)
+    for row, allowed in enumerate(allowed_sets):
+        for token in allowed:
+            bitmask[row, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+    bitmask[7] = -1  # all allowed
+    requests = make_requests(mixed_params(rows))
+    sampling = build_step_sampling(requests, None, pinned=False)
+    sampling.add_bitmask(bitmask, VOCAB, pinned=False)
+    assert sampling.packed.features.bitmask
+    for seed in range(5):
+        tokens = run_sampler(logits_for(rows, seed), sampling.tensors(torch.device("cpu"), None, None)).token_ids
+        for row in range(7):
+            assert tokens[row].item() in allowed_sets[row]
+    masked = apply_token_bitmask(logits_for(1), torch.from_numpy(bitmask[:1]))
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [3, 40, 41]
+
+
+def test_penalties_follow_vllm():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]])
+    masks = torch.zeros(2, 5, dtype=torch.bool)
+    rows = SamplingStateRows(torch.tensor([[0.0] * 5, [0.0, 2.0, 0.0, 1.0, 0.0]]), masks.clone(), torch.zeros(2, 5),
+                             masks.clone())
+    rows.prompt_mask[1, 0] = True  # token 0 in the prompt
+    rows.bias[1, 4] = -1.0
+    rows.stop_mask[1, 2] = True
+    p = PenaltyTensors(rows, torch.tensor([1]), torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25]),
+                       torch.tensor([1.0]))
+    out = apply_penalties(logits, p)[0]
+    # token 0: prompt only -> 2 / 2; token 1: twice in the output -> -2 * 2 - 0.25 * 2 - 0.5;
+    # token 2: a stop token before min_tokens -> -inf; token 3: once -> 0.5 / 2 - 0.25 - 0.5; token 4: biased, unseen
+    assert out.tolist() == [1.0, -5.0, float("-inf"), -0.5, 2.0]
+
+
+def test_greedy_rows_see_penalties():
+    logits = torch.tensor([[5.0, 4.0, 0.0]])
+    rows = SamplingStateRows(torch.tensor([[0.0, 0.0, 0.0], [3.0, 0.0, 0.0]]), torch.zeros(2, 3, dtype=torch.bool),
+                             torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool))
+    tensors = SamplingTensors.from_params([SamplingParams(temperature=0)], [0], [0], "cpu")
+    tensors.penalties = PenaltyTensors(rows, torch.tensor([1]), torch.tensor([1.0]), torch.tensor([0.0]),
+                                       torch.tensor([1.0]), torch.tensor([0.0]))
+    assert run_sampler(logits, tensors).token_ids.tolist() == [1]
+    assert rows.output_counts[1].tolist() == [3.0, 1.0, 0.0]  # the sampled token is counted on the device
+
+
+@pytest.mark.parametrize("key, value", [("repetition_penalty", 0), ("presence_penalty", 3),
+                                        ("frequency_penalty", -2.5), ("min_tokens", -1), ("logit_bias", {"a": 1}),
+                                        ("bad_words", [""]), ("allowed_token_ids", []), ("logprobs", 21),
+                                        ("prompt_logprobs", -1), ("max_tokens", 0)])
+def test_invalid_values_name_the_key(key, value):
+    with pytest.raises(ValueError, match=f"sampling.{key}="):
+        SamplingParams().with_overrides({key: value})
+
+
+def test_scoring_request_allows_max_tokens_zero():
+    params = SamplingParams().with_overrides({"max_tokens": 0, "prompt_logprobs": 3, "logit_bias": {"5": 1.5},
+                                              "bad_words": "thee"})
+    assert params.scoring and params.logit_bias == {5: 1.5} and params.bad_words == ["thee"]
+
+
+def test_logprobs_mode_is_validated():
+    from batchgen.config import ConfigError, EngineConfig, validate_engine
+
+    with pytest.raises(ConfigError, match="engine.logprobs_mode='softmax'"):
+        validate_engine(EngineConfig(logprobs_mode="softmax"))
+
+
+def test_rows_override_the_new_fields():
+    from batchgen.io.errors import RowError
+    from batchgen.io.overrides import parse_overrides
+
+    record = {"prompt": "x", "logit_bias": {"5": 1, 7: -2.5}, "bad_words": "thee", "prompt_logprobs": 2,
+              "repetition_penalty": 1.2, "allowed_token_ids": [1, 2]}
+    overrides = parse_overrides(record)
+    params = SamplingParams().with_overrides(overrides)
+    assert params.logit_bias == {5: 1, 7: -2.5} and params.bad_words == ["thee"] and params.prompt_logprobs == 2
+    assert params.allowed_token_ids == [1, 2] and params.repetition_penalty == 1.2
+    with pytest.raises(RowError, match="logit_bias="):
+        parse_overrides({"logit_bias": {"a": 1}})
+
+
+def test_a_repeated_step_reuses_its_packed_rows_with_the_new_positions():
+    requests = make_requests(mixed_params(9))
+    last = LastPacked()
+    reused_floats = build_step_sampling(requests, None, pinned=False, last=last).packed.floats
+    for request in requests:
+        request.output_token_ids.append(11)  # the next decode step: every position moves on
+    for step in (requests, requests[::-1], requests[:5]):  # the same rows, then other orders and subsets
+        packed = build_step_sampling(step, None, pinned=False, last=last).packed
+        fresh = build_step_sampling(step, None, pinned=False).packed
+        assert packed.features == fresh.features
+        assert np.array_equal(packed.floats, fresh.floats) and np.array_equal(packed.ints, fresh.ints)
+    previous = last.packed
+    again = build_step_sampling(requests[:5], None, pinned=False, last=last).packed
+    assert again.floats is previous.floats and again.ints is not previous.ints  # shared parameters, new positions
+    assert previous.floats is not reused_floats  # other requests, or another order: packed afresh
+
+
+def test_a_given_argmax_serves_the_greedy_rows_unless_a_stage_changes_the_logits():
+    """A decode graph hands the sampler its argmax: the greedy rows take it (the same ids as the sampler's own), and
+    where penalties change the logits first the sampler takes its own argmax."""
+    rows = 12
+    params = mixed_params(rows)
+    seeds, positions = [3000 + i for i in range(rows)], [5 * i for i in range(rows)]
+    logits = logits_for(rows, seed=4)
+    tensors = SamplingTensors.from_params(params, seeds, positions, "cpu")
+    own = run_sampler(logits, tensors).token_ids
+    greedy = tensors.temperatures == 0
+    assert greedy.any() and not greedy.all()
+    assert torch.equal(run_sampler(logits, tensors, logits.argmax(dim=-1)).token_ids, own)
+    marked = torch.full((rows,), VOCAB - 1)  # not the argmax of any row: shows where the given ids are taken
+    assert torch.equal(run_sampler(logits, tensors, marked).token_ids, torch.where(greedy, marked, own))
+
+    state = SamplingStateRows(torch.zeros(2, VOCAB), torch.zeros(2, VOCAB, dtype=torch.bool), torch.zeros(2, VOCAB),
+                              torch.zeros(2, VOCAB, dtype=torch.bool))
+    tensors.penalties = PenaltyTensors(state, torch.ones(rows, dtype=torch.int64), torch.ones(rows),
+                                       torch.zeros(rows), torch.zeros(rows), torch.zeros(rows))
+    assert torch.equal(run_sampler(logits, tensors, marked).token_ids, own)

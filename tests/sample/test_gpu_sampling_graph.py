@@ -15,8 +15,7 @@ from batchgen.sample.sampler import run_sampler
 from batchgen.sample.state import SamplingState
 from batchgen.sample.step_sampling import build_step_sampling
 from tests.helpers import reference_sampler
-from tests.helpers.common import VOCAB
-from tests.sample.test_sampling_pipeline import logits_for, make_requests, mixed_params, penalized_params
+from tests.sample.test_sampling_pipeline import VOCAB, logits_for, make_requests, mixed_params, penalized_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from batchgen.core.request import Request, RequestStatus
-from batchgen.core.scheduler import SchedulerOutput
+from batchgen.core.scheduler import Scheduler, SchedulerOutput
 from batchgen.sample.params import SamplingParams
 from tests.core.test_scheduler import EOS, add_requests, check_invariants, make_scheduler, run_step, scheduled
 

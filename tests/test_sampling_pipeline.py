@@ -3,6 +3,8 @@ one, the bitmask hook, and the penalties' arithmetic."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from batchgen.core.request import Request
 from batchgen.sample.bitmask import apply_token_bitmask
 from batchgen.sample.graph import SamplerGraphs
-from batchgen.sample.params import SamplingParams
+from batchgen.sample.params import VALUE_RANGES, SamplingParams, row_params
 from batchgen.sample.penalties import PenaltyTensors, SamplingStateRows, apply_penalties
 from batchgen.sample.sampler import SamplingTensors, run_sampler, sample
 from batchgen.sample.state import SamplingState
@@ -146,13 +148,13 @@ def test_greedy_rows_see_penalties():
                                         ("bad_words", [""]), ("allowed_token_ids", []), ("logprobs", 21),
                                         ("prompt_logprobs", -1), ("max_tokens", 0)])
 def test_invalid_values_name_the_key(key, value):
-    with pytest.raises(ValueError, match=f"sampling.{key}="):
-        SamplingParams().with_overrides({key: value})
+    with pytest.raises(ValueError, match=f"row 4: sampling.{key}="):
+        row_params(SamplingParams(), {key: value}, 4)
 
 
 def test_scoring_request_allows_max_tokens_zero():
-    params = SamplingParams().with_overrides({"max_tokens": 0, "prompt_logprobs": 3, "logit_bias": {"5": 1.5},
-                                              "bad_words": "thee"})
+    params = row_params(SamplingParams(), {"max_tokens": 0, "prompt_logprobs": 3, "logit_bias": {"5": 1.5},
+                                           "bad_words": "thee"}, 0)
     assert params.scoring and params.logit_bias == {5: 1.5} and params.bad_words == ["thee"]
 
 
@@ -170,11 +172,25 @@ def test_rows_override_the_new_fields():
     record = {"prompt": "x", "logit_bias": {"5": 1, 7: -2.5}, "bad_words": "thee", "prompt_logprobs": 2,
               "repetition_penalty": 1.2, "allowed_token_ids": [1, 2]}
     overrides = parse_overrides(record)
-    params = SamplingParams().with_overrides(overrides)
+    params = row_params(SamplingParams(), overrides, 0)
     assert params.logit_bias == {5: 1, 7: -2.5} and params.bad_words == ["thee"] and params.prompt_logprobs == 2
     assert params.allowed_token_ids == [1, 2] and params.repetition_penalty == 1.2
     with pytest.raises(RowError, match="logit_bias="):
         parse_overrides({"logit_bias": {"a": 1}})
+
+
+@pytest.mark.parametrize("key, value", [("n", 0), ("temperature", -0.1), ("top_p", 0), ("top_p", 1.01), ("top_k", -2),
+                                        ("min_p", 1.5), ("repetition_penalty", 0), ("presence_penalty", 2.5),
+                                        ("frequency_penalty", -3), ("min_tokens", -1)])
+def test_rows_and_the_job_check_values_by_the_same_rule(key, value):
+    from batchgen.io.errors import RowError
+    from batchgen.io.overrides import parse_overrides
+
+    requirement = re.escape(f"is invalid: must be {VALUE_RANGES[key].requirement}")
+    with pytest.raises(RowError, match=f"^{key}={value} {requirement}"):
+        parse_overrides({key: value})
+    with pytest.raises(ValueError, match=f"^sampling.{key}={value} {requirement}"):
+        SamplingParams(**{key: value})
 
 
 def test_a_repeated_step_reuses_its_packed_rows_with_the_new_positions():

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from batchgen import LLM, SamplingParams
 from batchgen.sample.bitmask import apply_token_bitmask, unpack_token_bitmask
+from batchgen.sample.params import row_params
 from batchgen.sample.sampler import SamplingTensors, sample
 from tests.conftest import tiny_hf_config
 
@@ -156,7 +157,7 @@ def test_invalid_specs_are_error_rows_naming_the_field(llguidance) -> None:
 def test_two_guided_options_are_rejected() -> None:
     with pytest.raises(ValueError, match="set at most one guided"):
         SamplingParams(guided_regex="a", guided_choice=["a"])
-    row = SamplingParams(guided_regex="a").with_overrides({"guided_choice": ["b"]})
+    row = row_params(SamplingParams(guided_regex="a"), {"guided_choice": ["b"]}, 0)
     assert row.guided_regex is None and row.guided_choice == ["b"]
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from batchgen.io.errors import RowError
 from batchgen.io.values import as_integer, as_number, as_token_ids, short_repr
+from batchgen.sample.params import VALUE_RANGES
 
 
 @dataclass(frozen=True)
@@ -24,14 +25,15 @@ def _integer_from(minimum: int) -> Callable[[Any], int | None]:
     return parse
 
 
-def _number_in(low: float, high: float | None, low_inclusive: bool) -> Callable[[Any], float | None]:
-    def parse(value: Any) -> float | None:
-        number = as_number(value)
-        if number is None or (high is not None and number > high):
-            return None
-        return number if number > low or (low_inclusive and number == low) else None
+def _in_range(name: str) -> OverrideRule:
+    """The rule SamplingParams checks the job's value of `name` by (sample/params.py)."""
+    rule = VALUE_RANGES[name]
 
-    return parse
+    def parse(value: Any) -> int | float | None:
+        number = as_integer(value) if rule.integer else as_number(value)
+        return number if number is not None and rule.allows(number) else None
+
+    return OverrideRule(parse, rule.requirement)
 
 
 def _stop_strings(value: Any) -> list[str] | None:
@@ -77,12 +79,12 @@ def _token_id_list(value: Any) -> list[int] | None:
 
 
 OVERRIDE_RULES: dict[str, OverrideRule] = {
-    "n": OverrideRule(_integer_from(1), "a positive integer"),
+    "n": _in_range("n"),
     "max_tokens": OverrideRule(_integer_from(1), "a positive integer"),
-    "temperature": OverrideRule(_number_in(0.0, None, low_inclusive=True), "a number >= 0"),
-    "top_p": OverrideRule(_number_in(0.0, 1.0, low_inclusive=False), "a number in (0, 1]"),
-    "top_k": OverrideRule(_integer_from(-1), "an integer >= -1 (0 or -1: off)"),
-    "min_p": OverrideRule(_number_in(0.0, 1.0, low_inclusive=True), "a number in [0, 1]"),
+    "temperature": _in_range("temperature"),
+    "top_p": _in_range("top_p"),
+    "top_k": _in_range("top_k"),
+    "min_p": _in_range("min_p"),
     "seed": OverrideRule(_integer_from(0), "a non-negative integer"),
     "stop": OverrideRule(_stop_strings, "a non-empty string or a list of non-empty strings"),
     "stop_token_ids": OverrideRule(as_token_ids, "a list of non-negative integers"),
@@ -91,10 +93,10 @@ OVERRIDE_RULES: dict[str, OverrideRule] = {
     "guided_regex": OverrideRule(_text, "a non-empty string"),
     "guided_choice": OverrideRule(_choices, "a non-empty list of strings"),
     "guided_grammar": OverrideRule(_text, "a non-empty string"),
-    "repetition_penalty": OverrideRule(_number_in(0.0, None, low_inclusive=False), "a number > 0 (1: off)"),
-    "presence_penalty": OverrideRule(_number_in(-2.0, 2.0, low_inclusive=True), "a number in [-2, 2]"),
-    "frequency_penalty": OverrideRule(_number_in(-2.0, 2.0, low_inclusive=True), "a number in [-2, 2]"),
-    "min_tokens": OverrideRule(_integer_from(0), "a non-negative integer"),
+    "repetition_penalty": _in_range("repetition_penalty"),
+    "presence_penalty": _in_range("presence_penalty"),
+    "frequency_penalty": _in_range("frequency_penalty"),
+    "min_tokens": _in_range("min_tokens"),
     "logit_bias": OverrideRule(_logit_bias, "an object of token id -> number"),
     "bad_words": OverrideRule(_stop_strings, "a non-empty string or a list of non-empty strings"),
     "allowed_token_ids": OverrideRule(_token_id_list, "a non-empty list of non-negative integers"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from batchgen.layers.staging import aligned_length, staging_buffer
 from batchgen.sample.sampler import (
     FLOAT_FIELDS,
     INT_FIELDS,
@@ -28,7 +29,6 @@ from batchgen.sample.sampler import (
     run_sampler,
 )
 from batchgen.sample.state import SamplingState
-from batchgen.worker.upload import aligned_length, staging_buffer
 
 
 class SamplerGraphs:

@@ -17,10 +17,9 @@ from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.embedding import PendingTokens
 from batchgen.layers.shared_prefix import shared_prefix_len
 from batchgen.sample.graph import SamplerGraphs
-from batchgen.sample.logprobs import compute_logprobs
+from batchgen.sample.logprobs import StepLogprobs, compute_logprobs, sampled_logprobs
 from batchgen.sample.sampler import SamplerOutput, run_sampler
 from batchgen.sample.state import SamplingState
-from batchgen.sample.step_logprobs import StepLogprobs, plan_prompt_logprobs, sampled_logprobs
 from batchgen.sample.step_sampling import BitmaskProvider, LastPacked, StepSampling, build_step_sampling
 from batchgen.worker.block_tables import BlockTables
 from batchgen.worker.cascade import shares_long_prefix
@@ -30,6 +29,7 @@ from batchgen.worker.cuda_graph import (
     GraphCaptureBuffers,
     GraphOutputs,
 )
+from batchgen.worker.prompt_logprobs import plan_prompt_logprobs
 from batchgen.worker.step_inputs import StepInputs, build_step_inputs
 from batchgen.worker.upload import upload_packed
 
@@ -281,7 +281,7 @@ class ModelRunner:
         index, targets = (torch.from_numpy(a).to(self.device, non_blocking=True) for a in (plan.token_index,
                                                                                           plan.targets))
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        return plan, compute_logprobs(logits, targets, plan.k, self._pinned)
+        return plan.owners, compute_logprobs(logits, targets, plan.k, self._pinned)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Waits for a launched step; its sampled ids are parallel to the step's requests."""

@@ -10,14 +10,16 @@ import pytest
 import torch
 
 from batchgen.core.request import Request
+from batchgen.sample.batch import LastPacked, SamplingBatch
 from batchgen.sample.bitmask import apply_token_bitmask
 from batchgen.sample.graph import SamplerGraphs
 from batchgen.sample.params import VALUE_RANGES, SamplingParams, row_params
 from batchgen.sample.penalties import PenaltyTensors, SamplingStateRows, apply_penalties
-from batchgen.sample.sampler import SamplingTensors, run_sampler, sample
+from batchgen.sample.sampler import run_sampler, sample
 from batchgen.sample.state import SamplingState
-from batchgen.sample.step_sampling import LastPacked, build_step_sampling
+from batchgen.worker.model_runner import token_histories
 from tests import reference_sampler
+from tests.test_sampler import tensors_for
 
 VOCAB = 300
 
@@ -40,7 +42,7 @@ def test_pipeline_equals_the_replaced_sampler(rows):
     logits = logits_for(rows)
     old = reference_sampler.sample(logits, reference_sampler.SamplingTensors.from_params(params, seeds, positions,
                                                                                            "cpu"))
-    new = sample(logits, SamplingTensors.from_params(params, seeds, positions, "cpu"))
+    new = sample(logits, tensors_for(params, seeds, positions))
     assert torch.equal(old, new)
 
 
@@ -52,6 +54,12 @@ def make_requests(params: list[SamplingParams], outputs: list[list[int]] | None 
         request.output_token_ids = list(outputs[i]) if outputs else [5, 6]
         requests.append(request)
     return requests
+
+
+def step_batch(requests: list[Request], state: SamplingState | None) -> SamplingBatch:
+    """The batch the model runner prepares for these sampling rows."""
+    params = [r.sampling_params for r in requests]
+    return SamplingBatch.prepare(params, [r.num_tokens for r in requests], state, token_histories(requests, params))
 
 
 def penalized_params(rows: int) -> list[SamplingParams]:
@@ -80,15 +88,15 @@ def test_static_buffer_path_equals_eager(penalties, staged):
         graphs = SamplerGraphs(size, VOCAB, last_sampled, torch.device("cpu"))
         tokens = []
         for step in range(4):
-            sampling = build_step_sampling(requests, state, pinned=False)
+            sampling = step_batch(requests, state)
             logits = torch.zeros(size, VOCAB)
             logits[:rows] = logits_for(rows, seed=step)
             if graphed:
                 static = graphs.stage_logits(logits[:rows]) if staged else logits
-                ids = graphs.run(sampling.packed, sampling.bitmask, size, static, state).token_ids.clone()
+                ids = graphs.run(sampling, size, static, state).token_ids.clone()
                 assert torch.equal(last_sampled[:rows], ids)
             else:
-                ids = run_sampler(logits[:rows], sampling.tensors(torch.device("cpu"), state, None)).token_ids
+                ids = run_sampler(logits[:rows], sampling.to_device("cpu", state)).token_ids
             tokens.append(ids.tolist())
             for request, token in zip(requests, ids.tolist(), strict=True):
                 request.output_token_ids.append(token)
@@ -105,11 +113,10 @@ def test_bitmask_restricts_sampling():
             bitmask[row, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
     bitmask[7] = -1  # all allowed
     requests = make_requests(mixed_params(rows))
-    sampling = build_step_sampling(requests, None, pinned=False)
-    sampling.add_bitmask(bitmask, VOCAB, pinned=False)
-    assert sampling.packed.features.bitmask
+    sampling = step_batch(requests, None).with_bitmask(bitmask, VOCAB, pinned=False)
+    assert sampling.features.bitmask
     for seed in range(5):
-        tokens = run_sampler(logits_for(rows, seed), sampling.tensors(torch.device("cpu"), None, None)).token_ids
+        tokens = run_sampler(logits_for(rows, seed), sampling.to_device("cpu")).token_ids
         for row in range(7):
             assert tokens[row].item() in allowed_sets[row]
     masked = apply_token_bitmask(logits_for(1), torch.from_numpy(bitmask[:1]))
@@ -136,7 +143,7 @@ def test_greedy_rows_see_penalties():
     logits = torch.tensor([[5.0, 4.0, 0.0]])
     rows = SamplingStateRows(torch.tensor([[0.0, 0.0, 0.0], [3.0, 0.0, 0.0]]), torch.zeros(2, 3, dtype=torch.bool),
                              torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool))
-    tensors = SamplingTensors.from_params([SamplingParams(temperature=0)], [0], [0], "cpu")
+    tensors = tensors_for([SamplingParams(temperature=0)])
     tensors.penalties = PenaltyTensors(rows, torch.tensor([1]), torch.tensor([1.0]), torch.tensor([0.0]),
                                        torch.tensor([1.0]), torch.tensor([0.0]))
     assert run_sampler(logits, tensors).token_ids.tolist() == [1]
@@ -194,20 +201,41 @@ def test_rows_and_the_job_check_values_by_the_same_rule(key, value):
 
 
 def test_a_repeated_step_reuses_its_packed_rows_with_the_new_positions():
-    requests = make_requests(mixed_params(9))
+    params = mixed_params(9)
+    for i, p in enumerate(params):
+        p.seed = 50 + i
     last = LastPacked()
-    reused_floats = build_step_sampling(requests, None, pinned=False, last=last).packed.floats
-    for request in requests:
-        request.output_token_ids.append(11)  # the next decode step: every position moves on
-    for step in (requests, requests[::-1], requests[:5]):  # the same rows, then other orders and subsets
-        packed = build_step_sampling(step, None, pinned=False, last=last).packed
-        fresh = build_step_sampling(step, None, pinned=False).packed
-        assert packed.features == fresh.features
-        assert np.array_equal(packed.floats, fresh.floats) and np.array_equal(packed.ints, fresh.ints)
-    previous = last.packed
-    again = build_step_sampling(requests[:5], None, pinned=False, last=last).packed
+    reused_floats = last.prepare(params, np.arange(9)).floats
+    positions = np.arange(9) + 1  # the next decode step: every position moves on
+    for rows in (slice(None), slice(None, None, -1), slice(5)):  # the same rows, then other orders and subsets
+        batch = last.prepare(params[rows], positions[rows])
+        fresh = SamplingBatch.prepare(params[rows], positions[rows])
+        assert batch.features == fresh.features
+        assert np.array_equal(batch.floats, fresh.floats) and np.array_equal(batch.ints, fresh.ints)
+    previous = last.batch
+    again = last.prepare(params[:5], positions[:5] + 1)
     assert again.floats is previous.floats and again.ints is not previous.ints  # shared parameters, new positions
-    assert previous.floats is not reused_floats  # other requests, or another order: packed afresh
+    assert previous.floats is not reused_floats  # other rows, or another order: packed afresh
+
+
+def test_each_field_reaches_the_device_under_its_name():
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
+                             presence_penalty=0.5, frequency_penalty=-0.25, min_tokens=4),
+              SamplingParams(temperature=0, top_k=-1)]
+    requests = make_requests(params)
+    params[0].seed, params[1].seed = 2**64 + 2**63 + 3, 9
+    state = SamplingState(VOCAB, torch.device("cpu"))
+    tensors = step_batch(requests, state).to_device("cpu", state)
+    assert tensors.temperature.tolist() == [np.float32(0.7), 0.0]
+    assert tensors.inv_temperature.tolist() == [np.float32(1) / np.float32(0.7), 1.0]  # greedy rows: 1
+    assert tensors.top_k.tolist() == [5, 0] and tensors.top_p.tolist() == [np.float32(0.9), 1.0]
+    assert tensors.min_p.tolist() == [np.float32(0.05), 0.0]
+    assert tensors.seed.tolist() == [3, 9] and tensors.position.tolist() == [4, 4]
+    penalties = tensors.penalties
+    assert penalties.repetition.tolist() == [np.float32(1.2), 1.0]
+    assert penalties.presence.tolist() == [0.5, 0.0] and penalties.frequency.tolist() == [-0.25, 0.0]
+    assert penalties.block_stops.tolist() == [1.0, 0.0]  # 2 of 4 tokens generated
+    assert penalties.state_rows.tolist() == [1, 0]  # the second row uses no state: the neutral row
 
 
 def test_a_given_argmax_serves_the_greedy_rows_unless_a_stage_changes_the_logits():
@@ -217,9 +245,9 @@ def test_a_given_argmax_serves_the_greedy_rows_unless_a_stage_changes_the_logits
     params = mixed_params(rows)
     seeds, positions = [3000 + i for i in range(rows)], [5 * i for i in range(rows)]
     logits = logits_for(rows, seed=4)
-    tensors = SamplingTensors.from_params(params, seeds, positions, "cpu")
+    tensors = tensors_for(params, seeds, positions)
     own = run_sampler(logits, tensors).token_ids
-    greedy = tensors.temperatures == 0
+    greedy = tensors.temperature == 0
     assert greedy.any() and not greedy.all()
     assert torch.equal(run_sampler(logits, tensors, logits.argmax(dim=-1)).token_ids, own)
     marked = torch.full((rows,), VOCAB - 1)  # not the argmax of any row: shows where the given ids are taken
@@ -230,3 +258,4 @@ def test_a_given_argmax_serves_the_greedy_rows_unless_a_stage_changes_the_logits
     tensors.penalties = PenaltyTensors(state, torch.ones(rows, dtype=torch.int64), torch.ones(rows),
                                        torch.zeros(rows), torch.zeros(rows), torch.zeros(rows))
     assert torch.equal(run_sampler(logits, tensors, marked).token_ids, own)
+

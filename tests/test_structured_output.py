@@ -16,8 +16,9 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from batchgen import LLM, SamplingParams
 from batchgen.sample.bitmask import apply_token_bitmask, unpack_token_bitmask
 from batchgen.sample.params import row_params
-from batchgen.sample.sampler import SamplingTensors, sample
+from batchgen.sample.sampler import sample
 from tests.conftest import tiny_hf_config
+from tests.test_sampler import tensors_for
 
 SHAKESPEARE = Path(__file__).resolve().parent.parent / "jobs" / "shakespeare" / "model"
 PERSON_SCHEMA = {
@@ -67,11 +68,10 @@ def test_sampler_only_draws_allowed_tokens() -> None:
     packed = _pack(allowed)
     masked = apply_token_bitmask(logits, packed)
     assert torch.equal(masked.isfinite(), allowed)
-    greedy = SamplingTensors.from_params([SamplingParams(temperature=0)] * 6, [0] * 6, [0] * 6, "cpu")
+    greedy = tensors_for([SamplingParams(temperature=0)] * 6)
     assert torch.equal(sample(logits, replace(greedy, bitmask=packed)), masked.argmax(-1))
     for position in range(20):
-        tensors = SamplingTensors.from_params([SamplingParams(temperature=1.5, top_p=0.9)] * 6, list(range(6)),
-                                              [position] * 6, "cpu")
+        tensors = tensors_for([SamplingParams(temperature=1.5, top_p=0.9)] * 6, list(range(6)), [position] * 6)
         ids = sample(logits, replace(tensors, bitmask=packed))
         assert allowed[torch.arange(6), ids].all()
 

@@ -15,6 +15,7 @@ from batchgen.sample.bitmask import apply_token_bitmask
 from batchgen.sample.graph import SamplerGraphs
 from batchgen.sample.params import VALUE_RANGES, SamplingParams, row_params
 from batchgen.sample.penalties import PenaltyTensors, SamplingStateRows, apply_penalties
+from batchgen.sample.route import SamplingRoute, choose_route
 from batchgen.sample.sampler import run_sampler, sample
 from batchgen.sample.state import SamplingState
 from batchgen.worker.model_runner import token_histories
@@ -258,4 +259,25 @@ def test_a_given_argmax_serves_the_greedy_rows_unless_a_stage_changes_the_logits
     tensors.penalties = PenaltyTensors(state, torch.ones(rows, dtype=torch.int64), torch.ones(rows),
                                        torch.zeros(rows), torch.zeros(rows), torch.zeros(rows))
     assert torch.equal(run_sampler(logits, tensors, marked).token_ids, own)
+
+
+def test_the_route_follows_the_forward_and_the_stages_the_rows_use():
+    greedy = step_batch(make_requests([SamplingParams(temperature=0)] * 2), None)
+    sampled = step_batch(make_requests(mixed_params(2)), None)
+    guided = greedy.with_bitmask(np.full((2, 10), -1, dtype=np.int32), VOCAB, pinned=False)
+    banned = make_requests([SamplingParams(bad_words=["thee"])] * 2)
+    for request in banned:
+        request.bad_words_token_ids = [[5, 7]]  # the output ends in 5: the device checks the latest token
+    bad_words = step_batch(banned, SamplingState(VOCAB, torch.device("cpu")))
+    assert not bad_words.fixed_shape
+
+    assert choose_route(greedy, forward_graphed=True, bucket_fits=True) is SamplingRoute.FORWARD_ARGMAX
+    assert choose_route(guided, forward_graphed=True, bucket_fits=True) is SamplingRoute.GRAPH_LOGITS
+    assert choose_route(sampled, forward_graphed=True, bucket_fits=False) is SamplingRoute.GRAPH_LOGITS
+    assert choose_route(sampled, forward_graphed=False, bucket_fits=True) is SamplingRoute.STAGED_LOGITS
+    assert choose_route(sampled, forward_graphed=False, bucket_fits=False) is SamplingRoute.EAGER
+    assert choose_route(greedy, forward_graphed=False, bucket_fits=True) is SamplingRoute.EAGER
+    assert choose_route(bad_words, forward_graphed=False, bucket_fits=True) is SamplingRoute.EAGER
+    empty = step_batch([], None)
+    assert choose_route(empty, forward_graphed=False, bucket_fits=True) is SamplingRoute.EAGER
 

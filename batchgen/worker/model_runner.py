@@ -22,6 +22,7 @@ from batchgen.sample.batch import LastPacked, SamplingBatch
 from batchgen.sample.graph import SamplerGraphs
 from batchgen.sample.logprobs import StepLogprobs, compute_logprobs, sampled_logprobs
 from batchgen.sample.params import SamplingParams
+from batchgen.sample.route import SamplingRoute, choose_route
 from batchgen.sample.sampler import SamplerOutput, run_sampler
 from batchgen.sample.state import SamplingState, TokenHistory
 from batchgen.worker.block_tables import BlockTables
@@ -204,7 +205,7 @@ class ModelRunner:
             cascade = cascade and self.graphs.cascade  # off for good where a cascade capture ran out of memory
             timer.mark()
             sampling = self._add_bitmask(sampling, sample_requests)
-            output = self._graph_sample(sampling, graph_size, outputs, logits)
+            output = self._sample(sampling, logits, graph_size, outputs, None)
         else:
             input_ids, positions, meta, sample_token_index = self._to_device(inputs, cascade)
             prepare_ms = (time.perf_counter() - start) * 1000
@@ -214,7 +215,7 @@ class ModelRunner:
             timer.mark()
             sampling = self._add_bitmask(sampling, sample_requests)
             last_tokens = input_ids[sample_token_index] if sampling.bad_words is not None else None
-            output = self._sample_eager_logits(sampling, logits, last_tokens)
+            output = self._sample(sampling, logits, None, None, last_tokens)
         num_samples = len(inputs.sample_rows)
         sampled = torch.empty(num_samples, dtype=torch.int64, pin_memory=self._pinned)
         logprobs = None
@@ -245,27 +246,23 @@ class ModelRunner:
             return sampling
         return sampling.with_bitmask(self.bitmask_provider(requests), self.vocab_size, self._pinned)
 
-    def _graph_sample(self, sampling: SamplingBatch, size: int, outputs: GraphOutputs,
-                      logits: torch.Tensor) -> SamplerOutput:
-        """The forward graph's own argmax where the step is greedy and nothing else; else the sampler graph. Both
-        leave the ids in last_sampled. outputs: the forward graph's, whose first rows are the step's (`logits`)."""
-        if not sampling.features.any:
+    def _sample(self, sampling: SamplingBatch, logits: torch.Tensor, graph_size: int | None,
+                outputs: GraphOutputs | None, last_tokens: torch.Tensor | None) -> SamplerOutput:
+        """The step's ids by the route `choose_route` picks; each route leaves them in last_sampled. graph_size and
+        outputs: the decode graph's, whose first rows are the step's (`logits`), where one ran the forward.
+        last_tokens: each row's latest token on the device, for bad words."""
+        bucket = None
+        if graph_size is None and self.sampler_graphs is not None:
+            bucket = self.graphs.padded_size(len(logits))
+        route = choose_route(sampling, graph_size is not None, bucket is not None)
+        if route is SamplingRoute.FORWARD_ARGMAX:
             return SamplerOutput(outputs.greedy_ids[:len(logits)], logits, None, None)
-        return self.sampler_graphs.run(sampling, size, outputs.logits, self.sampling_state, outputs.greedy_ids)
-
-    def _sample_eager_logits(self, sampling: SamplingBatch, logits: torch.Tensor,
-                             last_tokens: torch.Tensor | None) -> SamplerOutput:
-        """An eager forward's logits, by their bucket's sampler graph where one applies (not for bad words, whose
-        candidates vary in number)."""
-        size = None
-        if self.sampler_graphs is not None and len(logits) and sampling.features.any and last_tokens is None:
-            size = self.graphs.padded_size(len(logits))
-        if size is None:
-            return self._eager_sample(sampling, logits, last_tokens)
-        return self.sampler_graphs.run(sampling, size, self.sampler_graphs.stage_logits(logits), self.sampling_state)
-
-    def _eager_sample(self, sampling: SamplingBatch, logits: torch.Tensor,
-                      last_tokens: torch.Tensor | None) -> SamplerOutput:
+        if route is SamplingRoute.GRAPH_LOGITS:
+            return self.sampler_graphs.run(sampling, graph_size, outputs.logits, self.sampling_state,
+                                           outputs.greedy_ids)
+        if route is SamplingRoute.STAGED_LOGITS:
+            return self.sampler_graphs.run(sampling, bucket, self.sampler_graphs.stage_logits(logits),
+                                           self.sampling_state)
         if not len(logits):
             return SamplerOutput(logits.new_empty(0, dtype=torch.int64), logits, None, None)
         output = run_sampler(logits, sampling.to_device(self.device, self.sampling_state, last_tokens))

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from batchgen.sample.params import SamplingParams
-from batchgen.sample.sampler import sample
-from tests.test_sampler import tensors_for
+from tests.test_sampler import sample, tensors_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -7,7 +7,7 @@ import torch
 
 from batchgen.sample.batch import SamplingBatch, SamplingTensors
 from batchgen.sample.params import SamplingParams
-from batchgen.sample.sampler import sample
+from batchgen.sample.sampler import run_sampler
 
 
 def tensors_for(params: list[SamplingParams], seeds: list[int] | None = None, positions: list[int] | None = None,
@@ -16,6 +16,11 @@ def tensors_for(params: list[SamplingParams], seeds: list[int] | None = None, po
     positions = [0] * len(params) if positions is None else positions
     seeded = [replace(p, seed=seed) for p, seed in zip(params, seeds, strict=True)]
     return SamplingBatch.prepare(seeded, positions).to_device(device)
+
+
+def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """logits (B, V), any float dtype -> (B,) int64 token ids on the same device."""
+    return run_sampler(logits, tensors).token_ids
 
 
 def random_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:

@@ -16,11 +16,11 @@ from batchgen.sample.graph import SamplerGraphs
 from batchgen.sample.params import VALUE_RANGES, SamplingParams, row_params
 from batchgen.sample.penalties import PenaltyTensors, SamplingStateRows, apply_penalties
 from batchgen.sample.route import SamplingRoute, choose_route
-from batchgen.sample.sampler import run_sampler, sample
+from batchgen.sample.sampler import run_sampler
 from batchgen.sample.state import SamplingState
 from batchgen.worker.model_runner import token_histories
 from tests import reference_sampler
-from tests.test_sampler import tensors_for
+from tests.test_sampler import sample, tensors_for
 
 VOCAB = 300
 

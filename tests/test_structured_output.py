@@ -16,9 +16,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from batchgen import LLM, SamplingParams
 from batchgen.sample.bitmask import apply_token_bitmask, unpack_token_bitmask
 from batchgen.sample.params import row_params
-from batchgen.sample.sampler import sample
 from tests.conftest import tiny_hf_config
-from tests.test_sampler import tensors_for
+from tests.test_sampler import sample, tensors_for
 
 SHAKESPEARE = Path(__file__).resolve().parent.parent / "jobs" / "shakespeare" / "model"
 PERSON_SCHEMA = {

@@ -8,7 +8,7 @@ from typing import Any
 
 from batchgen.io.errors import RowError
 from batchgen.io.values import as_integer, as_number, as_token_ids, short_repr
-from batchgen.sample.params import VALUE_RANGES
+from batchgen.sample.params import VALUE_RANGES, ValueRange
 
 
 @dataclass(frozen=True)
@@ -17,17 +17,8 @@ class OverrideRule:
     requirement: str
 
 
-def _integer_from(minimum: int) -> Callable[[Any], int | None]:
-    def parse(value: Any) -> int | None:
-        number = as_integer(value)
-        return number if number is not None and number >= minimum else None
-
-    return parse
-
-
-def _in_range(name: str) -> OverrideRule:
-    """The rule SamplingParams checks the job's value of `name` by (sample/params.py)."""
-    rule = VALUE_RANGES[name]
+def _in_range(rule: ValueRange) -> OverrideRule:
+    """A numeric option; VALUE_RANGES holds the rules that SamplingParams checks the job's values by too."""
 
     def parse(value: Any) -> int | float | None:
         number = as_integer(value) if rule.integer else as_number(value)
@@ -79,13 +70,13 @@ def _token_id_list(value: Any) -> list[int] | None:
 
 
 OVERRIDE_RULES: dict[str, OverrideRule] = {
-    "n": _in_range("n"),
-    "max_tokens": OverrideRule(_integer_from(1), "a positive integer"),
-    "temperature": _in_range("temperature"),
-    "top_p": _in_range("top_p"),
-    "top_k": _in_range("top_k"),
-    "min_p": _in_range("min_p"),
-    "seed": OverrideRule(_integer_from(0), "a non-negative integer"),
+    "n": _in_range(VALUE_RANGES["n"]),
+    "max_tokens": _in_range(ValueRange("a positive integer", 1, integer=True)),
+    "temperature": _in_range(VALUE_RANGES["temperature"]),
+    "top_p": _in_range(VALUE_RANGES["top_p"]),
+    "top_k": _in_range(VALUE_RANGES["top_k"]),
+    "min_p": _in_range(VALUE_RANGES["min_p"]),
+    "seed": _in_range(ValueRange("a non-negative integer", 0, integer=True)),
     "stop": OverrideRule(_stop_strings, "a non-empty string or a list of non-empty strings"),
     "stop_token_ids": OverrideRule(as_token_ids, "a list of non-negative integers"),
     "ignore_eos": OverrideRule(_flag, "a boolean"),
@@ -93,15 +84,15 @@ OVERRIDE_RULES: dict[str, OverrideRule] = {
     "guided_regex": OverrideRule(_text, "a non-empty string"),
     "guided_choice": OverrideRule(_choices, "a non-empty list of strings"),
     "guided_grammar": OverrideRule(_text, "a non-empty string"),
-    "repetition_penalty": _in_range("repetition_penalty"),
-    "presence_penalty": _in_range("presence_penalty"),
-    "frequency_penalty": _in_range("frequency_penalty"),
-    "min_tokens": _in_range("min_tokens"),
+    "repetition_penalty": _in_range(VALUE_RANGES["repetition_penalty"]),
+    "presence_penalty": _in_range(VALUE_RANGES["presence_penalty"]),
+    "frequency_penalty": _in_range(VALUE_RANGES["frequency_penalty"]),
+    "min_tokens": _in_range(VALUE_RANGES["min_tokens"]),
     "logit_bias": OverrideRule(_logit_bias, "an object of token id -> number"),
     "bad_words": OverrideRule(_stop_strings, "a non-empty string or a list of non-empty strings"),
     "allowed_token_ids": OverrideRule(_token_id_list, "a non-empty list of non-negative integers"),
-    "logprobs": OverrideRule(_integer_from(0), "a non-negative integer"),
-    "prompt_logprobs": OverrideRule(_integer_from(0), "a non-negative integer"),
+    "logprobs": _in_range(ValueRange("a non-negative integer", 0, integer=True)),
+    "prompt_logprobs": _in_range(ValueRange("a non-negative integer", 0, integer=True)),
 }
 OVERRIDE_FIELDS = tuple(OVERRIDE_RULES)
 

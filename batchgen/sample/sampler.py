@@ -40,11 +40,6 @@ class SamplerOutput:
         return self.logits.float() * self.inv_temperature.unsqueeze(1)
 
 
-def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-    """logits (B, V), any float dtype -> (B,) int64 token ids on the same device."""
-    return run_sampler(logits, tensors).token_ids
-
-
 def run_sampler(logits: torch.Tensor, tensors: SamplingTensors,
                 greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
     """The whole pipeline: bitmask -> bias, min_tokens and penalties -> bad words -> greedy argmax | temperature ->

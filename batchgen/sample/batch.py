@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cache
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from batchgen.sample.state import SamplingState, TokenHistory
 # penalty. The order is the buffer's.
 FLOAT_FIELDS = {
     "temperature": 0.0,  # 0: greedy
-    "inv_temperature": 1.0,  # 1 / temperature, 1 for greedy rows: computed here once, read by every stage
+    "inv_temperature": 1.0,  # 1 / temperature, 1 for greedy rows: computed once, on the host
     "top_p": 1.0,
     "min_p": 0.0,
     "repetition_penalty": 1.0,
@@ -80,30 +81,35 @@ class SamplingBatch:
         if not sampled and histories is None:  # argmax alone (the common greedy step): neutral rows
             return cls(SamplingFeatures(), np.repeat(_NEUTRAL_FLOATS, n, axis=1), np.repeat(_NEUTRAL_INTS, n, axis=1),
                        logprobs)
+        temperature = np.array([p.temperature for p in params], dtype=np.float32)
+        one = np.float32(1)
+        columns = {
+            "temperature": temperature,
+            "inv_temperature": one / np.where(temperature == 0, one, temperature),  # in float32, as the kernels read it
+            "top_p": [p.top_p for p in params],
+            "min_p": [p.min_p for p in params],
+            "repetition_penalty": [p.repetition_penalty for p in params],
+            "presence_penalty": [p.presence_penalty for p in params],
+            "frequency_penalty": [p.frequency_penalty for p in params],
+            "block_stops": 0,
+            "top_k": [max(p.top_k, 0) for p in params],
+            "seed": [p.seed % _SEED_MODULUS for p in params],
+            "position": positions,
+            "state_row": 0,
+        }
+        bad_words = None
+        if histories is not None:
+            # The token being sampled is output number len(output_token_ids) (pending slots included).
+            columns["block_stops"] = [h is not None and len(h.output_token_ids) < p.min_tokens
+                                      for h, p in zip(histories, params, strict=True)]
+            columns["state_row"] = state.rows(params, histories)
+            bad_words = bad_word_candidates(histories)
         floats = np.empty((len(FLOAT_FIELDS), n), dtype=np.float32)
         ints = np.empty((len(INT_FIELDS), n), dtype=np.int64)
-        row = dict(zip(FLOAT_FIELDS, floats, strict=True)) | dict(zip(INT_FIELDS, ints, strict=True))
-        temperature = row["temperature"]
-        temperature[:] = [p.temperature for p in params]
-        row["inv_temperature"][:] = np.float32(1) / np.where(temperature == 0, np.float32(1), temperature)
-        row["top_p"][:] = [p.top_p for p in params]
-        row["min_p"][:] = [p.min_p for p in params]
-        row["repetition_penalty"][:] = [p.repetition_penalty for p in params]
-        row["presence_penalty"][:] = [p.presence_penalty for p in params]
-        row["frequency_penalty"][:] = [p.frequency_penalty for p in params]
-        row["top_k"][:] = [max(p.top_k, 0) for p in params]
-        row["seed"][:] = [p.seed % _SEED_MODULUS for p in params]
-        row["position"][:] = positions
-        bad_words = None
-        if histories is None:
-            row["block_stops"][:] = 0
-            row["state_row"][:] = 0
-        else:
-            # The token being sampled is output number len(output_token_ids) (pending slots included).
-            row["block_stops"][:] = [h is not None and len(h.output_token_ids) < p.min_tokens
-                                     for h, p in zip(histories, params, strict=True)]
-            row["state_row"][:] = state.rows(params, histories)
-            bad_words = bad_word_candidates(histories)
+        for i, name in enumerate(FLOAT_FIELDS):
+            floats[i] = columns[name]
+        for i, name in enumerate(INT_FIELDS):
+            ints[i] = columns[name]
         features = SamplingFeatures(
             random=bool(sampled),
             top_k=any(p.top_k > 0 for p in sampled),
@@ -144,7 +150,7 @@ class SamplingBatch:
         """The eager step's tensors; last_tokens (S,): each row's latest token on the device (for bad words)."""
         if not self.features.any and self.bad_words is None:  # argmax alone: nothing to copy
             return SamplingTensors()
-        layout = ParamLayout(self.num_rows)
+        layout = ParamLayout.of(self.num_rows)
         # Pinned, so that the copy queues behind the device's work instead of waiting for it.
         host = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda")
         layout.stage(self, host.numpy())
@@ -165,8 +171,9 @@ class LastPacked:
         self.params: list[SamplingParams] = []
         self.batch: SamplingBatch | None = None
 
-    def prepare(self, params: list[SamplingParams], positions: np.ndarray, state: SamplingState | None = None,
-                histories: list[TokenHistory | None] | None = None) -> SamplingBatch:
+    def prepare(self, params: list[SamplingParams], positions: Sequence[int] | np.ndarray,
+                state: SamplingState | None = None, histories: list[TokenHistory | None] | None = None
+                ) -> SamplingBatch:
         """SamplingBatch.prepare, reusing the previous step's rows where it can."""
         if histories is not None:
             return SamplingBatch.prepare(params, positions, state, histories)
@@ -187,19 +194,16 @@ class ParamLayout:
     a 64-byte line (Triton specializes on alignment)."""
 
     size: int
+    stride: int  # elements from one field's row to the next: whole 64-byte lines for float32 rows, so for int64 too
+    floats_nbytes: int
+    nbytes: int
 
-    @property
-    def stride(self) -> int:
-        """Elements from one field's row to the next: whole 64-byte lines for float32 rows, so for int64 ones too."""
-        return aligned_length(self.size, 4)
-
-    @property
-    def floats_nbytes(self) -> int:
-        return len(FLOAT_FIELDS) * self.stride * 4
-
-    @property
-    def nbytes(self) -> int:
-        return self.floats_nbytes + len(INT_FIELDS) * self.stride * 8
+    @classmethod
+    @cache
+    def of(cls, size: int) -> ParamLayout:
+        stride = aligned_length(size, 4)
+        floats_nbytes = len(FLOAT_FIELDS) * stride * 4
+        return cls(size, stride, floats_nbytes, floats_nbytes + len(INT_FIELDS) * stride * 8)
 
     def stage(self, batch: SamplingBatch, host: np.ndarray) -> None:
         """The batch's rows into a host byte buffer, padded to `size` with neutral rows."""

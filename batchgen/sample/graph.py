@@ -25,8 +25,8 @@ class SamplerGraphs:
         self.device = device
         self.max_size = max_size
         self.capture_graphs = device.type == "cuda"  # on CPU the same static-buffer path runs eagerly (tests)
-        # A bucket of `size` rows lays its parameters out from the start (ParamLayout(size)); buckets overlap.
-        self.params = torch.zeros(ParamLayout(max_size).nbytes, dtype=torch.uint8, device=device)
+        # A bucket of `size` rows lays its parameters out from the start (ParamLayout.of(size)); buckets overlap.
+        self.params = torch.zeros(ParamLayout.of(max_size).nbytes, dtype=torch.uint8, device=device)
         self.bitmask = torch.full((max_size, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
         self.last_sampled = last_sampled
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
@@ -70,13 +70,13 @@ class SamplerGraphs:
 
     def _pipeline(self, size: int, features: SamplingFeatures, logits: torch.Tensor, state: SamplingState | None,
                   greedy_ids: torch.Tensor | None) -> SamplerOutput:
-        tensors = SamplingTensors.view(features, ParamLayout(size).fields(self.params), state, self.bitmask[:size])
+        tensors = SamplingTensors.view(features, ParamLayout.of(size).fields(self.params), state, self.bitmask[:size])
         return run_sampler(logits[:size], tensors, None if greedy_ids is None else greedy_ids[:size])
 
     def _load(self, batch: SamplingBatch, size: int) -> None:
         """Stages the rows padded to `size` with neutral rows (greedy, state row 0, everything allowed) and copies
         them in one copy."""
-        layout = ParamLayout(size)
+        layout = ParamLayout.of(size)
         host = staging_buffer(layout.nbytes, self.capture_graphs)
         layout.stage(batch, host.numpy())
         self.params[:layout.nbytes].copy_(host, non_blocking=True)

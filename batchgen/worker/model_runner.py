@@ -234,7 +234,7 @@ class ModelRunner:
 
     def _step_sampling(self, requests: list[Request]) -> SamplingBatch:
         params = [r.sampling_params for r in requests]
-        positions = np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=len(requests))
+        positions = [r.num_tokens for r in requests]
         histories = token_histories(requests, params)
         if histories is not None and self.sampling_state is None:
             self.sampling_state = SamplingState(self.vocab_size, self.device)

@@ -253,7 +253,7 @@ class LLMEngine:
         try:
             token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
             self._check_token_ids(params)
-            bad_words = bad_words_token_ids(params.bad_words, self.detokenizer)
+            bad_words = bad_words_token_ids(params.bad_words, self.detokenizer and self.detokenizer.tokenizer)
             for sample in samples:
                 sample.prompt_token_ids = list(token_ids)
                 sample.bad_words_token_ids = bad_words

@@ -13,7 +13,7 @@ COMPLETIONS_URL = "/v1/completions"
 PROMPT_FIELD_BY_URL = {CHAT_URL: "messages", COMPLETIONS_URL: "prompt"}
 
 # OpenAI (and vLLM extra) body fields -> the batchgen per-row override they set. Names batchgen does not know
-# (yet) pass through unchecked; SamplingParams.with_overrides then rejects them, naming them, at run time.
+# (yet) pass through unchecked; sample.params.row_params then rejects them, naming them, at run time.
 OVERRIDE_BY_FIELD = {
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",

@@ -27,7 +27,7 @@ from batchgen.job.resume_check import check_resume
 from batchgen.job.run_outputs import SUMMARY_FILE, RunOutputs
 from batchgen.job.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.job.summary import AttemptStats
-from batchgen.sample.params import SamplingParams
+from batchgen.sample.params import SamplingParams, row_params
 
 if TYPE_CHECKING:
     from batchgen.engine.llm_engine import LLMEngine
@@ -123,7 +123,7 @@ class Job:
         if row.error is not None:
             return None
         try:
-            return self.config.sampling.with_overrides(row.overrides)
+            return row_params(self.config.sampling, row.overrides, row.index)
         except ValueError:
             return None
 
@@ -285,9 +285,9 @@ class Job:
             if row is None:
                 return False
             try:
-                params = self.config.sampling.with_overrides(row.overrides)
+                params = row_params(self.config.sampling, row.overrides, row.index)
             except ValueError as exc:
-                row.error = f"row {row.index}: {exc}"
+                row.error = str(exc)
                 self._write_error_row(row)
             else:
                 engine.add_request(row.index, row.prompt, row.prompt_token_ids, params,

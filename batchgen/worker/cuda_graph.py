@@ -25,10 +25,10 @@ import torch
 
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.shared_prefix import shared_prefix_len
+from batchgen.layers.staging import aligned_length, staging_buffer
 from batchgen.models.base import CausalLM
 from batchgen.worker.pending_tokens import PendingTokens
 from batchgen.worker.step_inputs import StepInputs
-from batchgen.worker.upload import aligned_length, staging_buffer
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class GraphCaptureBuffers:
         )
 
     def load(self, inputs: StepInputs, size: int) -> None:
-        """Stage the step in host memory in `size`'s layout (`upload.staging_buffer`), padded to `size` rows, then
+        """Stage the step in host memory in `size`'s layout (`staging.staging_buffer`), padded to `size` rows, then
         copy it to the device in one copy, without a sync.
 
         Padding rows get token 0 at position 0, slot -1 (no KV write), context length 0 (no KV read), no pending

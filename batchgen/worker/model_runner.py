@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from batchgen.config import EngineConfig
@@ -18,13 +20,13 @@ from batchgen.layers import attention_torch
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.shared_prefix import shared_prefix_len
 from batchgen.models.base import CausalLM
+from batchgen.sample.batch import LastPacked, SamplingBatch
 from batchgen.sample.graph import SamplerGraphs
-from batchgen.sample.logprobs import score_slice
-from batchgen.sample.params import MAX_LOGPROBS
+from batchgen.sample.logprobs import StepLogprobs, sampled_logprobs, score_slice
+from batchgen.sample.params import MAX_LOGPROBS, SamplingParams
+from batchgen.sample.route import SamplingRoute, choose_route
 from batchgen.sample.sampler import SamplerOutput, run_sampler
-from batchgen.sample.state import SamplingState
-from batchgen.sample.step_logprobs import StepLogprobs, plan_prompt_logprobs, prompt_logprobs, sampled_logprobs
-from batchgen.sample.step_sampling import BitmaskProvider, LastPacked, StepSampling, build_step_sampling
+from batchgen.sample.state import SamplingState, TokenHistory
 from batchgen.worker.block_tables import BlockTables
 from batchgen.worker.cascade import shares_long_prefix
 from batchgen.worker.cuda_graph import (
@@ -34,10 +36,14 @@ from batchgen.worker.cuda_graph import (
     GraphOutputs,
 )
 from batchgen.worker.pending_tokens import PendingTokens
+from batchgen.worker.prompt_logprobs import plan_prompt_logprobs, prompt_logprobs
 from batchgen.worker.step_inputs import StepInputs, build_step_inputs
 from batchgen.worker.upload import upload_packed
 
 log = logging.getLogger(__name__)
+
+# (sampling rows' requests) -> (S, W) int32 bitmask, bit j of word w allowing token 32 * w + j; None: no row guided.
+BitmaskProvider = Callable[[list[Request]], np.ndarray | None]
 
 
 def current_stream(device: torch.device) -> torch.cuda.Stream:
@@ -200,8 +206,7 @@ class ModelRunner:
         start = time.perf_counter()
         sample_requests = [r for r, samples in zip(step.requests, step.samples, strict=True) if samples]
         sampling = self._step_sampling(sample_requests)
-        # Bad-word candidates vary in number with the data: such a step runs eagerly.
-        graphed = self.graphs is not None and _is_pure_decode(step) and sampling.bad_words is None
+        graphed = self.graphs is not None and _is_pure_decode(step) and sampling.fixed_shape
         graph_size = self.graphs.padded_size(step.num_seqs) if graphed else None
         width = self.block_table_width if graph_size else None
         block_size = self.config.block_size
@@ -216,8 +221,8 @@ class ModelRunner:
             logits = outputs.logits[:inputs.num_tokens]
             cascade = cascade and self.graphs.cascade  # off for good where a cascade capture ran out of memory
             timer.mark()
-            self._add_bitmask(sampling, sample_requests)
-            output = self._graph_sample(sampling, graph_size, outputs, logits)
+            sampling = self._add_bitmask(sampling, sample_requests)
+            output = self._sample(sampling, logits, graph_size, outputs, None)
         else:
             input_ids, positions, meta, sample_token_index = self._to_device(inputs, cascade)
             prepare_ms = (time.perf_counter() - start) * 1000
@@ -225,9 +230,9 @@ class ModelRunner:
             hidden, logits = self._eager_forward(inputs, input_ids, positions, meta, sample_token_index)
             prompt_logprobs = self._prompt_logprobs(step, inputs, hidden)
             timer.mark()
-            self._add_bitmask(sampling, sample_requests)
+            sampling = self._add_bitmask(sampling, sample_requests)
             last_tokens = input_ids[sample_token_index] if sampling.bad_words is not None else None
-            output = self._sample_eager_logits(sampling, logits, last_tokens)
+            output = self._sample(sampling, logits, None, None, last_tokens)
         num_samples = len(inputs.sample_rows)
         sampled = torch.empty(num_samples, dtype=torch.int64, pin_memory=self._pinned)
         logprobs = None
@@ -244,47 +249,44 @@ class ModelRunner:
         return LaunchedStep(step.num_seqs, inputs.sample_rows, sampled, done, timer, prepare_ms, graph_size, cascade,
                             logprobs)
 
-    def _step_sampling(self, requests: list[Request]) -> StepSampling:
-        if self.sampling_state is None and any(r.sampling_params.uses_penalty_state for r in requests):
+    def _step_sampling(self, requests: list[Request]) -> SamplingBatch:
+        params = [r.sampling_params for r in requests]
+        positions = [r.num_tokens for r in requests]
+        histories = token_histories(requests, params)
+        if histories is not None and self.sampling_state is None:
             self.sampling_state = SamplingState(self.vocab_size, self.device)
-        return build_step_sampling(requests, self.sampling_state, self._pinned, self._last_packed)
+        return self._last_packed.prepare(params, positions, self.sampling_state, histories)
 
-    def _add_bitmask(self, sampling: StepSampling, requests: list[Request]) -> None:
+    def _add_bitmask(self, sampling: SamplingBatch, requests: list[Request]) -> SamplingBatch:
         """Filled on the host after the forward is queued, so on a GPU it overlaps the forward."""
-        if self.bitmask_provider is not None and requests:
-            sampling.add_bitmask(self.bitmask_provider(requests), self.vocab_size, self._pinned)
+        if self.bitmask_provider is None or not requests:
+            return sampling
+        return sampling.with_bitmask(self.bitmask_provider(requests), self.vocab_size, self._pinned)
 
-    def _graph_sample(self, sampling: StepSampling, size: int, outputs: GraphOutputs,
-                      logits: torch.Tensor) -> SamplerOutput:
-        """The forward graph's own argmax where the step is greedy and nothing else; else the sampler graph. Both
-        leave the ids in the pending tokens. outputs: the forward graph's, whose first rows are the step's
-        (`logits`)."""
-        if not sampling.packed.features.any:
+    def _sample(self, sampling: SamplingBatch, logits: torch.Tensor, graph_size: int | None,
+                outputs: GraphOutputs | None, last_tokens: torch.Tensor | None) -> SamplerOutput:
+        """The step's ids by the route `choose_route` picks; each route leaves them in the pending tokens.
+        graph_size and outputs: the decode graph's, whose first rows are the step's (`logits`), where one ran the
+        forward. last_tokens: each row's latest token on the device, for bad words."""
+        bucket = None
+        if graph_size is None and self.sampler_graphs is not None:
+            bucket = self.graphs.padded_size(len(logits))
+        route = choose_route(sampling, graph_size is not None, bucket is not None)
+        if route is SamplingRoute.FORWARD_ARGMAX:
             return SamplerOutput(outputs.greedy_ids[:len(logits)], logits, None, None)
-        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size, outputs.logits, self.sampling_state,
-                                       outputs.greedy_ids)
-
-    def _sample_eager_logits(self, sampling: StepSampling, logits: torch.Tensor,
-                             last_tokens: torch.Tensor | None) -> SamplerOutput:
-        """An eager forward's logits, by their bucket's sampler graph where one applies (not for bad words, whose
-        candidates vary in number)."""
-        size = None
-        if self.sampler_graphs is not None and len(logits) and sampling.packed.features.any and last_tokens is None:
-            size = self.graphs.padded_size(len(logits))
-        if size is None:
-            return self._eager_sample(sampling, logits, last_tokens)
-        return self.sampler_graphs.run(sampling.packed, sampling.bitmask, size,
-                                       self.sampler_graphs.stage_logits(logits), self.sampling_state)
-
-    def _eager_sample(self, sampling: StepSampling, logits: torch.Tensor,
-                      last_tokens: torch.Tensor | None) -> SamplerOutput:
+        if route is SamplingRoute.GRAPH_LOGITS:
+            return self.sampler_graphs.run(sampling, graph_size, outputs.logits, self.sampling_state,
+                                           outputs.greedy_ids)
+        if route is SamplingRoute.STAGED_LOGITS:
+            return self.sampler_graphs.run(sampling, bucket, self.sampler_graphs.stage_logits(logits),
+                                           self.sampling_state)
         if not len(logits):
             return SamplerOutput(logits.new_empty(0, dtype=torch.int64), logits, None, None)
-        output = run_sampler(logits, sampling.tensors(self.device, self.sampling_state, last_tokens))
+        output = run_sampler(logits, sampling.to_device(self.device, self.sampling_state, last_tokens))
         self.pending_tokens.ids[:len(logits)].copy_(output.token_ids)
         return output
 
-    def _sampled_logprobs(self, sampling: StepSampling, logits: torch.Tensor, output: SamplerOutput,
+    def _sampled_logprobs(self, sampling: SamplingBatch, logits: torch.Tensor, output: SamplerOutput,
                           sample_rows: list[int], prompt: tuple | None) -> StepLogprobs | None:
         if not sampling.wants_logprobs and prompt is None:
             return None
@@ -298,7 +300,8 @@ class ModelRunner:
         plan = plan_prompt_logprobs(step, inputs)
         if plan is None:
             return None
-        return plan, prompt_logprobs(plan, hidden, self.model.compute_logits, self.logprobs_slice_rows, self._pinned)
+        return plan.owners, prompt_logprobs(plan, hidden, self.model.compute_logits, self.logprobs_slice_rows,
+                                            self._pinned)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Waits for a launched step; its sampled ids are parallel to the step's requests."""
@@ -370,6 +373,14 @@ class ModelRunner:
         self.attention_layers = []
         self.pending_tokens = None
         self.split_arrivals = None
+
+
+def token_histories(requests: list[Request], params: list[SamplingParams]) -> list[TokenHistory | None] | None:
+    """What the penalty stages read of each request that uses penalty state; None when none does."""
+    if not any(p.uses_penalty_state for p in params):
+        return None
+    return [TokenHistory(r, r.prompt_token_ids, r.output_token_ids, r.eos_token_id, r.bad_words_token_ids)
+            if p.uses_penalty_state else None for r, p in zip(requests, params, strict=True)]
 
 
 def _is_pure_decode(step: SchedulerOutput) -> bool:

@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from batchgen import LLM, SamplingParams
 from batchgen.sample.bitmask import apply_token_bitmask, unpack_token_bitmask
-from batchgen.sample.sampler import SamplingTensors, sample
+from batchgen.sample.params import row_params
 from tests.helpers.common import tiny_hf_config
+from tests.sample.test_sampler import sample, tensors_for
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "jobs" / "shakespeare" / "model"
 PERSON_SCHEMA = {
@@ -66,11 +67,10 @@ def test_sampler_only_draws_allowed_tokens() -> None:
     packed = _pack(allowed)
     masked = apply_token_bitmask(logits, packed)
     assert torch.equal(masked.isfinite(), allowed)
-    greedy = SamplingTensors.from_params([SamplingParams(temperature=0)] * 6, [0] * 6, [0] * 6, "cpu")
+    greedy = tensors_for([SamplingParams(temperature=0)] * 6)
     assert torch.equal(sample(logits, replace(greedy, bitmask=packed)), masked.argmax(-1))
     for position in range(20):
-        tensors = SamplingTensors.from_params([SamplingParams(temperature=1.5, top_p=0.9)] * 6, list(range(6)),
-                                              [position] * 6, "cpu")
+        tensors = tensors_for([SamplingParams(temperature=1.5, top_p=0.9)] * 6, list(range(6)), [position] * 6)
         ids = sample(logits, replace(tensors, bitmask=packed))
         assert allowed[torch.arange(6), ids].all()
 
@@ -156,7 +156,7 @@ def test_invalid_specs_are_error_rows_naming_the_field(llguidance) -> None:
 def test_two_guided_options_are_rejected() -> None:
     with pytest.raises(ValueError, match="set at most one guided"):
         SamplingParams(guided_regex="a", guided_choice=["a"])
-    row = SamplingParams(guided_regex="a").with_overrides({"guided_choice": ["b"]})
+    row = row_params(SamplingParams(guided_regex="a"), {"guided_choice": ["b"]}, 0)
     assert row.guided_regex is None and row.guided_choice == ["b"]
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from batchgen.sample.params import SamplingParams
-from batchgen.sample.sampler import SamplingTensors, sample
+from tests.sample.test_sampler import sample, tensors_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -15,6 +15,6 @@ def test_cuda_draw_equals_cpu_draw(filters):
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)) * 4
     params = [SamplingParams(temperature=0.5 + (i % 4) * 0.25, **filters) for i in range(rows)]
     seeds, positions = list(range(1000, 1000 + rows)), list(range(rows))
-    on_cpu = sample(logits, SamplingTensors.from_params(params, seeds, positions, "cpu"))
-    on_gpu = sample(logits.cuda(), SamplingTensors.from_params(params, seeds, positions, "cuda"))
+    on_cpu = sample(logits, tensors_for(params, seeds, positions))
+    on_gpu = sample(logits.cuda(), tensors_for(params, seeds, positions, device="cuda"))
     assert torch.equal(on_cpu, on_gpu.cpu())

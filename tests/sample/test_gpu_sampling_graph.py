@@ -13,9 +13,15 @@ from batchgen import LLM, SamplingParams
 from batchgen.sample.graph import SamplerGraphs
 from batchgen.sample.sampler import run_sampler
 from batchgen.sample.state import SamplingState
-from batchgen.sample.step_sampling import build_step_sampling
 from tests.helpers import reference_sampler
-from tests.sample.test_sampling_pipeline import VOCAB, logits_for, make_requests, mixed_params, penalized_params
+from tests.sample.test_sampling_pipeline import (
+    VOCAB,
+    logits_for,
+    make_requests,
+    mixed_params,
+    penalized_params,
+    step_batch,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -89,13 +95,13 @@ def test_captured_sampler_equals_eager_and_the_old_sampler(penalties):
         logits = torch.zeros(size, VOCAB, device=device)
         tokens = []
         for step in range(4):
-            sampling = build_step_sampling(requests, state, pinned=True)
+            sampling = step_batch(requests, state)
             logits[:rows] = logits_for(rows, seed=step).to(device)
             if graphed:
-                ids = graphs.run(sampling.packed, sampling.bitmask, size, logits, state).token_ids.clone()
+                ids = graphs.run(sampling, size, logits, state).token_ids.clone()
                 assert graphs.graphs and torch.equal(last_sampled[:rows], ids)
             else:
-                ids = run_sampler(logits[:rows], sampling.tensors(device, state, None)).token_ids
+                ids = run_sampler(logits[:rows], sampling.to_device(device, state)).token_ids
             if not penalties:
                 used = [r.sampling_params for r in requests]
                 old = reference_sampler.sample(logits[:rows].cpu(), reference_sampler.SamplingTensors.from_params(

@@ -1,17 +1,26 @@
 """Sampler: greedy argmax, seeded reproducibility independent of the batch, filters, and the sampled distribution."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from batchgen.sample.batch import SamplingBatch, SamplingTensors
 from batchgen.sample.params import SamplingParams
-from batchgen.sample.sampler import SamplingTensors, sample
+from batchgen.sample.sampler import run_sampler
 
 
-def tensors_for(params: list[SamplingParams], seeds: list[int] | None = None,
-                positions: list[int] | None = None) -> SamplingTensors:
+def tensors_for(params: list[SamplingParams], seeds: list[int] | None = None, positions: list[int] | None = None,
+                device: str = "cpu") -> SamplingTensors:
     seeds = list(range(len(params))) if seeds is None else seeds
     positions = [0] * len(params) if positions is None else positions
-    return SamplingTensors.from_params(params, seeds, positions, "cpu")
+    seeded = [replace(p, seed=seed) for p, seed in zip(params, seeds, strict=True)]
+    return SamplingBatch.prepare(seeded, positions).to_device(device)
+
+
+def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """logits (B, V), any float dtype -> (B,) int64 token ids on the same device."""
+    return run_sampler(logits, tensors).token_ids
 
 
 def random_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -38,9 +47,9 @@ def test_greedy_rows_take_argmax_in_mixed_batch():
 
 def test_only_used_filters_are_built():
     tensors = tensors_for([SamplingParams(), SamplingParams(temperature=0, top_k=3)])
-    assert tensors.top_ks is None and tensors.top_ps is None and tensors.min_ps is None
+    assert tensors.top_k is None and tensors.top_p is None and tensors.min_p is None
     tensors = tensors_for([SamplingParams(top_k=3), SamplingParams(top_p=0.9), SamplingParams(min_p=0.1)])
-    assert tensors.top_ks.tolist() == [3, 0, 0] and tensors.top_ps is not None and tensors.min_ps is not None
+    assert tensors.top_k.tolist() == [3, 0, 0] and tensors.top_p is not None and tensors.min_p is not None
 
 
 def test_same_seed_and_position_same_token_different_seeds_differ():

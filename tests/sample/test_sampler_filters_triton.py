@@ -20,10 +20,9 @@ def row_values(values: list, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor([values[i % len(values)] for i in range(ROWS)], dtype=dtype)
 
 
-def torch_draw(logits, temperatures, top_ks, top_ps, min_ps, seeds, positions, greedy_ids):
+def torch_draw(logits, temperatures, inv_temperatures, top_ks, top_ps, min_ps, seeds, positions, greedy_ids):
     from batchgen.sample.sampler import _apply_min_p, _apply_top_k_top_p, _row_keys, _uniform
 
-    inv_temperatures = 1.0 / torch.where(temperatures == 0, 1.0, temperatures)
     filtered = logits.float() * inv_temperatures.unsqueeze(1)
     if top_ks is not None or top_ps is not None:
         filtered = _apply_top_k_top_p(filtered, top_ks, top_ps)
@@ -31,7 +30,12 @@ def torch_draw(logits, temperatures, top_ks, top_ps, min_ps, seeds, positions, g
         filtered = _apply_min_p(filtered, min_ps)
     gumbel = _uniform(_row_keys(seeds, positions), logits.shape[1]).log_().neg_().log_()
     ids = torch.where(temperatures == 0, greedy_ids, (filtered - gumbel).argmax(dim=-1))
-    return ids, filtered, inv_temperatures
+    return ids, filtered
+
+
+def inverse(temperatures: torch.Tensor) -> torch.Tensor:
+    """1 / temperature, 1 for greedy rows (as SamplingBatch computes it)."""
+    return 1.0 / torch.where(temperatures == 0, 1.0, temperatures)
 
 
 @pytest.mark.parametrize("filters", list(FILTERS))
@@ -60,15 +64,14 @@ def test_filtered_draw_equals_torch(vocab, dtype, ties, filters):
     seeds = torch.arange(ROWS, dtype=torch.int64) * 2**40 + 3
     positions = torch.arange(ROWS, dtype=torch.int64) * 17
     greedy_ids = torch.randint(0, vocab, (ROWS,), generator=gen)
-    args = (logits, temperatures, top_ks, top_ps, min_ps, seeds, positions, greedy_ids)
+    args = (logits, temperatures, inverse(temperatures), top_ks, top_ps, min_ps, seeds, positions, greedy_ids)
 
-    expected_ids, expected_filtered, expected_inv = torch_draw(*args)
+    expected_ids, expected_filtered = torch_draw(*args)
     on_device = [None if t is None else t.to(DEVICE) for t in args]
-    ids, filtered, inv_temperatures = (t.cpu() for t in filtered_draw(*on_device))
+    ids, filtered = (t.cpu() for t in filtered_draw(*on_device))
 
     assert torch.equal(filtered, expected_filtered)
     assert torch.equal(ids, expected_ids)
-    assert torch.equal(inv_temperatures, expected_inv)
     assert (filtered == float("-inf")).any()  # a filter cut something
 
 
@@ -81,10 +84,10 @@ def test_the_two_zeros_tie_at_a_cut():
     temperatures = torch.ones(2)
     top_ks = torch.full((2,), 20, dtype=torch.int64)
     seeds, positions, greedy_ids = torch.arange(2), torch.arange(2), torch.zeros(2, dtype=torch.int64)
-    args = (logits, temperatures, top_ks, None, None, seeds, positions, greedy_ids)
+    args = (logits, temperatures, inverse(temperatures), top_ks, None, None, seeds, positions, greedy_ids)
 
-    _, expected_filtered, _ = torch_draw(*args)
-    _, filtered, _ = filtered_draw(*[None if t is None else t.to(DEVICE) for t in args])
+    _, expected_filtered = torch_draw(*args)
+    _, filtered = filtered_draw(*[None if t is None else t.to(DEVICE) for t in args])
 
     assert torch.equal(torch.isfinite(filtered.cpu()), torch.isfinite(expected_filtered))
     assert torch.isfinite(expected_filtered[:, :20]).all() and not torch.isfinite(expected_filtered[:, 20:]).any()

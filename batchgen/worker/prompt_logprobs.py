@@ -1,6 +1,6 @@
-"""Which logits a step turns into log-probabilities, and how the host receives them: the sampled tokens' (with
-`sampling.logprobs`) and the prompt tokens' (with `sampling.prompt_logprobs`, from every prompt position the step
-computes; position p's logits score prompt token p + 1, so the first prompt token has none, as in vLLM)."""
+"""Which of a step's hidden states score which prompt tokens (`sampling.prompt_logprobs`): every prompt position the
+step computes; position p's logits score prompt token p + 1, so the first prompt token has none, as in vLLM. The
+plan's logits are computed and scored a bounded slice at a time."""
 
 from __future__ import annotations
 
@@ -44,45 +44,6 @@ def plan_prompt_logprobs(step: SchedulerOutput, inputs: StepInputs) -> PromptLog
     if not owners:
         return None
     return PromptLogprobsPlan(np.array(token_index, dtype=np.int64), np.array(targets, dtype=np.int64), owners, k)
-
-
-@dataclass
-class StepLogprobs:
-    """Device work queued for a step's logprobs; read on the host after the step's event."""
-
-    sample_rows: list[int]  # step rows whose sampled token has logprobs, parallel to `sampled`
-    sampled: LogprobsTensors | None
-    prompt: tuple[PromptLogprobsPlan, LogprobsTensors] | None
-
-    def entries(self) -> tuple[dict[int, tuple], list[tuple[int, int, tuple]]]:
-        """({step row: (logprob, rank, top ids, top logprobs)}, [(step row, prompt position, same tuple)])."""
-        sampled = {}
-        if self.sampled is not None:
-            for row, values in zip(self.sample_rows, _rows(self.sampled), strict=True):
-                sampled[row] = values
-        prompt = []
-        if self.prompt is not None:
-            plan, tensors = self.prompt
-            prompt = [(row, position, values) for (row, position), values in zip(plan.owners, _rows(tensors),
-                                                                                  strict=True)]
-        return sampled, prompt
-
-
-def _rows(t: LogprobsTensors) -> list[tuple]:
-    return list(zip(t.logprobs.tolist(), t.ranks.tolist(), t.top_ids.tolist(), t.top_logprobs.tolist(), strict=True))
-
-
-def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None], max_rows: int,
-                     pinned: bool) -> tuple[list[int], LogprobsTensors | None]:
-    """Logprobs of the rows that ask for them, max_rows at a time; logits (S, V) and token_ids (S,) of the step's
-    sampling rows."""
-    rows = [i for i, k in enumerate(wanted) if k is not None]
-    if not rows:
-        return [], None
-    index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-    k = max(wanted[i] for i in rows)
-    return rows, compute_logprobs(lambda start, end: logits.index_select(0, index[start:end]),
-                                  token_ids.index_select(0, index), k, max_rows, pinned)
 
 
 def prompt_logprobs(plan: PromptLogprobsPlan, hidden: torch.Tensor,

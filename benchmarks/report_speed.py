@@ -20,8 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, markdown_table
 from tests.report_runs import completion, step, summary, write_run
+
+from benchmarks.common import REPO, markdown_table
 
 ROWS, STEPS, KERNEL_STEPS, KERNELS = 600, 700, 6, 300
 

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.models.gguf_file import GGUF_SUFFIX, UnsupportedGGUF, is_gguf_path, validate_gguf
 from batchgen.sample.params import SamplingParams
 
 DATA_FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf_disk", "hf", "openai_batch")
@@ -33,7 +34,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # a Hugging Face checkpoint directory
+    path: str | None = None  # a Hugging Face checkpoint directory, or a GGUF file (or a directory holding one)
     tokenizer: str | None = None  # defaults to `path`; None with dummy weights means token-id prompts only
     load_format: str = "auto"  # auto | safetensors | dummy (random weights from hf_config)
     hf_config: dict[str, Any] | None = None  # config.json values, for dummy weights without a checkpoint
@@ -172,8 +173,15 @@ def validate_model(model: ModelConfig) -> None:
         _require(model.path is not None or model.hf_config is not None, "model.hf_config", None,
                  "dummy weights need model.path (a config.json) or model.hf_config")
     else:
-        _require(bool(model.path), "model.path", model.path, "set it to a Hugging Face checkpoint directory")
-        _require(os.path.isdir(model.path), "model.path", model.path, "no such directory")
+        _require(bool(model.path), "model.path", model.path,
+                 "set it to a Hugging Face checkpoint directory or a GGUF file")
+        _require(os.path.isdir(model.path) or (os.path.isfile(model.path) and model.path.endswith(GGUF_SUFFIX)),
+                 "model.path", model.path, "no such directory or GGUF file")
+    if is_gguf_path(model.path):
+        try:
+            validate_gguf(model.path, own_tokenizer=model.tokenizer is None)
+        except UnsupportedGGUF as error:
+            raise ConfigError(f"model.path: {error}") from None
     if model.tokenizer is not None:
         _require(os.path.isdir(model.tokenizer), "model.tokenizer", model.tokenizer, "no such directory")
 

@@ -19,9 +19,10 @@ from hydra.core.override_parser.types import OverrideType
 from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from batchgen.cli.config_keys import check_known_keys, check_override_keys
+from batchgen.cli.package_files import package_file
 from batchgen.cli.usage import config_groups
 from batchgen.config import Config, ConfigError, validate
 from batchgen.io.atomic import DirectoryInUse
@@ -36,6 +37,7 @@ from batchgen.job.exits import (
 )
 from batchgen.job.stop_signals import JobStopped, resume_command
 from batchgen.models.hf_config import check_checkpoint
+from batchgen.report.answers import exact_match
 from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
 from batchgen.runners.errors import MergeError, RankFailedError
@@ -59,6 +61,9 @@ ConfigStore.instance().store(name="schema", node=writable(OmegaConf.structured(C
 if not OmegaConf.has_resolver("repo"):
     # ${repo:} lets configs name files shipped in the repository from whatever directory the job starts in.
     OmegaConf.register_new_resolver("repo", lambda: str(REPO_ROOT))
+if not OmegaConf.has_resolver("package_file"):
+    # ${package_file:DISTRIBUTION,PATTERN}: a data file inside an installed Python package (conf/model/smollm2.yaml).
+    OmegaConf.register_new_resolver("package_file", package_file)
 
 
 def to_config(cfg: DictConfig) -> Config:
@@ -67,7 +72,10 @@ def to_config(cfg: DictConfig) -> Config:
         check_known_keys(OmegaConf.to_container(cfg, resolve=False))
         config = OmegaConf.to_object(cfg)
     except (OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
+        message = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        if isinstance(exc, InterpolationResolutionError) and exc.full_key:  # a resolver's error names no key
+            message = f"{exc.full_key}: {message}"
+        raise ConfigError(message) from None
     validate(config)
     check_checkpoint(config.model, config.engine.max_model_len)
     return config
@@ -130,6 +138,9 @@ def _main(cfg: DictConfig) -> float | None:
         log.error("%s", exc)
         sys.exit(EXIT_CRASH)
     print(brief_table(summary))
+    answers = exact_match(run_dir, {"path": config.data.path, "format": config.data.format})
+    if answers is not None:
+        print(answers.line())
     return read_figures(summary).output_tok_s
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.config import ConfigError, ModelConfig
+from batchgen.models.gguf_file import is_gguf_path
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -181,6 +182,8 @@ def check_checkpoint(model: ModelConfig, max_model_len: int | None) -> None:
     """What loading the model needs, checked from its files alone (no weights read, no torch): config.json, the
     safetensors files, an architecture batchgen implements, and engine.max_model_len within the model's positions.
     Raises ConfigError naming the directory or key; model and max_model_len are validated values (config.py)."""
+    if model.path is not None and is_gguf_path(model.path):
+        return  # a GGUF file holds its own config, checked by config.validate_model
     overrides = dict(model.hf_config or {})
     if model.path is None:
         where = "model.hf_config"

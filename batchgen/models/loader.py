@@ -15,6 +15,8 @@ from torch import nn
 from batchgen.config import ModelConfig
 from batchgen.layers.norms import RMSNorm
 from batchgen.models.base import CausalLM
+from batchgen.models.gguf import gguf_hf_config, iter_gguf_weights
+from batchgen.models.gguf_file import is_gguf_path
 from batchgen.models.hf_config import SAFETENSORS_FILE, SAFETENSORS_INDEX, hf_config_from_dict, read_hf_config
 from batchgen.models.registry import model_class
 
@@ -28,6 +30,10 @@ def load_hf_config(model: ModelConfig) -> Any:
     config (whose architecture the registry then names as unsupported).
     """
     overrides = dict(model.hf_config or {})
+    if is_gguf_path(model.path):
+        config = gguf_hf_config(model.path)
+        config.update(overrides)
+        return config
     if model.path is not None:
         config = read_hf_config(model.path)
         if config is None:
@@ -107,11 +113,14 @@ def init_dummy_weights(model: nn.Module) -> None:
 def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """Builds the model for hf_config's architecture on `device` in `dtype` and fills its weights."""
     cls = model_class(hf_config)
-    files = [] if model.load_format == "dummy" else safetensors_files(model.path)
+    gguf = is_gguf_path(model.path)
+    files = [] if model.load_format == "dummy" or gguf else safetensors_files(model.path)
     with _default_dtype(dtype), torch.device(device):
         network = cls(hf_config)
     if model.load_format == "dummy":
         init_dummy_weights(network)
+    elif gguf:
+        network.load_weights(iter_gguf_weights(model.path))
     else:
         network.load_weights(iter_safetensors(files))
     network.eval()

@@ -149,25 +149,25 @@ def _greedy_chunk_kernel(logits_ptr, stride, ranks_ptr, values_ptr, indices_ptr,
     tl.store(indices_ptr + at, winner)
 
 
-# last_rows is the bucket size or max_num_seqs: specialized, it would compile once for 1, once for multiples of 16
+# pending_rows is the bucket size or max_num_seqs: specialized, it would compile once for 1, once for multiples of 16
 # and once for the rest.
-@triton.jit(do_not_specialize=["last_rows"])
-def _greedy_merge_kernel(ranks_ptr, values_ptr, indices_ptr, out_ptr, last_sampled_ptr, last_rows,
+@triton.jit(do_not_specialize=["pending_rows"])
+def _greedy_merge_kernel(ranks_ptr, values_ptr, indices_ptr, out_ptr, pending_ids_ptr, pending_rows,
                          CHUNKS: tl.constexpr, PDL: tl.constexpr):
     """One program per row: the best of its chunks' candidates (the earlier chunk on a tie), into out and, for rows
-    below last_rows, into last_sampled."""
+    below pending_rows, into pending_ids."""
     row = tl.program_id(0)
     at = row * CHUNKS + tl.arange(0, CHUNKS)
     wait_for_previous(PDL)
     _, _, winner = _best(tl.load(ranks_ptr + at), tl.load(values_ptr + at), tl.load(indices_ptr + at))
     tl.store(out_ptr + row, winner.to(tl.int64))
-    if row < last_rows:
-        tl.store(last_sampled_ptr + row, winner.to(tl.int64))
+    if row < pending_rows:
+        tl.store(pending_ids_ptr + row, winner.to(tl.int64))
 
 
-def greedy_argmax(logits: torch.Tensor, last_sampled: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor) -> torch.Tensor:
     """logits (B, V) -> (B,) int64 token ids, torch.argmax's (NaN first, then the first largest value); also written
-    into last_sampled's first min(B, len(last_sampled)) rows. Each row is read by _GREEDY_CHUNKS programs."""
+    into pending_ids's first min(B, len(pending_ids)) rows. Each row is read by _GREEDY_CHUNKS programs."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -180,6 +180,6 @@ def greedy_argmax(logits: torch.Tensor, last_sampled: torch.Tensor) -> torch.Ten
     _greedy_chunk_kernel[(rows, _GREEDY_CHUNKS)](logits, logits.stride(0), ranks, values, indices, VOCAB=vocab,
                                                  CHUNK=chunk, BLOCK=triton.next_power_of_2(chunk), num_warps=4,
                                                  **options)
-    _greedy_merge_kernel[(rows,)](ranks, values, indices, out, last_sampled, min(rows, len(last_sampled)),
+    _greedy_merge_kernel[(rows,)](ranks, values, indices, out, pending_ids, min(rows, len(pending_ids)),
                                   CHUNKS=_GREEDY_CHUNKS, num_warps=1, **options)
     return out

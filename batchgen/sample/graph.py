@@ -2,7 +2,7 @@
 
 The forward graph of a bucket ends in static logits; the sampler graph reads them and the step's per-row parameters
 from a static byte buffer (one copy per step, plus the bitmask when a row is guided), and writes the sampled ids into
-`last_sampled`, where the next step's graph finds them, and into the requests' output counts. A separate graph per
+`pending_ids`, where the next step's graph finds them, and into the requests' output counts. A separate graph per
 feature set keeps each step to the stages its rows use: an unpenalized step never reads the penalty state. Graphs
 are captured on first use (once per bucket and feature set), not at start-up.
 
@@ -21,14 +21,14 @@ from batchgen.sample.state import SamplingState
 
 
 class SamplerGraphs:
-    def __init__(self, max_size: int, vocab_size: int, last_sampled: torch.Tensor, device: torch.device):
+    def __init__(self, max_size: int, vocab_size: int, pending_ids: torch.Tensor, device: torch.device):
         self.device = device
         self.max_size = max_size
         self.capture_graphs = device.type == "cuda"  # on CPU the same static-buffer path runs eagerly (tests)
         # A bucket of `size` rows lays its parameters out from the start (ParamLayout.of(size)); buckets overlap.
         self.params = torch.zeros(ParamLayout.of(max_size).nbytes, dtype=torch.uint8, device=device)
         self.bitmask = torch.full((max_size, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
-        self.last_sampled = last_sampled
+        self.pending_ids = pending_ids
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
         self._staged_logits: torch.Tensor | None = None
@@ -46,7 +46,7 @@ class SamplerGraphs:
     def run(self, batch: SamplingBatch, size: int, logits: torch.Tensor, state: SamplingState | None,
             greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
         """Samples the batch's n <= size rows from the bucket's static logits (size, V); the ids land in
-        last_sampled[:n]. greedy_ids: the forward graph's static argmax of the logits (size,), or None (see
+        pending_ids[:n]. greedy_ids: the forward graph's static argmax of the logits (size,), or None (see
         run_sampler)."""
         features = batch.features
         # A bucket's plain and cascade forward graphs each end in their own static outputs, which a graph reads (the
@@ -88,7 +88,7 @@ class SamplerGraphs:
     def _capture(self, size: int, features: SamplingFeatures, logits: torch.Tensor, state: SamplingState | None,
                  greedy_ids: torch.Tensor | None) -> tuple[torch.cuda.CUDAGraph, SamplerOutput]:
         # Warm-up (Triton compiles, lazy init) on neutral rows: it counts only into the neutral state row 0 and
-        # leaves last_sampled alone, so it can run while earlier steps are still queued.
+        # leaves pending_ids alone, so it can run while earlier steps are still queued.
         self._load(SamplingBatch.prepare([], []), size)
         self.bitmask[:size].fill_(-1)
         self._pipeline(size, features, logits, state, greedy_ids)
@@ -100,5 +100,5 @@ class SamplerGraphs:
         return graph, output
 
     def _keep_ids(self, output: SamplerOutput, size: int) -> None:
-        rows = min(size, len(self.last_sampled))  # a bucket may be larger than max_num_seqs
-        self.last_sampled[:rows].copy_(output.token_ids[:rows])
+        rows = min(size, len(self.pending_ids))  # a bucket may be larger than max_num_seqs
+        self.pending_ids[:rows].copy_(output.token_ids[:rows])

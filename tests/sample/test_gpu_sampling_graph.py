@@ -90,8 +90,8 @@ def test_captured_sampler_equals_eager_and_the_old_sampler(penalties):
     for graphed in (False, True):
         requests = make_requests([SamplingParams(**vars(p)) for p in params])
         state = SamplingState(VOCAB, device) if penalties else None
-        last_sampled = torch.zeros(size, dtype=torch.int64, device=device)
-        graphs = SamplerGraphs(size, VOCAB, last_sampled, device)
+        pending_ids = torch.zeros(size, dtype=torch.int64, device=device)
+        graphs = SamplerGraphs(size, VOCAB, pending_ids, device)
         logits = torch.zeros(size, VOCAB, device=device)
         tokens = []
         for step in range(4):
@@ -99,7 +99,7 @@ def test_captured_sampler_equals_eager_and_the_old_sampler(penalties):
             logits[:rows] = logits_for(rows, seed=step).to(device)
             if graphed:
                 ids = graphs.run(sampling, size, logits, state).token_ids.clone()
-                assert graphs.graphs and torch.equal(last_sampled[:rows], ids)
+                assert graphs.graphs and torch.equal(pending_ids[:rows], ids)
             else:
                 ids = run_sampler(logits[:rows], sampling.to_device(device, state)).token_ids
             if not penalties:

@@ -30,11 +30,11 @@ def test_greedy_argmax_matches_torch(rows: int, vocab: int, dtype: torch.dtype) 
     logits[rows + 2, [vocab - 1, vocab // 2]] = float("nan")  # NaN beats every number: the first NaN
     logits[rows + 3, -1] = 1000.0  # the last column
     logits = logits.to(DEVICE)
-    last_sampled = torch.full((rows + 2,), -1, dtype=torch.int64, device=DEVICE)
+    pending_ids = torch.full((rows + 2,), -1, dtype=torch.int64, device=DEVICE)
 
-    ids = greedy_argmax(logits, last_sampled)
+    ids = greedy_argmax(logits, pending_ids)
 
     expected = logits.float().cpu().argmax(dim=-1)
     assert expected[rows + 2] == vocab // 2 and expected[rows + 1] == vocab // 3  # torch's rules, as documented
     assert torch.equal(ids.cpu(), expected)
-    assert torch.equal(last_sampled.cpu(), expected[: rows + 2])  # only the rows last_sampled has
+    assert torch.equal(pending_ids.cpu(), expected[: rows + 2])  # only the rows pending_ids has

@@ -85,8 +85,8 @@ def test_static_buffer_path_equals_eager(penalties, staged):
     for graphed in (False, True):
         requests = make_requests([SamplingParams(**vars(p)) for p in params])
         state = SamplingState(VOCAB, torch.device("cpu")) if penalties else None
-        last_sampled = torch.zeros(size, dtype=torch.int64)
-        graphs = SamplerGraphs(size, VOCAB, last_sampled, torch.device("cpu"))
+        pending_ids = torch.zeros(size, dtype=torch.int64)
+        graphs = SamplerGraphs(size, VOCAB, pending_ids, torch.device("cpu"))
         tokens = []
         for step in range(4):
             sampling = step_batch(requests, state)
@@ -95,7 +95,7 @@ def test_static_buffer_path_equals_eager(penalties, staged):
             if graphed:
                 static = graphs.stage_logits(logits[:rows]) if staged else logits
                 ids = graphs.run(sampling, size, static, state).token_ids.clone()
-                assert torch.equal(last_sampled[:rows], ids)
+                assert torch.equal(pending_ids[:rows], ids)
             else:
                 ids = run_sampler(logits[:rows], sampling.to_device("cpu", state)).token_ids
             tokens.append(ids.tolist())

@@ -34,8 +34,8 @@ class FastTokenizer:
     tokenizer_config.json (or special_tokens_map.json)."""
 
     def __init__(self, path: Path, backend: Tokenizer, config: dict[str, Any], in_gguf: bool = False):
-        """in_gguf: the tokenizer was read from a GGUF file (path), which transformers' AutoTokenizer cannot load
-        without the slow GGUF reader: its transformers view is built around `backend` instead."""
+        """in_gguf: the tokenizer was read from a GGUF file (path), which AutoTokenizer does not read as a path: its
+        transformers view is built around `backend` instead, so both views are the same tokenizer."""
         self.path = path
         self.backend = backend
         self.config = config

@@ -76,6 +76,8 @@ _GPT2_TENSORS = {
     "blk.{n}.ffn_down.weight": "transformer.h.{n}.mlp.c_proj.weight",
     "blk.{n}.ffn_down.bias": "transformer.h.{n}.mlp.c_proj.bias",
 }
+# The architecture's metadata the config needs (every other key has a default).
+REQUIRED_KEYS = ("context_length", "embedding_length", "feed_forward_length", "block_count", "attention.head_count")
 TENSOR_NAMES = {"llama": _LLAMA_TENSORS, "qwen2": _LLAMA_TENSORS, "qwen3": _LLAMA_TENSORS, "gpt2": _GPT2_TENSORS}
 
 
@@ -272,6 +274,11 @@ def check_supported(header: GGUFHeader) -> None:
     if header.architecture not in ARCHITECTURES:
         raise UnsupportedGGUF(f"{where} holds a {header.architecture!r} model; batchgen runs GGUF architectures "
                               f"{', '.join(ARCHITECTURES)}")
+    missing = [f"{header.architecture}.{key}" for key in REQUIRED_KEYS if header.get(key) is None]
+    if "token_embd.weight" not in {tensor.name for tensor in header.tensors}:
+        missing.append("tensor token_embd.weight")
+    if missing:
+        raise UnsupportedGGUF(f"{where} lacks {', '.join(missing)}")
     unmapped = [tensor.name for tensor in header.tensors if hf_tensor_name(header, tensor.name) is None]
     if unmapped:
         # e.g. rope_freqs.weight: Llama 3.1's rope scaling, which llama.cpp stores as per-frequency factors

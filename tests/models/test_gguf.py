@@ -213,6 +213,19 @@ def test_an_architecture_batchgen_does_not_run_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_file_without_the_sizes_of_its_model_is_one_line_and_exit_2(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "qwen2")
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run_on(tmp_path, tmp_path / "bare.gguf")
+    assert result.returncode == 2, result.stdout + result.stderr
+    [line] = error_lines(result)
+    assert "bare.gguf lacks qwen2.context_length, qwen2.embedding_length" in line
+
+
 def test_a_tensor_type_the_gguf_library_cannot_dequantize_is_one_line_and_exit_2(tmp_path):
     model = write_gguf(tmp_path / "ints.gguf", "llama", {"token_embd.weight": np.zeros((16, 8), np.int32)},
                        {"token_embd.weight": gguf.GGMLQuantizationType.I32})

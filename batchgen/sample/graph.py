@@ -100,5 +100,4 @@ class SamplerGraphs:
         return graph, output
 
     def _keep_ids(self, output: SamplerOutput, size: int) -> None:
-        rows = min(size, len(self.pending_ids))  # a bucket may be larger than max_num_seqs
-        self.pending_ids[:rows].copy_(output.token_ids[:rows])
+        self.pending_ids[:size].copy_(output.token_ids[:size])  # the pending ids hold the largest bucket

@@ -1,14 +1,20 @@
+"""The command line's one entry point: `python -m batchgen` and the `batchgen` console script both run main()."""
+
 import sys
 
 from batchgen.cli.usage import early_exit
 
-text = early_exit(sys.argv[1:])
-if text is not None:
-    print(text)
-else:
-    from batchgen.bytecode_cache import use_bytecode_cache
 
-    use_bytecode_cache()  # before Hydra and torch are imported
-    from batchgen.cli.main import main
+def main() -> None:
+    """--help and --version are answered before Hydra, torch or a model is imported; anything else is a job."""
+    text = early_exit(sys.argv[1:])
+    if text is not None:
+        print(text)
+        return
+    from batchgen.cli.main import main as run_job
 
+    run_job()
+
+
+if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.models.gguf_file import GGUF_SUFFIX, UnsupportedGGUF, is_gguf_path, validate_gguf
 from batchgen.sample.params import SamplingParams
 
 DATA_FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf_disk", "hf", "openai_batch")
@@ -26,6 +27,7 @@ RUNNERS = ("local", "ray")
 TASKS = ("generate", "score", "embed", "classify")
 POOLING_METHODS = ("last", "mean", "cls")
 SHARD_BY = ("work", "index")
+MAX_CAPTURE_SIZE = 512  # the largest default CUDA-graph bucket
 
 
 class ConfigError(ValueError):
@@ -34,7 +36,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # a Hugging Face checkpoint directory
+    path: str | None = None  # a Hugging Face checkpoint directory, or a GGUF file (or a directory holding one)
     tokenizer: str | None = None  # defaults to `path`; None with dummy weights means token-id prompts only
     load_format: str = "auto"  # auto | safetensors | dummy (random weights from hf_config)
     hf_config: dict[str, Any] | None = None  # config.json values, for dummy weights without a checkpoint
@@ -46,13 +48,13 @@ class ModelConfig:
     normalize: bool = True  # job.task=embed: L2-normalize each embedding
 
 
-@dataclass
+@dataclass(frozen=True)
 class CudaGraphConfig:
     capture_sizes: list[int] | None = None  # None: 1, 2, 4, then steps of 8 up to max_capture_size
     max_capture_size: int | None = None  # None: max_num_seqs, at most 512
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     max_num_seqs: int = 256
@@ -80,6 +82,24 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs (after penalties, temperature, filters)
     data_parallel_size: int = 1  # N > 1: start N processes, one shard each on its own GPU (cuda:rank) or CPU
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+
+    @property
+    def cuda_graph_sizes(self) -> tuple[int, ...]:
+        """The CUDA-graph buckets, ascending: engine.cuda_graph.capture_sizes, else vLLM's 1, 2, 4, then steps of 8
+        up to max_capture_size (default: max_num_seqs, at most MAX_CAPTURE_SIZE)."""
+        if self.cuda_graph.capture_sizes:
+            return tuple(sorted(set(self.cuda_graph.capture_sizes)))
+        limit = min(self.cuda_graph.max_capture_size or self.max_num_seqs, MAX_CAPTURE_SIZE)
+        sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
+        return tuple(sizes if sizes[-1] == limit else [*sizes, limit])
+
+    @property
+    def max_step_rows(self) -> int:  # a step's device buffers hold a CUDA-graph bucket's padding rows too
+        return max(self.max_num_seqs, self.cuda_graph_sizes[-1])
+
+    @property
+    def wanted_backlog(self) -> int:  # requests kept waiting (two batches): the scheduler always has rows to admit
+        return 2 * self.max_num_seqs
 
 
 @dataclass
@@ -165,8 +185,15 @@ def validate_model(model: ModelConfig) -> None:
         _require(model.path is not None or model.hf_config is not None, "model.hf_config", None,
                  "dummy weights need model.path (a config.json) or model.hf_config")
     else:
-        _require(bool(model.path), "model.path", model.path, "set it to a Hugging Face checkpoint directory")
-        _require(os.path.isdir(model.path), "model.path", model.path, "no such directory")
+        _require(bool(model.path), "model.path", model.path,
+                 "set it to a Hugging Face checkpoint directory or a GGUF file")
+        _require(os.path.isdir(model.path) or (os.path.isfile(model.path) and model.path.endswith(GGUF_SUFFIX)),
+                 "model.path", model.path, "no such directory or GGUF file")
+    if is_gguf_path(model.path):
+        try:
+            validate_gguf(model.path, own_tokenizer=model.tokenizer is None)
+        except UnsupportedGGUF as error:
+            raise ConfigError(f"model.path: {error}") from None
     if model.tokenizer is not None:
         _require(os.path.isdir(model.tokenizer), "model.tokenizer", model.tokenizer, "no such directory")
 

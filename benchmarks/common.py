@@ -206,7 +206,7 @@ def environment() -> dict[str, Any]:
         "triton": triton_version,
         "python": platform.python_version(),
         "git_commit": _git_commit(),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 

@@ -2,10 +2,9 @@
 eager and graph, with what the job's summary says of its parts: engine start (model load, KV cache, graph capture),
 the engine loop (sum of step_ms) and the rest (imports, Hydra, reading, writing).
 
---fresh-caches points TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR and BATCHGEN_BYTECODE_CACHE (used where Python may not
-write bytecode beside the sources) at new empty directories for every run: a fresh machine's cold start;
-triton_compiles counts the entries Triton's cache holds after the run (one per kernel specialisation compiled).
-Without a GPU only eager runs (graph mode needs CUDA).
+--fresh-caches points TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR at new empty directories for every run: a fresh
+machine's cold compile caches; triton_compiles counts the entries Triton's cache holds after the run (one per kernel
+specialisation compiled). Without a GPU only eager runs (graph mode needs CUDA).
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ def triton_compiles(cache_dir: Path) -> int:
 def run_job(run_dir: Path, mode: str, fresh_cache: bool, extra: list[str]) -> dict[str, Any]:
     env = {}
     if fresh_cache:
-        env = {"TRITON_CACHE_DIR": str(run_dir / "triton_cache"), "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor"),
-               "BATCHGEN_BYTECODE_CACHE": str(run_dir / "bytecode")}
+        env = {"TRITON_CACHE_DIR": str(run_dir / "triton_cache"), "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor")}
     args = ["-m", "batchgen", "job=shakespeare", f"hydra.run.dir={run_dir}", "job.progress=false", *MODES[mode],
             *extra]
     run = run_process(args, env)

@@ -87,10 +87,8 @@ def instrument(engine, clock: HostClock) -> None:
     scheduler.schedule = clock.wrap("schedule", scheduler.schedule)
     scheduler.commit = clock.wrap("commit", scheduler.commit)
     model_runner.build_step_inputs = clock.wrap("build_step_inputs", model_runner.build_step_inputs)
-    model_runner.build_step_sampling = clock.wrap("sampling_tensors", model_runner.build_step_sampling)
-    runner._graph_sample = clock.wrap("sample_launch", runner._graph_sample)
-    runner._eager_sample = clock.wrap("sample_launch", runner._eager_sample)
-    runner._sample_eager_logits = clock.wrap("sample_launch", runner._sample_eager_logits)
+    runner._step_sampling = clock.wrap("sampling_tensors", runner._step_sampling)
+    runner._sample = clock.wrap("sample_launch", runner._sample)
     runner._to_device = clock.wrap("to_device", runner._to_device)
     runner._eager_forward = clock.wrap("forward_launch", runner._eager_forward)
     if runner.graphs is not None:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, markdown_table
-from tests.report_runs import completion, step, summary, write_run
+from tests.helpers.report_runs import completion, step, summary, write_run
 
 ROWS, STEPS, KERNEL_STEPS, KERNELS = 600, 700, 6, 300
 

@@ -2,25 +2,42 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import logging
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra._internal.utils import get_args_parser
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
+from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-from batchgen.cli.config_keys import check_known_keys
-from batchgen.cli.exits import EXIT_BAD_CONFIG_OR_INPUT, EXIT_CRASH, remove_unstarted_run_dir
-from batchgen.cli.usage import early_exit
+from batchgen.cli.config_keys import check_known_keys, check_override_keys
+from batchgen.cli.package_files import package_file
+from batchgen.cli.usage import config_groups
 from batchgen.config import Config, ConfigError, validate
+from batchgen.io.atomic import DirectoryInUse
 from batchgen.io.errors import InputError
+from batchgen.job.exits import (
+    EXIT_BAD_CONFIG_OR_INPUT,
+    EXIT_CRASH,
+    EXIT_ENVIRONMENT,
+    describe_os_error,
+    is_environment_fault,
+    remove_unstarted_run_dir,
+)
 from batchgen.job.stop_signals import JobStopped, resume_command
+from batchgen.models.hf_config import check_checkpoint
+from batchgen.report.answers import exact_match
 from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
 from batchgen.runners.errors import MergeError, RankFailedError
@@ -30,20 +47,38 @@ CONF_DIR = REPO_ROOT / "conf"
 
 log = logging.getLogger("batchgen")
 
-ConfigStore.instance().store(name="schema", node=Config)
+
+def writable(node: DictConfig) -> DictConfig:
+    """The schema, its frozen dataclasses' nodes made writable: Hydra merges conf/ and the command line into it."""
+    OmegaConf.set_readonly(node, False)
+    for value in node.values():
+        if isinstance(value, DictConfig):
+            writable(value)
+    return node
+
+
+ConfigStore.instance().store(name="schema", node=writable(OmegaConf.structured(Config)))
 if not OmegaConf.has_resolver("repo"):
     # ${repo:} lets configs name files shipped in the repository from whatever directory the job starts in.
     OmegaConf.register_new_resolver("repo", lambda: str(REPO_ROOT))
+if not OmegaConf.has_resolver("package_file"):
+    # ${package_file:DISTRIBUTION,PATTERN}: a data file inside an installed Python package (conf/model/smollm2.yaml).
+    OmegaConf.register_new_resolver("package_file", package_file)
 
 
 def to_config(cfg: DictConfig) -> Config:
-    """The composed DictConfig as plain dataclasses, validated; errors name the key."""
+    """The composed DictConfig as plain dataclasses, validated, its checkpoint checked; errors name the key."""
     try:
         check_known_keys(OmegaConf.to_container(cfg, resolve=False))
         config = OmegaConf.to_object(cfg)
     except (OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(str(exc).splitlines()[0] if str(exc) else repr(exc)) from None
-    return validate(config)
+        message = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        if isinstance(exc, InterpolationResolutionError) and exc.full_key:  # a resolver's error names no key
+            message = f"{exc.full_key}: {message}"
+        raise ConfigError(message) from None
+    validate(config)
+    check_checkpoint(config.model, config.engine.max_model_len)
+    return config
 
 
 class MultirunReport(Callback):
@@ -74,10 +109,14 @@ def _main(cfg: DictConfig) -> float | None:
         from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
 
         # The imported modules' objects (mostly torch's) live as long as the process: left out of every later
-        # collection, a full one (the engine's close, Python's own) takes microseconds instead of 0.2 s.
-        gc.freeze()
+        # collection, a full one (the engine's close, Python's own) takes microseconds instead of 0.2 s. Frozen
+        # objects are never collected, not even at exit, so only before a process's first job: in a multirun, a
+        # freeze before the next job would keep what the previous one imported (Triton) alive past the
+        # interpreter's end, where nanobind lists Triton's objects as leaked.
+        if gc.get_freeze_count() == 0:
+            gc.freeze()
         summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))
-    except (ConfigError, InputError) as exc:
+    except (ConfigError, InputError, DirectoryInUse) as exc:
         log.error("%s", exc)
         remove_unstarted_run_dir(run_dir)
         sys.exit(EXIT_BAD_CONFIG_OR_INPUT)
@@ -86,11 +125,51 @@ def _main(cfg: DictConfig) -> float | None:
         print(f"{stop}; resume with: {resume_command(list(HydraConfig.get().overrides.task), run_dir)}",
               file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)
+    except OSError as exc:
+        if not is_environment_fault(exc):
+            raise
+        remove_unstarted_run_dir(run_dir)
+        kept = (f"; what was written is kept: once that is fixed, resume with: "
+                f"{resume_command(list(HydraConfig.get().overrides.task), run_dir)}" if run_dir.exists() else "")
+        # Printed, not logged: on a full disk the log file cannot take it.
+        print(f"{describe_os_error(exc)}{kept}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_ENVIRONMENT)
     except (MergeError, RankFailedError) as exc:
         log.error("%s", exc)
         sys.exit(EXIT_CRASH)
     print(brief_table(summary))
+    answers = exact_match(run_dir, {"path": config.data.path, "format": config.data.format})
+    if answers is not None:
+        print(answers.line())
     return read_figures(summary).output_tok_s
+
+
+def exit_unless_writable(directory: Path, key: str) -> None:
+    """Creates `directory` (the value of `key`) and checks that files can be made in it; if not, exits in one line:
+    EXIT_ENVIRONMENT for a read-only or full file system, EXIT_BAD_CONFIG_OR_INPUT for a path that cannot be a
+    directory (a file on the way)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            tempfile.TemporaryFile(dir=directory).close()
+        except OSError as exc:  # named by the directory: the probe's own name means nothing to the user
+            raise OSError(exc.errno, exc.strerror, str(directory)) from exc
+    except OSError as exc:
+        print(f"{key}={directory} cannot be written: {describe_os_error(exc)}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_ENVIRONMENT if is_environment_fault(exc) else EXIT_BAD_CONFIG_OR_INPUT)
+
+
+class WritableOutputDir(Callback):
+    """Hydra makes the run directory and writes .hydra/ and its log there before batchgen runs, and reports a
+    failure with a traceback; this checks the directory first (conf/config.yaml)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        HydraConfig.instance().set_config(config)  # as Hydra's run_job does before it reads the directory
+        exit_unless_writable(Path(config.hydra.run.dir), "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        HydraConfig.instance().set_config(config)
+        exit_unless_writable(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
 
 
 class MergeShardsCallback(Callback):
@@ -106,11 +185,28 @@ class MergeShardsCallback(Callback):
                      config.hydra.sweep.dir)
 
 
+def changed_keys(args: list[str]) -> list[str]:
+    """The keys that the command line's plain `key=value` overrides set, read with Hydra's own parsers: not config
+    groups (group=option), not Hydra's own keys; none for a command line that Hydra itself refuses."""
+    parser = get_args_parser()
+    parser.exit_on_error = False
+    try:
+        overrides = OverridesParser.create().parse_overrides(parser.parse_known_args(args)[0].overrides)
+    except (argparse.ArgumentError, OverrideParseException):
+        return []
+    groups = config_groups(CONF_DIR)
+    return [override.key_or_group for override in overrides if override.type == OverrideType.CHANGE
+            and override.key_or_group not in groups and "/" not in override.key_or_group
+            and override.key_or_group.partition(".")[0] != "hydra"]
+
+
 def main() -> None:
-    text = early_exit(sys.argv[1:])
-    if text is not None:
-        print(text)
-        return
+    """Runs the job that the command line composes (batchgen/__main__.py answers --help and --version first)."""
+    try:
+        check_override_keys(changed_keys(sys.argv[1:]))
+    except ConfigError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG_OR_INPUT)
     try:
         _main()
     except SystemExit as exc:

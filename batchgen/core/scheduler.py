@@ -43,21 +43,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from batchgen.config import EngineConfig
 from batchgen.core.block_manager import BlockManager
 from batchgen.core.request import PENDING_TOKEN, Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    mixed_prefill_decode: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be positive")
 
 
 @dataclass
@@ -131,7 +119,8 @@ class _StepBuilder:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        """config: reads max_num_seqs, max_num_batched_tokens, max_model_len (set) and mixed_prefill_decode."""
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()

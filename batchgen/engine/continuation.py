@@ -6,7 +6,7 @@ the context's own encoding, so that context + continuation tokens are exactly th
 tokens are added (lm-eval's default for causal models); an empty context is the prefix token alone (BOS, else EOS).
 
 The request prefills context + continuation and generates nothing; the prompt log-probability of every continuation
-token is computed (sample/step_logprobs.py), so its result is their sum and whether each was the argmax.
+token is computed (worker/prompt_logprobs.py), so its result is their sum and whether each was the argmax.
 """
 
 from __future__ import annotations

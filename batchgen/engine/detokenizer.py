@@ -9,6 +9,7 @@ from batchgen.config import ModelConfig
 from batchgen.core.request import Request
 from batchgen.core.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.tokenizer import FastTokenizer, load_tokenizer
+from batchgen.models.gguf_file import is_gguf_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 STOP_WINDOW_MARGIN = 8  # extra tokens decoded beyond the longest stop string's length in characters
@@ -25,6 +26,9 @@ class Detokenizer:
         """None when the checkpoint ships no tokenizer (or there is no checkpoint): prompts must be token ids."""
         if model.tokenizer is not None:
             return cls(load_tokenizer(model.tokenizer))
+        if is_gguf_path(model.path):
+            tokenizer = FastTokenizer.from_gguf(model.path)
+            return None if tokenizer is None else cls(tokenizer)
         if model.path is None or not any((Path(model.path) / name).exists() for name in TOKENIZER_FILES):
             return None
         return cls(load_tokenizer(model.path))

@@ -7,15 +7,16 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from batchgen.config import EngineConfig, ModelConfig
 from batchgen.core.block_manager import BlockManager
 from batchgen.core.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit
 from batchgen.core.request import Request
-from batchgen.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from batchgen.core.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.continuation import PREFILL_ONLY, continuation_score
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.outputs import RequestOutput, classification_fields
@@ -29,11 +30,12 @@ from batchgen.models.pooling_config import checkpoint_pooling
 from batchgen.models.registry import check_task
 from batchgen.sample.bad_words import bad_words_token_ids
 from batchgen.sample.params import SamplingParams
-from batchgen.worker.cuda_graph import default_capture_sizes
 from batchgen.worker.host_threads import intra_op_threads
 from batchgen.worker.model_runner import LaunchedStep, ModelRunner
 from batchgen.worker.pooling import Pooler
-from batchgen.worker.step_profiler import StepProfiler
+
+if TYPE_CHECKING:
+    from batchgen.worker.step_profiler import StepProfiler  # torch.profiler: imported only when asked for
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,18 @@ POOLING_TASKS = ("embed", "classify")
 
 @dataclass
 class StepRecord:
-    """One row of steps.parquet."""
+    """One row of steps.parquet. The *_ms columns:
+
+    schedule_ms, prepare_ms: host time choosing the requests; building and copying the inputs.
+    forward_ms, sample_ms: device time of the forward and the sampling (CUDA events; host time on CPU).
+    wait_ms: host time waiting for the step's sampled ids.
+    step_ms: the wall time given to this step: its launch (scheduling, preparing, queueing its work) and, until its
+        results are applied, everything since the previous step's results but the next step's launch (which async
+        scheduling runs in between and which counts in the next step's step_ms). The steps' step_ms add up to the
+        engine loop's time, less what ran while the engine was idle, and hold every host part of their own step:
+        on CPU all five parts add up to no more than step_ms; on a GPU forward_ms and sample_ms are device time,
+        which overlaps the host's wait and the next step's launch.
+    """
 
     step: int
     kind: str
@@ -73,8 +86,8 @@ class _InFlight:
 
     step: SchedulerOutput
     launched: LaunchedStep
-    start: float  # perf_counter when its scheduling began
     schedule_ms: float
+    launch_ms: float  # scheduling to queued: the host time of its launch, counted in its own step_ms
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,12 +98,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if name == "triton" and device.type != "cuda":
+def resolve_engine_config(config: EngineConfig, hf_config: Any, device: torch.device) -> EngineConfig:
+    """The config as it applies to this model and device: max_model_len and attention_backend set."""
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    elif backend == "triton" and device.type != "cuda":
         raise ValueError("engine.attention_backend='triton' needs a CUDA device; allowed on CPU: torch, auto")
-    return name
+    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    max_model_len = config.max_model_len or limit
+    if limit is not None and max_model_len > limit:
+        raise ValueError(f"engine.max_model_len={max_model_len} is invalid: the model supports at most {limit} "
+                         "positions")
+    return replace(config, max_model_len=max_model_len, attention_backend=backend)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -109,14 +129,6 @@ def check_kv_cache_dtype_supported(kv_cache_dtype: torch.dtype, backend: str, de
                          "or engine.attention_backend=torch")
 
 
-def attention_ops(backend: str):
-    if backend == "triton":
-        from batchgen.layers import attention_triton
-
-        return attention_triton
-    return attention_torch
-
-
 def request_seed(engine_seed: int, request_id: int) -> int:
     """A per-request seed that depends only on the engine seed and the request id, so resumed runs sample alike."""
     return (engine_seed * 1_000_003 + request_id * 7_919 + 1) % (2**31 - 1)
@@ -132,11 +144,11 @@ def sample_seed(row_seed: int, sample_index: int) -> int:
 
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, detokenizer: Detokenizer | None = None,
-                 kv_demand: KVDemand | None = None, task: str = "generate"):
+                 kv_demand: KVDemand | None = None, profiler: StepProfiler | None = None, task: str = "generate"):
         """kv_demand: the job's rows (prompt lengths and max_tokens), when known: the KV cache is sized to them.
+        profiler: records the kernels of the steps it chooses (job.profile_steps).
         task (job.task): generate and score take `add_request` and `add_score_request`; embed and classify take
         `add_pooling_request`, and their steps prefill only, eagerly, without CUDA graphs."""
-        self.config = engine_config
         self.task = task
         self.device = resolve_device(engine_config.device)
         if (threads := intra_op_threads(engine_config.cpu_threads, self.device)) is not None:
@@ -147,62 +159,56 @@ class LLMEngine:
         self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
         self.detokenizer = detokenizer or Detokenizer.load(model_config)
         self.eos_token_ids = self._eos_token_ids(hf_config)
+        self.profiler = profiler
 
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, self.device, task)
-        self.max_model_len = self._max_model_len(hf_config)
+        self.config = resolve_engine_config(engine_config, hf_config, self.device)
+        backend = self.config.attention_backend
         compile_layers = self.device.type == "cuda" and engine_config.torch_compile
         if compile_layers:
             compile_small_layers(model)  # compiles lazily, at the memory-profiling run below
-        backend = resolve_attention_backend(engine_config.attention_backend, self.device)
         kv_cache_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, self.dtype)
         check_kv_cache_dtype_supported(kv_cache_dtype, backend, self.device)
         if backend == "triton":
             use_triton_layers(model, gemv=not engine_config.enforce_eager, elementwise=not compile_layers)
         self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start, "task": task}
-        self.runner = ModelRunner(model, self.device, engine_config.block_size, self.max_model_len,
-                                  engine_config.max_num_seqs, kv_cache_dtype, attention_ops(backend))
-        self.runner.logprobs_mode = engine_config.logprobs_mode
+        self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
+        self.runner = ModelRunner(self.config, model, self.device, kv_cache_dtype, self._bitmask)
         self.pooler = self._pooler(model_config, model) if task in POOLING_TASKS else None
-        # Only the Triton kernels cascade, and only layers without a sliding window (Mistral windows every layer).
-        # A job whose rows never share a long prefix never captures a cascade graph (shares_long_prefix).
-        self.runner.cascade_attention = (engine_config.cascade_attention and backend == "triton"
-                                         and any(a.sliding_window is None for a in self.runner.attention_layers))
         self._token_text = token_texts(self.detokenizer)
         start = time.perf_counter()
         kv_choice = self._num_kv_blocks(kv_demand)  # on CUDA, a forward that measures the activations' peak
         num_blocks = kv_choice.num_blocks
         self.runner.allocate_kv_cache(num_blocks)
+        block_size = self.config.block_size
         self.info.update(
             kv_sizing_seconds=time.perf_counter() - start,
             device=str(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else "cpu",
             dtype=str(self.dtype).removeprefix("torch."),
             kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
-            max_model_len=self.max_model_len,
+            max_model_len=self.config.max_model_len,
             kv_blocks=num_blocks,
             kv_blocks_reason=kv_choice.reason,
-            kv_capacity_tokens=num_blocks * engine_config.block_size,
+            kv_capacity_tokens=num_blocks * block_size,
             kv_cache_bytes=num_blocks * self.runner.kv_block_bytes,
         )
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s): %s", num_blocks,
-                 engine_config.block_size, num_blocks * engine_config.block_size, self.info["kv_cache_bytes"] / 2**30,
-                 self.info["kv_cache_dtype"], kv_choice.reason)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s): %s", num_blocks, block_size,
+                 num_blocks * block_size, self.info["kv_cache_bytes"] / 2**30, self.info["kv_cache_dtype"],
+                 kv_choice.reason)
         if self.device.type == "cuda" and not engine_config.enforce_eager and self.pooler is None:
             self._capture_graphs()
-        self.scheduler = Scheduler(
-            SchedulerConfig(engine_config.max_num_seqs, engine_config.max_num_batched_tokens, self.max_model_len,
-                            engine_config.mixed_prefill_decode),
-            BlockManager(num_blocks, engine_config.block_size, engine_config.enable_prefix_caching),
-        )
+        self.scheduler = Scheduler(self.config, BlockManager(num_blocks, block_size, self.config.enable_prefix_caching))
         self._finished_on_arrival: list[Request] = []
         self._prompts: dict[tuple[int, int], str | None] = {}  # (request id, sample index) -> prompt text
         self._num_context_tokens: dict[tuple[int, int], int] = {}  # scoring requests' context lengths
         self._pooled: dict[tuple[int, int], list[float]] = {}  # pooling requests' outputs, until they are returned
         self._in_flight: _InFlight | None = None
-        self._last_result_time: float | None = None  # when the previous step's sampled ids reached the host
-        self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
+        # The open window of wall time that the next applied step's step_ms closes: since the previous step's results
+        # (or, after an idle engine, the next launch), less the launches in it, each of which its own step counts.
+        self._window_start: float | None = None
+        self._launches_in_window_ms = 0.0
         self.num_steps = 0
-        self.profiler: StepProfiler | None = None  # set by the job for job.profile_steps
 
     # -- setup ----------------------------------------------------------------------------------------------
 
@@ -216,13 +222,6 @@ class LLMEngine:
         self.info.update(pooling=method, normalize=model_config.normalize)
         return Pooler(method, hidden_size, self.device, normalize=model_config.normalize)
 
-    def _max_model_len(self, hf_config) -> int:
-        limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-        wanted = self.config.max_model_len or limit
-        if limit is not None and wanted > limit:
-            raise ValueError(f"engine.max_model_len={wanted} is invalid: the model supports at most {limit} positions")
-        return wanted
-
     def _eos_token_ids(self, hf_config) -> list[int]:
         eos = self.detokenizer.eos_token_id if self.detokenizer else None
         if eos is None:
@@ -235,14 +234,12 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_gpu_blocks_override is not None:
             return KVBlockChoice(cfg.num_gpu_blocks_override, "engine.num_gpu_blocks_override")
-        limit = job_block_limit(cfg.max_num_seqs, self.max_model_len, cfg.block_size, demand)
+        limit = job_block_limit(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, demand)
         block_bytes = self.runner.kv_block_bytes
         if self.device.type == "cpu":
             budget = max(1, int(cfg.cpu_kv_cache_space_gib * 2**30) // block_bytes)
             return choose_num_blocks(budget, f"engine.cpu_kv_cache_space_gib={cfg.cpu_kv_cache_space_gib}", limit)
-        peak = self.runner.profile_peak_bytes(cfg.max_num_batched_tokens, min(cfg.max_num_seqs,
-                                                                                cfg.max_num_batched_tokens),
-                                              scores_logits=self.pooler is None)
+        peak = self.runner.profile_peak_bytes(scores_logits=self.pooler is None)
         total = torch.cuda.get_device_properties(self.device).total_memory
         available = int(total * cfg.gpu_memory_utilization) - peak
         if available < block_bytes:
@@ -252,9 +249,7 @@ class LLMEngine:
                                  f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}", limit)
 
     def _capture_graphs(self) -> None:
-        graph_cfg = self.config.cuda_graph
-        sizes = graph_cfg.capture_sizes or default_capture_sizes(self.config.max_num_seqs, graph_cfg.max_capture_size)
-        stats = self.runner.capture_graphs(sorted(set(sizes)))
+        stats = self.runner.capture_graphs()
         self.info.update(cuda_graph_sizes=stats.sizes, cuda_graph_capture_seconds=stats.seconds,
                          cuda_graph_pool_bytes=stats.pool_bytes,
                          cuda_graph_capture_seconds_per_size={str(k): v for k, v in stats.seconds_per_size.items()})
@@ -281,7 +276,7 @@ class LLMEngine:
         try:
             token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
             self._check_token_ids(params)
-            bad_words = bad_words_token_ids(params.bad_words, self.detokenizer)
+            bad_words = bad_words_token_ids(params.bad_words, self.detokenizer and self.detokenizer.tokenizer)
             for sample in samples:
                 sample.prompt_token_ids = list(token_ids)
                 sample.bad_words_token_ids = bad_words
@@ -330,9 +325,9 @@ class LLMEngine:
         num_tokens, vocab = len(context_token_ids) + len(continuation_token_ids), self.hf_config.vocab_size
         if not all(0 <= t < vocab for t in (*context_token_ids, *continuation_token_ids)):
             return f"context and continuation token ids must be in [0, {vocab})"
-        if num_tokens > self.max_model_len:
+        if num_tokens > self.config.max_model_len:
             return (f"context + continuation have {num_tokens} tokens ({len(context_token_ids)} + "
-                    f"{len(continuation_token_ids)}), more than max_model_len={self.max_model_len}")
+                    f"{len(continuation_token_ids)}), more than max_model_len={self.config.max_model_len}")
         return None
 
     def _prefix_token_id(self) -> int | None:
@@ -389,8 +384,11 @@ class LLMEngine:
                 raise ValueError("structured output (guided_*) needs the model's tokenizer")
             self.structured_output = StructuredOutputManager(self.detokenizer.transformers_tokenizer(),
                                                              self.hf_config.vocab_size)
-            self.runner.bitmask_provider = self.structured_output.bitmask
         return self.structured_output
+
+    def _bitmask(self, requests: list[Request]) -> np.ndarray | None:
+        """The structured-output mask of a step's sampling rows; None while no request is guided."""
+        return None if self.structured_output is None else self.structured_output.bitmask(requests)
 
     def _finish_with_error(self, request: Request, error: str) -> None:
         request.finish_reason, request.error = "error", error
@@ -450,7 +448,11 @@ class LLMEngine:
         else:
             launched = launch(step)
         self.scheduler.advance(step)
-        return _InFlight(step, launched, start, schedule_ms)
+        launch_ms = (time.perf_counter() - start) * 1000
+        if self._window_start is None:
+            self._window_start = start
+        self._launches_in_window_ms += launch_ms
+        return _InFlight(step, launched, schedule_ms, launch_ms)
 
     def _launch_pooling(self, step: SchedulerOutput) -> LaunchedStep:
         return self.runner.launch_pooling(step, self.pooler)
@@ -471,9 +473,11 @@ class LLMEngine:
         if self.pooler is not None:
             self.pooler.release(finished)
         now = time.perf_counter()
-        step_ms = (now - (self._last_result_time or in_flight.start)) * 1000
+        window_ms = (now - self._window_start) * 1000 - self._launches_in_window_ms
+        step_ms = window_ms + in_flight.launch_ms
         idle = self._in_flight is None and not self.scheduler.has_unfinished_requests()
-        self._last_result_time = None if idle else now
+        self._window_start = None if idle else now
+        self._launches_in_window_ms = 0.0
         block_manager = self.scheduler.block_manager
         record = StepRecord(
             step=self.num_steps, kind=step.kind, num_seqs=step.num_seqs, num_tokens=step.num_tokens,
@@ -532,7 +536,6 @@ class LLMEngine:
     def close(self) -> None:
         """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean."""
         self.runner.close()
-        self.runner.model = None
         self._in_flight = None  # a stopped job may leave a launched step holding device tensors
         gc.collect()
         if self.device.type == "cuda":

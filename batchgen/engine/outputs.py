@@ -45,6 +45,12 @@ class RequestOutput:
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def num_prompt_tokens_run(self) -> int:
+        """The prompt tokens the engine ran: none for a request that failed before it ran (a prompt longer than
+        max_model_len, an option the engine refuses), which has an error and no output tokens. The rule of
+        summary.ran_rows."""
+        return 0 if self.finish_reason == "error" and not self.token_ids else len(self.prompt_token_ids)
 
 def classification_fields(logits: list[float], id2label: dict[Any, str] | None) -> dict[str, Any]:
     """RequestOutput's classification fields from a classifier's logits; id2label as config.json has it (string

@@ -11,6 +11,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from batchgen.models.gguf_file import gguf_file, is_gguf_path, read_header
+from batchgen.models.gguf_tokenizer import build_tokenizer, has_tokenizer
+
 # tokenizer_config.json keys with which transformers changes what tokenizer.json alone would do.
 REWRITING_KEYS = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "from_slow")
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -30,10 +33,13 @@ class FastTokenizer:
     special tokens added by the post-processor, decoding that skips the special added tokens, eos/bos ids from
     tokenizer_config.json (or special_tokens_map.json)."""
 
-    def __init__(self, path: Path, backend: Tokenizer, config: dict[str, Any]):
+    def __init__(self, path: Path, backend: Tokenizer, config: dict[str, Any], in_gguf: bool = False):
+        """in_gguf: the tokenizer was read from a GGUF file (path), which AutoTokenizer does not read as a path: its
+        transformers view is built around `backend` instead, so both views are the same tokenizer."""
         self.path = path
         self.backend = backend
         self.config = config
+        self.in_gguf = in_gguf
         self._transformers_tokenizer: Any = None
 
     @classmethod
@@ -52,6 +58,16 @@ class FastTokenizer:
         if not declared <= added | set(backend.get_vocab()):
             return None  # transformers would add tokens the file lacks
         return cls(path, backend, config)
+
+    @classmethod
+    def from_gguf(cls, path: str) -> FastTokenizer | None:
+        """The tokenizer a GGUF file (or the directory holding one) describes; None when it holds no vocabulary."""
+        header = read_header(gguf_file(path))
+        if not has_tokenizer(header):
+            return None
+        built = build_tokenizer(header)
+        return cls(header.path, built.backend, {**built.special_tokens, "chat_template": built.chat_template},
+                   in_gguf=True)
 
     def _special_id(self, key: str) -> int | None:
         content = _token_content(self.config.get(key))
@@ -82,8 +98,15 @@ class FastTokenizer:
         """The same tokenizer through transformers, for what needs its API (chat templates, structured output);
         loaded on first use only."""
         if self._transformers_tokenizer is None:
-            self._transformers_tokenizer = _auto_tokenizer(str(self.path))
+            self._transformers_tokenizer = self._wrapped() if self.in_gguf else _auto_tokenizer(str(self.path))
         return self._transformers_tokenizer
+
+    def _wrapped(self) -> Any:
+        from transformers import PreTrainedTokenizerFast
+
+        special = {key: self.config[key] for key in SPECIAL_TOKEN_KEYS if key in self.config}
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self.backend.to_str()),
+                                       chat_template=self.chat_template, **special)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         return self.transformers_tokenizer().apply_chat_template(messages, **kwargs)
@@ -96,6 +119,9 @@ def _auto_tokenizer(name_or_path: str) -> Any:
 
 
 def load_tokenizer(name_or_path: str) -> Any:
-    """A FastTokenizer where tokenizer.json alone gives AutoTokenizer's behaviour, else AutoTokenizer."""
+    """A FastTokenizer where tokenizer.json alone gives AutoTokenizer's behaviour (or the tokenizer is a GGUF
+    file's), else AutoTokenizer."""
+    if is_gguf_path(name_or_path):
+        return FastTokenizer.from_gguf(name_or_path)
     fast = FastTokenizer.from_dir(Path(name_or_path)) if Path(name_or_path).is_dir() else None
     return fast if fast is not None else _auto_tokenizer(name_or_path)

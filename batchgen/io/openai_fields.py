@@ -17,7 +17,7 @@ URLS_BY_TASK = {"generate": (CHAT_URL, COMPLETIONS_URL), "embed": (EMBEDDINGS_UR
 EMBEDDING_IGNORED_FIELDS = ("model", "user")
 
 # OpenAI (and vLLM extra) body fields -> the batchgen per-row override they set. Names batchgen does not know
-# (yet) pass through unchecked; SamplingParams.with_overrides then rejects them, naming them, at run time.
+# (yet) pass through unchecked; sample.params.row_params then rejects them, naming them, at run time.
 OVERRIDE_BY_FIELD = {
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",

@@ -2,7 +2,9 @@
 completions.parquet, so it is the same after a resume or a shard merge.
 
 One line per input line, in input order. A row with several samples (n > 1: rows sharing an index, told apart
-by sample_index) is one line whose choices are the samples. An error row is a line with `error` set. An
+by sample_index) is one line whose choices are the samples. An error row is a line with `error` set. A choice's
+`logprobs` is null unless the request asked for them (chat: logprobs=true with top_logprobs=k; completions:
+logprobs=k), and then in OpenAI's shape for its endpoint, built from the row's logprobs column. An
 /v1/embeddings line (job.task=embed) is answered with OpenAI's embeddings list.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from itertools import groupby
+from itertools import accumulate, groupby
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +31,58 @@ RESULTS_FILE = "results.jsonl"
 ERROR_CODE = "invalid_request"
 ERROR_STATUS = 400
 COLUMNS = ("index", "sample_index", "completion", "num_prompt_tokens", "num_output_tokens", "finish_reason", "error",
-           "embedding")
+           "logprobs", "embedding")
+# What OpenAI (and vLLM) answer for a token the distribution rules out, whose -inf is not JSON.
+LOWEST_LOGPROB = -9999.0
 
 
 def _random_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
+def _token(entry: dict[str, Any]) -> str:
+    """A token's text; without a tokenizer, its id (vLLM's spelling)."""
+    return entry["text"] if entry["text"] is not None else f"token_id:{entry['token_id']}"
+
+
+def _logprob(entry: dict[str, Any]) -> float:
+    return max(entry["logprob"], LOWEST_LOGPROB)
+
+
+def _chat_token(entry: dict[str, Any]) -> dict[str, Any]:
+    text = entry["text"]
+    return {"token": _token(entry), "logprob": _logprob(entry), "bytes": None if text is None else list(text.encode())}
+
+
+def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A chat choice's logprobs: each output token with its UTF-8 bytes and the top_logprobs most likely tokens."""
+    return {"content": [{**_chat_token(entry), "top_logprobs": [_chat_token(top) for top in entry["top"]]}
+                        for entry in entries]}
+
+
+def completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A completion choice's logprobs: the output tokens, their logprobs, the `logprobs` most likely tokens of each
+    position by text, with the sampled token always among them, and each token's character offset in the text."""
+    tokens = [_token(entry) for entry in entries]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(entry) for entry in entries],
+        "top_logprobs": [{**{_token(top): _logprob(top) for top in entry["top"]}, _token(entry): _logprob(entry)}
+                         for entry in entries],
+        "text_offset": list(accumulate((len(token) for token in tokens[:-1]), initial=0)),
+    }
+
+
 def _choice(row: dict[str, Any], url: str | None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": row.get("sample_index") or 0}
+    entries = row.get("logprobs")
     if url == CHAT_URL:
         choice["message"] = {"role": "assistant", "content": row["completion"]}
+        logprobs = None if entries is None else chat_logprobs(entries)
     else:
         choice["text"] = row["completion"]
-    return {**choice, "logprobs": None, "finish_reason": row["finish_reason"]}
+        logprobs = None if entries is None else completion_logprobs(entries)
+    return {**choice, "logprobs": logprobs, "finish_reason": row["finish_reason"]}
 
 
 def embedding_body(row: dict[str, Any], model: str) -> dict[str, Any]:

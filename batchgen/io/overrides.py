@@ -8,6 +8,7 @@ from typing import Any
 
 from batchgen.io.errors import RowError
 from batchgen.io.values import as_integer, as_number, as_token_ids, short_repr
+from batchgen.sample.params import VALUE_RANGES, ValueRange
 
 
 @dataclass(frozen=True)
@@ -16,22 +17,14 @@ class OverrideRule:
     requirement: str
 
 
-def _integer_from(minimum: int) -> Callable[[Any], int | None]:
-    def parse(value: Any) -> int | None:
-        number = as_integer(value)
-        return number if number is not None and number >= minimum else None
+def _in_range(rule: ValueRange) -> OverrideRule:
+    """A numeric option; VALUE_RANGES holds the rules that SamplingParams checks the job's values by too."""
 
-    return parse
+    def parse(value: Any) -> int | float | None:
+        number = as_integer(value) if rule.integer else as_number(value)
+        return number if number is not None and rule.allows(number) else None
 
-
-def _number_in(low: float, high: float | None, low_inclusive: bool) -> Callable[[Any], float | None]:
-    def parse(value: Any) -> float | None:
-        number = as_number(value)
-        if number is None or (high is not None and number > high):
-            return None
-        return number if number > low or (low_inclusive and number == low) else None
-
-    return parse
+    return OverrideRule(parse, rule.requirement)
 
 
 def _stop_strings(value: Any) -> list[str] | None:
@@ -77,13 +70,13 @@ def _token_id_list(value: Any) -> list[int] | None:
 
 
 OVERRIDE_RULES: dict[str, OverrideRule] = {
-    "n": OverrideRule(_integer_from(1), "a positive integer"),
-    "max_tokens": OverrideRule(_integer_from(1), "a positive integer"),
-    "temperature": OverrideRule(_number_in(0.0, None, low_inclusive=True), "a number >= 0"),
-    "top_p": OverrideRule(_number_in(0.0, 1.0, low_inclusive=False), "a number in (0, 1]"),
-    "top_k": OverrideRule(_integer_from(-1), "an integer >= -1 (0 or -1: off)"),
-    "min_p": OverrideRule(_number_in(0.0, 1.0, low_inclusive=True), "a number in [0, 1]"),
-    "seed": OverrideRule(_integer_from(0), "a non-negative integer"),
+    "n": _in_range(VALUE_RANGES["n"]),
+    "max_tokens": _in_range(ValueRange("a positive integer", 1, integer=True)),
+    "temperature": _in_range(VALUE_RANGES["temperature"]),
+    "top_p": _in_range(VALUE_RANGES["top_p"]),
+    "top_k": _in_range(VALUE_RANGES["top_k"]),
+    "min_p": _in_range(VALUE_RANGES["min_p"]),
+    "seed": _in_range(ValueRange("a non-negative integer", 0, integer=True)),
     "stop": OverrideRule(_stop_strings, "a non-empty string or a list of non-empty strings"),
     "stop_token_ids": OverrideRule(as_token_ids, "a list of non-negative integers"),
     "ignore_eos": OverrideRule(_flag, "a boolean"),
@@ -91,15 +84,15 @@ OVERRIDE_RULES: dict[str, OverrideRule] = {
     "guided_regex": OverrideRule(_text, "a non-empty string"),
     "guided_choice": OverrideRule(_choices, "a non-empty list of strings"),
     "guided_grammar": OverrideRule(_text, "a non-empty string"),
-    "repetition_penalty": OverrideRule(_number_in(0.0, None, low_inclusive=False), "a number > 0 (1: off)"),
-    "presence_penalty": OverrideRule(_number_in(-2.0, 2.0, low_inclusive=True), "a number in [-2, 2]"),
-    "frequency_penalty": OverrideRule(_number_in(-2.0, 2.0, low_inclusive=True), "a number in [-2, 2]"),
-    "min_tokens": OverrideRule(_integer_from(0), "a non-negative integer"),
+    "repetition_penalty": _in_range(VALUE_RANGES["repetition_penalty"]),
+    "presence_penalty": _in_range(VALUE_RANGES["presence_penalty"]),
+    "frequency_penalty": _in_range(VALUE_RANGES["frequency_penalty"]),
+    "min_tokens": _in_range(VALUE_RANGES["min_tokens"]),
     "logit_bias": OverrideRule(_logit_bias, "an object of token id -> number"),
     "bad_words": OverrideRule(_stop_strings, "a non-empty string or a list of non-empty strings"),
     "allowed_token_ids": OverrideRule(_token_id_list, "a non-empty list of non-negative integers"),
-    "logprobs": OverrideRule(_integer_from(0), "a non-negative integer"),
-    "prompt_logprobs": OverrideRule(_integer_from(0), "a non-negative integer"),
+    "logprobs": _in_range(ValueRange("a non-negative integer", 0, integer=True)),
+    "prompt_logprobs": _in_range(ValueRange("a non-negative integer", 0, integer=True)),
 }
 OVERRIDE_FIELDS = tuple(OVERRIDE_RULES)
 

@@ -46,7 +46,8 @@ def read_id(record: dict[str, Any], index: int, id_field: str | None) -> str:
         return str(index)
     value = record.get(id_field)
     if value is None:
-        raise RowError(f"missing id field {id_field!r}")
+        raise RowError(f"missing id field {id_field!r}: set data.id_field=null to number the rows by position, or "
+                       "data.id_field=<field> to name the field that holds their ids")
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     if isinstance(value, str) and value:

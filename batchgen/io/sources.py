@@ -34,7 +34,9 @@ def jsonl_rows(path: Path) -> Iterator[SourceRow]:
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as error:
-                yield SourceRow(location, None, f"invalid JSON: {error.msg} at column {error.colno}")
+                # Some of json's messages end in "at", meant to be followed by the position.
+                problem = error.msg.removesuffix(" at")
+                yield SourceRow(location, None, f"invalid JSON: {problem} at column {error.colno}")
                 continue
             except UnicodeDecodeError:
                 yield SourceRow(location, None, "invalid JSON: not UTF-8 text")

@@ -35,7 +35,7 @@ class Progress:
     def update(self, finished: list[RequestOutput], errors: int = 0) -> None:
         self.done += len(finished) + errors
         self.errors += errors + sum(o.finish_reason == "error" for o in finished)
-        self.prompt_tokens += sum(len(o.prompt_token_ids) for o in finished)
+        self.prompt_tokens += sum(o.num_prompt_tokens_run for o in finished)
         self.output_tokens += sum(len(o.token_ids) for o in finished)
         now = time.perf_counter()
         elapsed = max(now - self.start, 1e-9)

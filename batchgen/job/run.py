@@ -15,18 +15,20 @@ from batchgen.core.kv_sizing import KVDemand
 from batchgen.engine.continuation import PREFILL_ONLY, encode_pair
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.outputs import RequestOutput
+from batchgen.io.atomic import DirectoryLock
 from batchgen.io.errors import InputError
 from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, iter_prompts
+from batchgen.io.shard_split import ShardSplit
 from batchgen.io.writers import CompletionWriter, write_kernels
+from batchgen.job.exits import is_environment_fault
 from batchgen.job.progress import Progress
 from batchgen.job.resume_check import check_resume
 from batchgen.job.run_outputs import SUMMARY_FILE, RunOutputs
 from batchgen.job.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.job.summary import AttemptStats
-from batchgen.runners.shards import ShardSplit
-from batchgen.sample.params import SamplingParams
+from batchgen.sample.params import SamplingParams, row_params
 
 if TYPE_CHECKING:
     from batchgen.engine.llm_engine import LLMEngine
@@ -82,24 +84,27 @@ class Job:
         rows = iter_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
                             model_name(config.model), self.task)
         self.rows = self._read_shard(rows)
-        read_seconds = time.perf_counter() - read_start
+        self.read_seconds = time.perf_counter() - read_start
         if self.num_input_rows == 0:
             if config.data.on_empty == "fail":
                 raise InputError(f"{config.data.path}: no rows to generate (data.on_empty=fail)")
             log.warning("%s has no rows: writing empty outputs (data.on_empty=fail makes this an error)",
                         config.data.path)
-        forced = check_run_dir(config, self.run_dir)
+
+    def _open_run_dir(self) -> None:
+        """Checks the run dir (check_run_dir) and opens its outputs, or finds the run already finished there."""
+        forced = check_run_dir(self.config, self.run_dir)
         self.finished_summary = self._finished_summary()
         if self.finished_summary is not None:
             return
-        self.outputs = RunOutputs(config, self.run_dir, forced)
+        self.outputs = RunOutputs(self.config, self.run_dir, forced)
         written = self.outputs.written
         # A row is done when all its samples are; a resumed row generates only the samples it lacks.
         self.num_samples = {row.index: self._num_samples(row) for row in self.rows}
         self.missing_samples = {row.index: [i for i in range(self.num_samples[row.index])
                                             if i not in written.get(row.index, ())] for row in self.rows}
         self.pending = [row for row in self.rows if self.missing_samples[row.index]]
-        self.stats = AttemptStats(self.outputs.attempt, read_input_seconds=read_seconds)
+        self.stats = AttemptStats(self.outputs.attempt, read_input_seconds=self.read_seconds)
         if written:
             log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.stats.number,
                      len(self.rows) - len(self.pending), len(self.rows))
@@ -127,7 +132,7 @@ class Job:
         if self.task != "generate":
             return PREFILL_ONLY  # nothing is generated; sampling options mean nothing
         try:
-            return self.config.sampling.with_overrides(row.overrides)
+            return row_params(self.config.sampling, row.overrides, row.index)
         except ValueError:
             return None
 
@@ -177,31 +182,38 @@ class Job:
 
     def run(self, signals: StopSignals | None = None, wait_for_ranks: Callable[[], None] | None = None
             ) -> dict[str, Any]:
-        """wait_for_ranks: a data-parallel rank's start barrier, passed once the engine is ready, so that the ranks
-        generate together (a run with nothing to generate never calls it)."""
+        """Generates the rows the run dir lacks, holding its lock from the first write to the last, so that a second
+        job on the same directory stops at once (DirectoryInUse). wait_for_ranks: a data-parallel rank's start
+        barrier, passed once the engine is ready, so that the ranks generate together (a run with nothing to generate
+        never calls it)."""
+        with DirectoryLock(self.run_dir):
+            self._open_run_dir()
+            return self._generate(signals, wait_for_ranks)
+
+    def _generate(self, signals: StopSignals | None, wait_for_ranks: Callable[[], None] | None) -> dict[str, Any]:
         if self.finished_summary is not None:
             log.info("Nothing to do: %s already holds all %d rows; its summary.json is kept", self.run_dir,
                      self.finished_summary["rows"])
             if self.openai_results:  # derived from the final completions, so it can always be written again
                 write_openai_results(self.config, self.run_dir)
             return self.finished_summary
-        from batchgen.engine.llm_engine import LLMEngine  # torch: imported once the inputs have been read
+        from batchgen.engine.llm_engine import LLMEngine, resolve_device  # torch: once the inputs have been read
 
         signals = signals or StopSignals()
         rows_by_index = {row.index: row for row in self.pending}
         total_samples = sum(self.num_samples.values())
         missing = sum(len(samples) for samples in self.missing_samples.values())
         self.progress = Progress(total_samples, total_samples - missing, self.config.job)
-        engine = None
+        engine = profiler = None
         clock = time.perf_counter()
         try:
             rows_to_run = [row for row in self.pending if row.error is None]
-            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run),
-                               self.task)
             if self.config.job.profile_steps:
                 from batchgen.worker.step_profiler import StepProfiler  # torch.profiler: only when asked for
 
-                engine.profiler = StepProfiler(self.config.job.profile_steps, engine.device)
+                profiler = StepProfiler(self.config.job.profile_steps, resolve_device(self.config.engine.device))
+            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run),
+                               profiler, self.task)
             clock = self._lap("engine_start_seconds", clock)
             self.stats.engine_ready_at = time.time()
             if wait_for_ranks is not None:
@@ -231,16 +243,17 @@ class Job:
             clock = self._lap("engine_loop_seconds", clock)
             self.stats.generation_finished_at = time.time()
         except BaseException as exc:
-            self.outputs.flush()
+            self._flush_after(exc)
             if isinstance(exc, StopRequested):
                 raise JobStopped(exc.signum, self._rows_done(), len(self.rows)) from None
-            log.error("Job stopped; finished rows are in %s (resume with job.resume=true)", self.run_dir)
+            if not is_environment_fault(exc):  # the CLI reports those in one line
+                log.error("Job stopped; finished rows are in %s (resume with job.resume=true)", self.run_dir)
             raise
         finally:
             self.progress.close()
             if engine is not None:
-                if engine.profiler is not None:
-                    write_kernels(self.run_dir / KERNELS_FILE, engine.profiler.rows, self.outputs.metadata)
+                if profiler is not None:
+                    write_kernels(self.run_dir / KERNELS_FILE, profiler.rows, self.outputs.metadata)
                 engine.close()
         if signals.received is not None:
             self.outputs.flush()
@@ -251,6 +264,15 @@ class Job:
         log.info("Done: %d rows (%d errors) in %.1f s -> %s", summary["rows"], summary["job"]["error_rows"],
                  self.stats.wall_seconds, self.run_dir)
         return summary
+
+    def _flush_after(self, failure: BaseException) -> None:
+        """Flushes the finished rows after `failure`. When it was a failed write (a full disk), the flush may fail the
+        same way: the rows flushed before are kept, and `failure` is the one to report."""
+        try:
+            self.outputs.flush()
+        except OSError:
+            if not isinstance(failure, OSError):
+                raise
 
     def _kv_demand(self, rows: list[PromptRow]) -> KVDemand:
         """The rows' prompt lengths and max_tokens, so that the KV cache is sized to the job."""
@@ -270,7 +292,7 @@ class Job:
 
     def _count(self, output: RequestOutput) -> None:
         self.stats.rows += 1
-        self.stats.prompt_tokens += len(output.prompt_token_ids)
+        self.stats.prompt_tokens += output.num_prompt_tokens_run
         self.stats.output_tokens += len(output.token_ids)
 
     def _write_error_row(self, row: PromptRow) -> None:
@@ -280,8 +302,7 @@ class Job:
 
     def _add_requests(self, engine: LLMEngine, rows: Iterator[PromptRow]) -> bool:
         """Adds rows until about two batches wait (rows are read lazily); returns whether rows are left."""
-        backlog = 2 * self.config.engine.max_num_seqs
-        while engine.num_waiting < backlog:
+        while engine.num_waiting < self.config.engine.wanted_backlog:
             row = next(rows, None)
             if row is None:
                 return False
@@ -292,9 +313,9 @@ class Job:
                 engine.add_pooling_request(row.index, row.prompt, row.prompt_token_ids)
                 continue
             try:
-                params = self.config.sampling.with_overrides(row.overrides)
+                params = row_params(self.config.sampling, row.overrides, row.index)
             except ValueError as exc:
-                row.error = f"row {row.index}: {exc}"
+                row.error = str(exc)
                 self._write_error_row(row)
             else:
                 engine.add_request(row.index, row.prompt, row.prompt_token_ids, params,

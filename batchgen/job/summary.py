@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
@@ -49,7 +50,7 @@ class AttemptStats:
 
     number: int  # 0 for the first run, +1 per resume
     rows: int = 0  # rows this attempt finished, error rows included
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # of the rows the engine ran (RequestOutput.num_prompt_tokens_run)
     output_tokens: int = 0
     read_input_seconds: float = 0.0  # reading, validating and tokenizing the input
     engine_start_seconds: float = 0.0  # loading the model, allocating the KV cache, capturing CUDA graphs
@@ -103,19 +104,21 @@ def attempt_summary(stats: AttemptStats, steps: list[dict[str, Any]]) -> dict[st
     }
 
 
-def summarize(completions_path: Path, steps_path: Path, stats: AttemptStats, engine_info: dict[str, Any],
-              config: dict[str, Any]) -> dict[str, Any]:
-    """The top-level keys keep their first meaning: rows, finish_reasons and token totals are the whole job's;
-    attempt, wall_seconds, steps, tok/s, step_medians and generation (the engine loop's span and tok/s) are this
-    attempt's. `job` and `this_attempt` repeat them under names that say so, with the figures of the other scope."""
-    completions = pq.read_table(completions_path, columns=["finish_reason", "num_prompt_tokens", "num_output_tokens",
-                                                           "num_cached_tokens"])
-    steps = pq.read_table(steps_path)
-    this_attempt = steps.filter(pc.equal(steps["attempt"], stats.number)).to_pylist()
+def ran_rows(completions: pa.Table) -> pa.Table:
+    """The completions rows the engine ran: every row but the errors found before it ran (a malformed input row, a
+    prompt longer than max_model_len), which have no output tokens. RequestOutput.num_prompt_tokens_run's rule."""
+    failed_unrun = pc.and_(pc.equal(completions["finish_reason"], "error"),
+                           pc.equal(pc.fill_null(completions["num_output_tokens"], 0), 0))
+    return completions.filter(pc.invert(failed_unrun))
+
+
+def job_totals(completions: pa.Table, steps: pa.Table, attempts: int) -> dict[str, Any]:
+    """The `job` scope: every row and step on disk, over all `attempts`."""
     reasons = {r["values"]: r["counts"] for r in completions.column("finish_reason").value_counts().to_pylist()}
-    prompt_tokens = pc.sum(completions["num_prompt_tokens"]).as_py() or 0
-    cached_tokens = pc.sum(completions["num_cached_tokens"]).as_py() or 0
-    job = {
+    ran = ran_rows(completions)
+    prompt_tokens = pc.sum(ran["num_prompt_tokens"]).as_py() or 0
+    cached_tokens = pc.sum(ran["num_cached_tokens"]).as_py() or 0
+    return {
         "rows": completions.num_rows,
         "error_rows": reasons.get("error", 0),
         "finish_reasons": reasons,
@@ -123,17 +126,22 @@ def summarize(completions_path: Path, steps_path: Path, stats: AttemptStats, eng
         "cached_prompt_tokens": cached_tokens,
         "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
         "output_tokens": pc.sum(completions["num_output_tokens"]).as_py() or 0,
-        "attempts": stats.number + 1,
+        "attempts": attempts,
         "steps": steps.num_rows,
         "step_seconds": (pc.sum(steps["step_ms"]).as_py() or 0) / 1000,
     }
-    attempt = attempt_summary(stats, this_attempt)
+
+
+def summary_document(job: dict[str, Any], attempt: dict[str, Any], attempt_steps: list[dict[str, Any]],
+                     engine_info: dict[str, Any] | None, config: dict[str, Any] | None) -> dict[str, Any]:
+    """summary.json's keys, the same for a local run and a merge of shards: `job` and `this_attempt`, and at the top
+    level the keys of earlier versions taken from them."""
     return {
         **{key: job[key] for key in ("rows", "finish_reasons", "prompt_tokens", "cached_prompt_tokens",
                                      "prefix_cache_hit_rate", "output_tokens")},
         **{key: attempt[key] for key in ("attempt", "wall_seconds", "steps", "prompt_tokens_per_s",
                                          "output_tokens_per_s")},
-        "step_medians": step_medians(this_attempt),
+        "step_medians": step_medians(attempt_steps),
         "generation": attempt["generation"],
         "job": job,
         "this_attempt": attempt,
@@ -141,3 +149,20 @@ def summarize(completions_path: Path, steps_path: Path, stats: AttemptStats, eng
         "versions": versions(),
         "config": config,
     }
+
+
+def summarize(completions_path: Path, steps_path: Path, stats: AttemptStats, engine_info: dict[str, Any],
+              config: dict[str, Any]) -> dict[str, Any]:
+    """The top-level keys keep their first meaning: rows, finish_reasons and token totals are the whole job's;
+    attempt, wall_seconds, steps, tok/s, step_medians and generation (the engine loop's span and tok/s) are this
+    attempt's. `job` and `this_attempt` repeat them under names that say so, with the figures of the other scope.
+
+    prompt_tokens (and prompt tok/s, cached_prompt_tokens, prefix_cache_hit_rate) count the prompt tokens that ran:
+    an error row found before it ran adds none, though its completions row's num_prompt_tokens still says how long
+    its prompt is (why a prompt longer than max_model_len failed)."""
+    completions = pq.read_table(completions_path, columns=["finish_reason", "num_prompt_tokens", "num_output_tokens",
+                                                           "num_cached_tokens"])
+    steps = pq.read_table(steps_path)
+    this_attempt = steps.filter(pc.equal(steps["attempt"], stats.number)).to_pylist()
+    return summary_document(job_totals(completions, steps, stats.number + 1), attempt_summary(stats, this_attempt),
+                            this_attempt, engine_info, config)

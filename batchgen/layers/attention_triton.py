@@ -428,10 +428,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Programs per SM that the split KV aims for, by tile positions (the sweep in benchmarks/RESULTS.md, tenth session:
-# H200, batches 8 to 256, contexts 100-2048). More, shorter programs even out ragged contexts until the merge costs
-# more than they gain; fp8's 128-position tiles reach that point at fewer. fp32's 32-position tiles, and the cascade
-# kernels, split only to fill the SMs once, as they were tuned.
+# Programs per SM that the split KV aims for, by tile positions (benchmarks/sweep_decode_attention.py). More,
+# shorter programs even out ragged contexts until the merge costs more than they gain; fp8's 128-position tiles
+# reach that point at fewer. fp32's 32-position tiles, and the cascade kernels, split only to fill the SMs once, as
+# they were tuned.
 _PROGRAMS_PER_SM = {64: 14, 128: 8}
 
 
@@ -442,8 +442,8 @@ def _wide(head_dim: int, q_dtype: torch.dtype) -> bool:
 
 
 def decode_tile(head_dim: int, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
-    """KV positions per tile of the decode kernel. fp8 tiles of 128 positions hold the bytes of 16-bit ones of 64:
-    on the H200 they read an fp8 cache 22% faster than 64-position ones at batch 256 (sweep_decode_attention)."""
+    """KV positions per tile of the decode kernel. fp8 tiles of 128 positions hold the bytes of 16-bit ones of 64,
+    and read an fp8 cache faster than 64-position ones (sweep_decode_attention)."""
     if _wide(head_dim, q_dtype):
         return 32
     return 128 if cache_dtype.itemsize == 1 else 64
@@ -451,15 +451,14 @@ def decode_tile(head_dim: int, q_dtype: torch.dtype, cache_dtype: torch.dtype) -
 
 def register_cap(block_n: int, device: torch.device) -> dict[str, int]:
     """The decode kernel's launch option that bounds its registers. Left alone, ptxas gives the one-split fp8
-    compile (128-position tiles) 200-205 registers a thread: two programs an SM. Capped for three, it spills nothing
-    and reads 8-12% faster at batch 64-256 on the H200."""
+    compile (128-position tiles) over 200 registers a thread: two programs an SM. Capped for three, it spills
+    nothing and reads faster at large batch."""
     return {"maxnreg": 168} if block_n == 128 and device.type == "cuda" else {}
 
 
 # Short contexts in sparse launches read their KV in tiles of this many positions, under pdl.early_start (see
-# decode_attention) (benchmarks/RESULTS.md, thirteenth session: a Qwen3-0.6B decode step at batch 1 on the H200,
-# contexts of 128-384 positions, 24 us faster with a 16-bit cache and 54 with fp8; no faster at batch 4, slower at 8
-# and past one short tile a split).
+# decode_attention): faster at batch 1 with short contexts, no faster at larger batches or past one short tile a
+# split.
 SHORT_TILE = 32
 _SHORT_TILE_PROGRAMS_PER_SM = 2  # a launch with at most this many programs an SM at its most splits is sparse
 
@@ -544,12 +543,10 @@ def decode_attention(
         mid_lse = torch.empty(batch, num_heads, num_slots, dtype=torch.float32, device=q.device)
     else:  # unused by the single-pass kernel, but fp32 like the split one's: one compile serves both
         mid_o = mid_lse = torch.empty(1, dtype=torch.float32, device=q.device)
-    # A separate compile for one split: the merge's registers would cost the single pass occupancy at large batch
-    # (b1_latency at batch 64: 1.76 -> 1.93 ms on the H200).
+    # A separate compile for one split: the merge's registers would cost the single pass occupancy at large batch.
     merge = not cascade and num_splits > 1
     # Short tiles are read before the wait, which pays only in steps of kernels that start early; elsewhere (eager
-    # steps, a bucket's plain graph) the short compile's long-context loop ran slower than the plain compile's (a
-    # Qwen3-0.6B step at batch 1, contexts of 2,048: +31 us on an H200).
+    # steps, a bucket's plain graph) the short compile's long-context loop runs slower than the plain compile's.
     early = merge and pdl.starts_early()
     short_context = short_context_positions(batch * num_kv_heads, num_splits, block_n, q.device) if early else 0
     if merge and (split_arrivals is None or split_arrivals.numel() < batch * num_kv_heads):
@@ -566,7 +563,7 @@ def decode_attention(
         SHORT_N=SHORT_TILE if short_context else block_n, DOT_PRECISION=dot_precision, CASCADE=cascade,
         MERGE=merge, GROUP_ROWS=triton.next_power_of_2(group),
         MAX_SLOTS=_MAX_SPLITS,
-        # A third stage keeps one more K/V tile in flight: 3-10% faster on bf16 at batch 64-256 on the H200
+        # A third stage keeps one more K/V tile in flight, faster on bf16 at large batch
         # (benchmarks/sweep_decode_attention.py); the fp32 tiles stay at two for their shared memory.
         num_warps=4, num_stages=2 if wide else 3, **pdl_options, **register_cap(block_n, q.device),
     )  # fmt: skip

@@ -4,7 +4,7 @@ steps. It keeps nn.Embedding's `weight`, so weight loading and tied lm_heads wor
 Only models whose next kernel takes part in PDL (Llama's first GEMV) use it: after GPT-2's lookups come torch ops,
 and a kernel of our own would only add a compile to a fresh process.
 
-A decode graph's ids come as PendingTokens: a step is queued before the step that samples its input token has
+A step's ids may come as InputIdsWithPending: a step is queued before the step that samples its input token has
 finished, so that token is still on the device. The Triton lookup reads it there itself; in torch, filling it in
 takes four small kernels (a clamp, a gather, a compare, a select).
 """
@@ -19,21 +19,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class PendingTokens(NamedTuple):
-    """Input ids (T,) of which those with a pending source (>= 0) are to be taken from the previous step's sampled
-    ids: token t is last_sampled[source[t]] where source[t] >= 0, else ids[t]."""
+class InputIdsWithPending(NamedTuple):
+    """A step's input ids (T,) of which some are pending tokens (worker/pending_tokens.py): token t is
+    pending_ids[pending_rows[t]] where pending_rows[t] >= 0, else ids[t]."""
 
     ids: torch.Tensor
-    source: torch.Tensor
-    last_sampled: torch.Tensor
+    pending_rows: torch.Tensor
+    pending_ids: torch.Tensor
 
     def filled(self) -> torch.Tensor:
-        return torch.where(self.source >= 0, self.last_sampled[self.source.clamp(min=0)], self.ids)
+        return torch.where(self.pending_rows >= 0, self.pending_ids[self.pending_rows.clamp(min=0)], self.ids)
 
 
-def token_ids(ids: torch.Tensor | PendingTokens) -> torch.Tensor:
+def token_ids(ids: torch.Tensor | InputIdsWithPending) -> torch.Tensor:
     """The ids as a tensor, pending tokens filled in."""
-    return ids.filled() if isinstance(ids, PendingTokens) else ids
+    return ids.filled() if isinstance(ids, InputIdsWithPending) else ids
 
 
 class Embedding(nn.Embedding):
@@ -50,11 +50,11 @@ class Embedding(nn.Embedding):
 
         self._kernels, self._kernel_device_type = embedding_triton, device_type
 
-    def forward(self, ids: torch.Tensor | PendingTokens) -> torch.Tensor:  # (...) -> (..., embedding_dim)
-        pending = ids if isinstance(ids, PendingTokens) else None
+    def forward(self, ids: torch.Tensor | InputIdsWithPending) -> torch.Tensor:  # (...) -> (..., embedding_dim)
+        pending = ids if isinstance(ids, InputIdsWithPending) else None
         plain = ids.ids if pending else ids
         if self._kernels is not None and plain.device.type == self._kernel_device_type and plain.dim() == 1:
             if pending:
-                return self._kernels.embedding(plain, self.weight, pending.source, pending.last_sampled)
+                return self._kernels.embedding(plain, self.weight, pending.pending_rows, pending.pending_ids)
             return self._kernels.embedding(plain, self.weight)
         return F.embedding(token_ids(ids), self.weight)

@@ -19,8 +19,7 @@ from batchgen.layers.pdl import launch_options, wait_for_previous
 
 MAX_M = 8  # the most rows of x one launch takes: all of them sit in registers next to the weight tile
 # Above M = 1 the kernel's time grows with BLOCK_M * N (every row of the tile meets every weight row in registers)
-# while cuBLAS's stays flat. In Qwen3-0.6B decode steps on an H200 (benchmarks/RESULTS.md, thirteenth session) the
-# kernel was ahead for the qkv (N = 4096) and gate/up (6144) projections at M = 4 and behind for qkv at M = 8.
+# while cuBLAS's stays flat: a multi-row launch whose row tile times N is above this goes to cuBLAS.
 MAX_OUTPUTS = 24576
 # A weight this small is read in a couple of microseconds by cuBLAS too (the launch dominates): the kernel would only
 # add a compile per shape to a fresh process (the main job's 128-wide GPT-2 has no weight above 256 KB).
@@ -30,8 +29,7 @@ MIN_WEIGHT_BYTES = 1 << 20
 def block_m(m: int) -> int:
     """The row tile of an m-row launch: m rounded up to a power of two, so that a weight shape compiles at most four
     times (tiles of 1, 2, 4 and 8 rows) however many batch sizes the CUDA graphs capture. One tile of MAX_M rows for
-    every m > 1 compiled less, but did four times the work at M = 2: a Qwen3-0.6B decode step at batch 2 took 1.05
-    ms against 0.78 with tiles of 2 rows (H200)."""
+    every m > 1 would compile less, but do four times the work at M = 2."""
     return triton.next_power_of_2(m)
 
 
@@ -168,9 +166,7 @@ def default_config(n: int, k: int, element_size: int, max_threads: int | None = 
     A one-row tile takes programs of two warps (`two_warp_config`) where their launch fits under the cap, and the
     programs whose warps split K (`warp_split_config`) elsewhere (an lm_head). A tile of several rows takes the
     latter with half the warps: every row of the tile adds BLOCK_N partial sums to the reduction across a program's
-    threads at the end; with half the threads, each taking twice the span of K, that reduction is half as wide
-    (Qwen3-0.6B decode steps on an H200, benchmarks/RESULTS.md, thirteenth session: 26, 72 and 35 us faster at
-    batch 2, 4 and 8).
+    threads at the end; with half the threads, each taking twice the span of K, that reduction is half as wide.
     """
     if rows == 1:
         two_warps = two_warp_config(n, k, element_size)
@@ -186,9 +182,8 @@ TWO_WARP_LOADS = 16  # 16-byte weight loads per thread in a two-warp program
 def two_warp_config(n: int, k: int, element_size: int) -> LinearConfig:
     """Programs of two warps, each thread requesting TWO_WARP_LOADS 16-byte vectors of weight before the PDL wait:
     the reduction across warps at the end is between two, and a launch takes fewer of the GPU's threads, so more of
-    the next kernel's programs start early. In Qwen3-0.6B decode steps at batch 1 on an H200 (benchmarks/RESULTS.md,
-    fifteenth session) the step took 26 us less than with `warp_split_config`'s programs (bf16 KV; 43 with fp8);
-    8 loads a thread saved 18 us, and 32 loads, or programs of one warp or four, were slower."""
+    the next kernel's programs start early. Fewer loads a thread, more, or programs of one warp or four were
+    slower."""
     vec = 16 // element_size  # elements per 16-byte load
     block_k = min(triton.next_power_of_2(k), 8192 // element_size)
     loads_per_row = max(1, block_k // (2 * 32 * vec))
@@ -221,7 +216,7 @@ def warp_split_config(n: int, k: int, element_size: int, max_threads: int | None
         return LinearConfig(block_n, block_k, num_warps)
     if triton.cdiv(n, MAX_BLOCK_N) * threads_per_program > max_threads:
         # Many waves long whatever the block: bandwidth-bound, it reads faster with twice the bytes in flight per
-        # thread (bench_linear --sweep, H200, the Qwen3-0.6B lm_head: 69.7 us against 92.9).
+        # thread (bench_linear --sweep).
         return LinearConfig(2 * block_n, block_k, num_warps)
     while triton.cdiv(n, block_n) * threads_per_program > max_threads:
         block_n *= 2
@@ -229,9 +224,8 @@ def warp_split_config(n: int, k: int, element_size: int, max_threads: int | None
 
 
 MAX_BLOCK_N = 16  # the most weight rows per program that the launch cap asks for
-# A launch takes at most this share of the threads the GPU holds at once (benchmarks/RESULTS.md, twelfth session:
-# with a quarter, the Qwen3-0.6B decode step at batch 1 and 8 was 3% and 6% faster than with no cap; an eighth
-# helped batch 8 more and batch 1 less).
+# A launch takes at most 1 / LAUNCH_SHARE of the threads the GPU holds at once, leaving slots for the next kernel's
+# programs to start early (PDL).
 LAUNCH_SHARE = 4
 
 

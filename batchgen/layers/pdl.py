@@ -13,7 +13,7 @@ weight tiles while they wait. Inside `early_start`, kernels let the next one sta
 is as safe (a kernel finishes only after its own wait, so after the kernel before it): several kernels then sit
 resident, their weights requested. That queues more reads at once, so a kernel that reads memory after its wait
 waits longer for it; it pays only in steps whose attention reads its KV before the wait
-(`attention_triton.decode_early_read_limit`): benchmarks/RESULTS.md, fourteenth session.
+(`attention_triton.decode_early_read_limit`).
 
 Only Triton kernels take part; any other kernel is launched as usual, and the next PDL launch waits for it whole.
 """

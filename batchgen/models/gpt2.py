@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.layers.attention import Attention, AttentionMetadata
-from batchgen.layers.embedding import PendingTokens, token_ids
+from batchgen.layers.embedding import InputIdsWithPending, token_ids
 from batchgen.layers.linear import Linear
+from batchgen.models.base import CausalLM
 from batchgen.models.hf_config import HFConfig
 from batchgen.models.weights import WeightTarget, load_into
 
@@ -88,7 +89,7 @@ class GPT2Model(nn.Module):
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor | InputIdsWithPending, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.wte(token_ids(input_ids)) + self.wpe(positions)  # (T, E)
         for block in self.h:
@@ -96,25 +97,13 @@ class GPT2Model(nn.Module):
         return self.ln_f(hidden)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
+    decoder_name = "transformer"
+
     def __init__(self, config: HFConfig) -> None:
-        super().__init__()
         _check_supported(config)
-        self.config = config
-        self.transformer = GPT2Model(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # GPT-2 always ties them
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | PendingTokens,  # (T,) int64
-        positions: torch.Tensor,  # (T,) int64
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # (T, hidden)
-        return self.transformer(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab)
-        return self.lm_head(hidden)
+        decoder = GPT2Model(config)
+        super().__init__(config, decoder, decoder.wte)  # GPT-2 always ties them
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face-named tensors, with or without the "transformer." prefix (the original checkpoints

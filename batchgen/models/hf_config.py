@@ -3,8 +3,11 @@
 Importing transformers' config classes costs seconds of start-up (they pull in most of transformers); the models
 read only a few dozen fields. `HFConfig` holds every key of config.json as an attribute, with transformers' defaults
 (v5) for the fields our models read when the file leaves them out, its derived values (head_dim, num_key_value_heads,
-Qwen's layer_types) and GPT-2's aliases (hidden_size for n_embd, ...). tests/test_hf_config.py checks every field
+Qwen's layer_types) and GPT-2's aliases (hidden_size for n_embd, ...). tests/models/test_hf_config.py checks every field
 against transformers' own config classes. Other model types return None: the loader falls back to transformers.
+
+check_checkpoint checks a checkpoint directory from its files alone (config.json, the safetensors files present),
+so that a directory the loader would fail on is a configuration error before the job writes anything.
 """
 
 from __future__ import annotations
@@ -13,7 +16,26 @@ import json
 from pathlib import Path
 from typing import Any
 
+from batchgen.config import ConfigError, ModelConfig
+from batchgen.models.gguf_file import is_gguf_path
+
 CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# The architecture (config.json's "architectures") our model class of each model type implements; registry.py maps
+# each to its class. A config built from a model_type alone (dummy weights) names no architecture: its type's is used.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+# The other heads of these model types that job.task=classify and job.task=embed run: sequence classifiers (and
+# reward models) and bare decoders (transformers' *Model).
+_CLASS_PREFIXES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+CLASSIFIERS = tuple(f"{prefix}ForSequenceClassification" for prefix in _CLASS_PREFIXES)
+DECODERS = tuple(f"{prefix}Model" for prefix in _CLASS_PREFIXES)
 
 _LLAMA_LIKE = {
     "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
@@ -113,3 +135,81 @@ def read_hf_config(directory: str) -> HFConfig | None:
     if not path.is_file():
         return None
     return hf_config_from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def _field(config: Any, name: str) -> Any:
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
+
+def architecture_of(config: Any) -> str:
+    """The architecture of ours that implements `config` (an HFConfig, a transformers config or config.json's
+    values): the first of its "architectures" we implement, else its model type's when it names none."""
+    named = _field(config, "architectures") or []
+    model_type = _field(config, "model_type")
+    if not named and model_type in ARCHITECTURES:
+        return ARCHITECTURES[model_type]
+    supported = (*ARCHITECTURES.values(), *CLASSIFIERS, *DECODERS)
+    for architecture in named:
+        if architecture in supported:
+            return architecture
+    listed = ", ".join(named) or f"(none; model_type {model_type!r})"
+    raise ValueError(f"architecture {listed} is not supported; supported: {', '.join(supported)}")
+
+
+def max_positions(config: Any) -> int | None:
+    """The most positions the model supports (max_position_embeddings, GPT-2's n_positions); None if it names none."""
+    return _field(config, "max_position_embeddings") or _field(config, "n_positions")
+
+
+def _read_json(path: Path, where: str) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: {path.name} is not valid JSON ({exc})") from None
+
+
+def _check_weights(directory: Path, where: str) -> None:
+    """The safetensors files load_model reads are all there: those model.safetensors.index.json names, or
+    model.safetensors."""
+    index = directory / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = _read_json(index, where).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{where}: {SAFETENSORS_INDEX} has no weight_map")
+        missing = sorted(name for name in set(weight_map.values()) if not (directory / name).is_file())
+        if missing:
+            raise ConfigError(f"{where}: {SAFETENSORS_INDEX} names weight files that are missing: {', '.join(missing)}")
+    elif not (directory / SAFETENSORS_FILE).is_file():
+        raise ConfigError(f"{where}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} (batchgen reads safetensors "
+                          "weights; model.load_format=dummy runs random weights from config.json)")
+
+
+def check_checkpoint(model: ModelConfig, max_model_len: int | None) -> None:
+    """What loading the model needs, checked from its files alone (no weights read, no torch): config.json, the
+    safetensors files, an architecture batchgen implements, and engine.max_model_len within the model's positions.
+    Raises ConfigError naming the directory or key; model and max_model_len are validated values (config.py)."""
+    if model.path is not None and is_gguf_path(model.path):
+        return  # a GGUF file holds its own config, checked by config.validate_model
+    overrides = dict(model.hf_config or {})
+    if model.path is None:
+        where = "model.hf_config"
+        if "model_type" not in overrides:
+            raise ConfigError("model.hf_config needs a model_type (e.g. llama) when model.path is not set")
+        values = overrides
+    else:
+        directory = Path(model.path)
+        where = f"model.path={model.path}"
+        if not (directory / CONFIG_FILE).is_file():
+            raise ConfigError(f"{where}: no {CONFIG_FILE}; set model.path to a Hugging Face checkpoint directory")
+        overrides.pop("model_type", None)  # as load_hf_config applies them: config.json fixes the model type
+        values = {**_read_json(directory / CONFIG_FILE, where), **overrides}
+        if model.load_format != "dummy":
+            _check_weights(directory, where)
+    try:
+        architecture_of(values)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    limit = max_positions(hf_config_from_dict(values) or values)
+    if max_model_len is not None and limit is not None and max_model_len > limit:
+        raise ConfigError(f"engine.max_model_len={max_model_len} is invalid: the model in {model.path or where} "
+                          f"supports at most {limit} positions")

@@ -15,11 +15,12 @@ from torch import nn
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.compiled import compiled
-from batchgen.layers.embedding import Embedding, PendingTokens
+from batchgen.layers.embedding import Embedding, InputIdsWithPending
 from batchgen.layers.fused import norm_then_gate_up, norm_then_linear
 from batchgen.layers.linear import Linear
 from batchgen.layers.norms import RMSNorm, rms_norm
 from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from batchgen.models.base import CausalLM
 from batchgen.models.hf_config import HFConfig
 from batchgen.models.weights import WeightTarget, fused_rows, load_into
 
@@ -128,7 +129,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor | InputIdsWithPending, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # (T, hidden)
         for layer in self.layers:
@@ -155,29 +156,15 @@ def layer_sliding_windows(config: HFConfig) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
+    decoder_name = "model"
     qkv_bias_always = False  # Qwen2 has q/k/v biases whatever config.attention_bias says
     qk_norm = False  # Qwen3 RMS-normalizes each head of q and k before RoPE
 
     def __init__(self, config: HFConfig) -> None:
-        super().__init__()
-        self.config = config
         qkv_bias = self.qkv_bias_always or getattr(config, "attention_bias", False)
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | PendingTokens,  # (T,) int64
-        positions: torch.Tensor,  # (T,) int64
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # (T, hidden)
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab)
-        return self.lm_head(hidden)
+        decoder = LlamaModel(config, qkv_bias, self.qk_norm)
+        super().__init__(config, decoder, decoder.embed_tokens if config.tie_word_embeddings else None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_llama_weights(self, weights, tied_lm_head=self.config.tie_word_embeddings)
@@ -245,7 +232,7 @@ class LlamaForSequenceClassification(nn.Module):
         self.model = LlamaModel(config, qkv_bias, self.qk_norm)
         self.score = Linear(config.hidden_size, num_labels(config), bias=False)
 
-    def forward(self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor | InputIdsWithPending, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:  # (T, hidden)
         return self.model(input_ids, positions, meta)
 
@@ -281,7 +268,7 @@ class LlamaForEmbedding(nn.Module):
         qkv_bias = self.qkv_bias_always or getattr(config, "attention_bias", False)
         self.model = LlamaModel(config, qkv_bias, self.qk_norm)
 
-    def forward(self, input_ids: torch.Tensor | PendingTokens, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor | InputIdsWithPending, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:  # (T, hidden)
         return self.model(input_ids, positions, meta)
 

@@ -14,12 +14,13 @@ from torch import nn
 
 from batchgen.config import ModelConfig
 from batchgen.layers.norms import RMSNorm
-from batchgen.models.hf_config import hf_config_from_dict, read_hf_config
+from batchgen.models.base import CausalLM
+from batchgen.models.gguf import gguf_hf_config, iter_gguf_weights
+from batchgen.models.gguf_file import is_gguf_path
+from batchgen.models.hf_config import SAFETENSORS_FILE, SAFETENSORS_INDEX, hf_config_from_dict, read_hf_config
 from batchgen.models.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SINGLE_FILE = "model.safetensors"
-SHARD_INDEX = "model.safetensors.index.json"
 
 
 def load_hf_config(model: ModelConfig) -> Any:
@@ -29,6 +30,10 @@ def load_hf_config(model: ModelConfig) -> Any:
     config (whose architecture the registry then names as unsupported).
     """
     overrides = dict(model.hf_config or {})
+    if is_gguf_path(model.path):
+        config = gguf_hf_config(model.path)
+        config.update(overrides)
+        return config
     if model.path is not None:
         config = read_hf_config(model.path)
         if config is None:
@@ -64,12 +69,12 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
 def safetensors_files(directory: str) -> list[Path]:
     """The checkpoint's safetensors files: the shards a model.safetensors.index.json names, or model.safetensors."""
     root = Path(directory)
-    if (root / SHARD_INDEX).is_file():
-        weight_map = json.loads((root / SHARD_INDEX).read_text())["weight_map"]
+    if (root / SAFETENSORS_INDEX).is_file():
+        weight_map = json.loads((root / SAFETENSORS_INDEX).read_text())["weight_map"]
         return [root / name for name in sorted(set(weight_map.values()))]
-    if (root / SINGLE_FILE).is_file():
-        return [root / SINGLE_FILE]
-    raise FileNotFoundError(f"no {SINGLE_FILE} or {SHARD_INDEX} in {directory}")
+    if (root / SAFETENSORS_FILE).is_file():
+        return [root / SAFETENSORS_FILE]
+    raise FileNotFoundError(f"no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} in {directory}")
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -106,15 +111,18 @@ def init_dummy_weights(model: nn.Module) -> None:
 
 
 def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               task: str = "generate") -> nn.Module:
+               task: str = "generate") -> CausalLM:
     """Builds the model for hf_config's architecture and job.task `task` on `device` in `dtype` and fills its
     weights."""
     cls = model_class(hf_config, task)
-    files = [] if model.load_format == "dummy" else safetensors_files(model.path)
+    gguf = is_gguf_path(model.path)
+    files = [] if model.load_format == "dummy" or gguf else safetensors_files(model.path)
     with _default_dtype(dtype), torch.device(device):
         network = cls(hf_config)
     if model.load_format == "dummy":
         init_dummy_weights(network)
+    elif gguf:
+        network.load_weights(iter_gguf_weights(model.path))
     else:
         network.load_weights(iter_safetensors(files))
     network.eval()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from batchgen.models.base import CausalLM
 from batchgen.models.gpt2 import GPT2LMHeadModel
-from batchgen.models.hf_config import HFConfig
+from batchgen.models.hf_config import HFConfig, architecture_of
 from batchgen.models.llama import (
     LlamaForCausalLM,
     LlamaForEmbedding,
@@ -19,7 +20,9 @@ from batchgen.models.llama import (
     Qwen3ForSequenceClassification,
 )
 
-MODEL_REGISTRY: dict[str, type] = {
+# Keyed by hf_config's architecture names (ARCHITECTURES' values, CLASSIFIERS, DECODERS), which check_checkpoint
+# reads without importing the models (torch).
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -47,14 +50,6 @@ EMBEDDING_VARIANT: dict[type, type] = {
     Qwen2ForCausalLM: Qwen2ForEmbedding, Qwen2ForSequenceClassification: Qwen2ForEmbedding,
     Qwen3ForCausalLM: Qwen3ForEmbedding, Qwen3ForSequenceClassification: Qwen3ForEmbedding,
 }
-# For configs built from a model_type alone (dummy weights), which name "architectures" leaves unset.
-DEFAULT_ARCHITECTURE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-}
 
 
 def model_class(hf_config: HFConfig, task: str = "generate") -> type:
@@ -64,30 +59,18 @@ def model_class(hf_config: HFConfig, task: str = "generate") -> type:
 
 
 def _architecture_class(hf_config: HFConfig) -> type:
-    architectures = getattr(hf_config, "architectures", None) or []
-    if not architectures and hf_config.model_type in DEFAULT_ARCHITECTURE:
-        architectures = [DEFAULT_ARCHITECTURE[hf_config.model_type]]
-    for architecture in architectures:
-        if architecture in MODEL_REGISTRY:
-            return MODEL_REGISTRY[architecture]
-        if architecture in CLASSIFIER_REGISTRY:
-            return CLASSIFIER_REGISTRY[architecture]
-        if architecture in DECODER_REGISTRY:
-            return DECODER_REGISTRY[architecture]
-    named = ", ".join(architectures) or f"(none; model_type {hf_config.model_type!r})"
-    raise ValueError(f"architecture {named} is not supported; supported: "
-                     f"{', '.join([*MODEL_REGISTRY, *CLASSIFIER_REGISTRY, *DECODER_REGISTRY])}")
+    architecture = architecture_of(hf_config)
+    return MODEL_REGISTRY.get(architecture) or CLASSIFIER_REGISTRY.get(architecture) or DECODER_REGISTRY[architecture]
 
 
 def check_task(task: str, hf_config: HFConfig) -> None:
     """Raises naming job.task when the checkpoint's architecture cannot do the task: classify needs a
     *ForSequenceClassification checkpoint; generate and score need a causal LM; embed takes any."""
-    cls = _architecture_class(hf_config)
-    architecture = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
-    if task != "embed" and cls in DECODER_REGISTRY.values():
+    architecture = architecture_of(hf_config)
+    if task != "embed" and architecture in DECODER_REGISTRY:
         raise ValueError(f"job.task={task} needs a model with a head; {architecture} is a bare decoder: use "
                          "job.task=embed")
-    classifier = cls in CLASSIFIER_REGISTRY.values()
+    classifier = architecture in CLASSIFIER_REGISTRY
     if task == "classify" and not classifier:
         raise ValueError(f"job.task=classify needs a sequence-classification checkpoint "
                          f"({', '.join(CLASSIFIER_REGISTRY)}); this one is {architecture}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from batchgen.report.run_data import Run
 from batchgen.report.tables_runs import DEVICE_TIME, HOST_TIME
 from batchgen.report.tables_steps import labelled_steps
 
-MAX_LINES = 10  # lines per sweep plot: more make an unreadable legend
+MAX_LINES = 10  # series per sweep plot: more make an unreadable legend
+LABEL_WIDTH = 40  # characters per line of a run's label beside its bars
 COMPONENTS = [*HOST_TIME, *DEVICE_TIME, "wait_ms"]
 THROUGHPUT_POINTS = 50  # points per run: the window spans len(steps) / 50 steps
 
@@ -42,7 +44,7 @@ class Plotter:
         fig.suptitle(title)
         fig.tight_layout()
         path = self.out_dir / f"{name}.png"
-        fig.savefig(path, dpi=90)
+        fig.savefig(path, dpi=90, bbox_inches="tight")  # legends placed beside the axes stay inside
         self.plt.close(fig)
         self.files.append(PlotFile(path, title))
 
@@ -84,14 +86,18 @@ class Plotter:
         self._save(fig, f"timeline_{number}", f"Step timeline: {run.label}")
 
     def step_components(self, runs: list[Run]) -> None:
+        """One stacked bar per run and step group (kind, graph or eager, bucket), each on its own row."""
         steps = pd.concat([labelled_steps(run) for run in runs], ignore_index=True)
         medians = steps.groupby(["run", "kind", "mode", "bucket"], sort=False)[COMPONENTS].median()
         names = [_group_name(runs, *index) for index in medians.index]
-        fig, ax = self.plt.subplots(figsize=(10, 2 + 0.4 * len(names)))
+        rows = np.arange(len(names))  # positions, not names: runs whose names read alike keep their own bars
+        label_lines = sum(name.count("\n") + 1 for name in names)
+        fig, ax = self.plt.subplots(figsize=(10, 1.5 + 0.15 * len(names) + 0.15 * label_lines))
         left = np.zeros(len(names))
         for column in COMPONENTS:
-            ax.barh(names, medians[column].to_numpy(), left=left, label=column.removesuffix("_ms"))
+            ax.barh(rows, medians[column].to_numpy(), left=left, label=column.removesuffix("_ms"))
             left += medians[column].to_numpy()
+        ax.set_yticks(rows, names)
         ax.invert_yaxis()  # first run on top
         ax.set_xlabel("median time per step (ms)")
         ax.set_ylabel("step group")
@@ -151,31 +157,50 @@ class Plotter:
         self._save(fig, "latency_cdf", "Request latency distributions")
 
     def sweep(self, table: pd.DataFrame, keys: list[str], key: str) -> None:
+        """Output tok/s against `key`, one series per combination of the other keys: lines over a numeric key,
+        grouped bars over a categorical one (a line between categories would suggest values in between)."""
         done = table[table["output_tok_s"].notna()]
         if done[key].nunique() < 2:
             return
         others = [k for k in keys if k != key]
         groups = list(done.groupby(others, sort=True)) if others else [((), done)]
+        shown = groups[:MAX_LINES]
+        named = [(_series_name(others, values), group) for values, group in shown]
+        numeric = pd.to_numeric(done[key], errors="coerce")
         fig, ax = self.plt.subplots(figsize=(7, 4))
-        for values, group in groups[:MAX_LINES]:
-            values = values if isinstance(values, tuple) else (values,)
-            name = " ".join(f"{k}={v}" for k, v in zip(others, values, strict=True)) or "output tok/s"
-            group = group.assign(x=_axis(group[key])).sort_values("x")
-            ax.plot(group["x"], group["output_tok_s"], marker="o", label=_short(name))
+        if numeric.notna().all():
+            for name, group in named:
+                group = group.assign(x=numeric[group.index]).sort_values("x")
+                ax.plot(group["x"], group["output_tok_s"], marker="o", label=name)
+        else:
+            self._grouped_bars(ax, named, key)
         ax.set_xlabel(key)
         ax.set_ylabel("output tok/s")
         ax.legend(fontsize=7)
-        shown = f" (first {MAX_LINES} of {len(groups)} lines)" if len(groups) > MAX_LINES else ""
-        self._save(fig, f"sweep_{_file_name(key)}", f"Output tok/s against {key}{shown}")
+        more = f" (first {MAX_LINES} of {len(groups)} series)" if len(groups) > MAX_LINES else ""
+        self._save(fig, f"sweep_{_file_name(key)}", f"Output tok/s against {key}{more}")
+
+    @staticmethod
+    def _grouped_bars(ax, named: list[tuple[str, pd.DataFrame]], key: str) -> None:
+        """One group of bars per value of `key`, one bar per series (repeats of a setting averaged); the values'
+        labels slanted to stay apart."""
+        categories = sorted({str(value) for _, group in named for value in group[key]})
+        positions = np.arange(len(categories))
+        width = 0.8 / len(named)
+        for number, (name, group) in enumerate(named):
+            heights = group.groupby(group[key].astype(str))["output_tok_s"].mean().reindex(categories)
+            ax.bar(positions + (number - (len(named) - 1) / 2) * width, heights.to_numpy(), width, label=name)
+        ax.set_xticks(positions, categories, rotation=30, ha="right", rotation_mode="anchor")
 
 
-def _axis(values: pd.Series) -> pd.Series:
-    numeric = pd.to_numeric(values, errors="coerce")
-    return numeric if numeric.notna().all() else values.astype(str)
+def _series_name(others: list[str], values) -> str:
+    values = values if isinstance(values, tuple) else (values,)
+    return _short(" ".join(f"{k}={v}" for k, v in zip(others, values, strict=True)) or "output tok/s")
 
 
 def _group_name(runs: list[Run], run: str, kind: str, mode: str, bucket: int) -> str:
-    prefix = f"{_short(run, 30)} " if len(runs) > 1 else ""
+    """The step group, under its run's whole label (wrapped) when there are several runs."""
+    prefix = "\n".join(textwrap.wrap(run, LABEL_WIDTH)) + "\n" if len(runs) > 1 else ""
     return f"{prefix}{kind}/{mode}" + (f"/{bucket}" if bucket else "")
 
 

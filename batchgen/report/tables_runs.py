@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from batchgen.report.answers import exact_match
 from batchgen.report.run_data import Run
 
 DEVICE_TIME = ["forward_ms", "sample_ms"]
@@ -11,9 +12,12 @@ HOST_TIME = ["schedule_ms", "prepare_ms"]
 
 
 def runs_table(runs: list[Run], keys: list[str]) -> pd.DataFrame:
+    """One row per run; with an exact_match column (the share of completions giving their input row's answer, see
+    report/answers.py) when some run's input has an answer key."""
     rows = []
     for run in runs:
         f = run.figures
+        answers = exact_match(run.path, {"path": run.config.get("data.path"), "format": run.config.get("data.format")})
         rows.append({
             "run": run.label,
             **{key: run.params.get(key) for key in keys},
@@ -26,9 +30,13 @@ def runs_table(runs: list[Run], keys: list[str]) -> pd.DataFrame:
             "prompt_tok_s": f.prompt_tok_s if f else None,
             "output_tok_s": f.output_tok_s if f else None,
             "device": f.device if f else None,
+            "exact_match": answers.share if answers else None,
             "path": str(run.path),
         })
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    if "exact_match" in table and table["exact_match"].isna().all():
+        table = table.drop(columns="exact_match")
+    return table
 
 
 def time_shares_table(runs: list[Run]) -> pd.DataFrame:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.config import Config
+from batchgen.io.atomic import DirectoryLock
 from batchgen.runners.data_parallel import run_data_parallel
 from batchgen.runners.local import run_local
 from batchgen.runners.ranks import Rank, run_rank
@@ -13,13 +14,16 @@ from batchgen.runners.ranks import Rank, run_rank
 
 def launch(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str, Any]:
     """Returns the run's summary (a rank other than 0: its shard's). task_overrides: the command line's overrides,
-    which spawned ranks repeat."""
+    which spawned ranks repeat. A process that writes the run directory holds its lock (DirectoryLock) meanwhile:
+    the Ray driver and the data-parallel parent here, a local job or rank (in its shard's directory) in Job.run."""
     if config.runner.name == "ray":
         from batchgen.runners.ray_data import run_ray  # Ray is an optional extra: imported only when chosen
 
-        return run_ray(config, run_dir)
+        with DirectoryLock(run_dir):
+            return run_ray(config, run_dir)
     if config.engine.data_parallel_size > 1:
-        return run_data_parallel(config, run_dir, task_overrides)
+        with DirectoryLock(run_dir):
+            return run_data_parallel(config, run_dir, task_overrides)
     if (rank := Rank.from_env()) is not None:
         return run_rank(config, run_dir, rank)
     return run_local(config, run_dir)

@@ -2,8 +2,9 @@
 
 <dir>/completions.parquet: every shard's rows sorted by global index, after checking that the shards split the input
 alike and that each input index appears exactly once; <dir>/steps.parquet: every shard's steps with a `shard`
-column; <dir>/summary.json: totals over all shards, throughput over the wall time of the whole (first shard start to
-last shard end) and over the generation phase (first engine loop start to last engine loop end);
+column; <dir>/summary.json: a local run's summary keys (combine_summaries) with totals over all shards, throughput over
+the wall time of the whole (first shard start to last shard end) and over the generation phase (first engine loop
+start to last engine loop end);
 <dir>/results.jsonl when the shards wrote OpenAI Batch results.
 """
 
@@ -15,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.io.atomic import write_atomically
 from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
 from batchgen.job.run_outputs import SUMMARY_FILE
-from batchgen.job.summary import generation_phase, step_medians, versions
+from batchgen.job.summary import generation_phase, job_totals, summary_document
 from batchgen.runners.errors import MergeError
 from batchgen.runners.merge_results import merge_results
 from batchgen.runners.shards import MARKER_FILE, SHARD_DIR_PATTERN, SHARDED_STEPS_SCHEMA, ShardMarker
@@ -126,38 +126,49 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def combine_summaries(completions: pa.Table, steps: pa.Table, summaries: dict[int, dict[str, Any]],
                       markers: dict[int, ShardMarker]) -> dict[str, Any]:
+    """A local run's summary (summary_document's keys) over every shard, plus `num_shards` and `shards` (each
+    shard's own figures). `job` counts the merged rows and steps; `this_attempt` is the shards' last attempts
+    together: their rows and tokens summed, wall_seconds and tok/s over the whole (first shard start to last shard
+    end), steps and step_medians of those attempts, each phase of time_seconds summed over the shards (so the phases
+    add up to the shards' wall seconds together, not to the whole's), engine_ready_at when the last engine was ready,
+    and generation (the top-level one too) from the first engine loop's start to the last one's end."""
     wall = max(m.finished_at for m in markers.values()) - min(m.started_at for m in markers.values())
-    # Each shard's summary counts the tokens of its last attempt; their sum over the whole span is the throughput.
-    attempt_prompt = sum(s["prompt_tokens_per_s"] * s["wall_seconds"] for s in summaries.values())
-    attempt_output = sum(s["output_tokens_per_s"] * s["wall_seconds"] for s in summaries.values())
+    attempts = [summary["this_attempt"] for summary in summaries.values()]
     last_attempt_steps = [row for row in steps.to_pylist() if row["attempt"] == summaries[row["shard"]]["attempt"]]
-    reasons = completions.column("finish_reason").value_counts().to_pylist()
-    first = summaries[min(summaries)]
-    phases = [s.get("generation") for s in summaries.values()]
-    return {
-        "rows": completions.num_rows,
-        "finish_reasons": {r["values"]: r["counts"] for r in reasons},
-        "prompt_tokens": pc.sum(completions["num_prompt_tokens"]).as_py() or 0,
-        "output_tokens": pc.sum(completions["num_output_tokens"]).as_py() or 0,
-        "num_shards": len(summaries),
-        "wall_seconds": wall,
+    prompt_tokens = sum(attempt["prompt_tokens"] for attempt in attempts)
+    output_tokens = sum(attempt["output_tokens"] for attempt in attempts)
+    time_seconds: Counter[str] = Counter()
+    for attempt in attempts:
+        time_seconds.update(attempt["time_seconds"])
+    ready = [attempt.get("engine_ready_at") for attempt in attempts]
+    # The ranks' engine loops together: null when a shard did not record its own (written by an older version).
+    phases = [summary.get("generation") for summary in summaries.values()]
+    this_attempt = {
+        "attempt": max(attempt["attempt"] for attempt in attempts),
+        "rows": sum(attempt["rows"] for attempt in attempts),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
         "steps": len(last_attempt_steps),
-        "prompt_tokens_per_s": attempt_prompt / wall,
-        "output_tokens_per_s": attempt_output / wall,
-        "step_medians": step_medians(last_attempt_steps),
-        # The ranks' engine loops together: null when a shard did not record its own (written by an older version).
+        "wall_seconds": wall,
+        "prompt_tokens_per_s": prompt_tokens / wall,
+        "output_tokens_per_s": output_tokens / wall,
+        "time_seconds": dict(time_seconds),
+        "engine_ready_at": None if None in ready else max(ready),
         "generation": None if None in phases else generation_phase(
             min(p["started_at"] for p in phases), max(p["finished_at"] for p in phases),
             sum(p["output_tokens"] for p in phases)),
-        "shards": [_shard_entry(index, s) for index, s in sorted(summaries.items())],
-        "engine": first.get("engine"),
-        "versions": versions(),
-        "config": first.get("config"),
+    }
+    job = job_totals(completions, steps, max(summary["job"]["attempts"] for summary in summaries.values()))
+    first = summaries[min(summaries)]
+    return {
+        **summary_document(job, this_attempt, last_attempt_steps, first["engine"], first["config"]),
+        "num_shards": len(summaries),
+        "shards": [_shard_entry(index, summary) for index, summary in sorted(summaries.items())],
     }
 
 
 def _shard_entry(index: int, summary: dict[str, Any]) -> dict[str, Any]:
-    times = summary.get("this_attempt", {}).get("time_seconds", {})
+    times = summary["this_attempt"]["time_seconds"]
     return {"shard": index, "rows": summary["rows"], "attempt": summary["attempt"],
             "wall_seconds": summary["wall_seconds"], "output_tokens_per_s": summary["output_tokens_per_s"],
             "engine_start_seconds": times.get("engine_start"), "wait_for_ranks_seconds": times.get("wait_for_ranks"),

@@ -16,6 +16,7 @@ import ray
 from batchgen.config import Config
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.sample.params import row_params
 
 OUTPUT = "output"
 STEP = "step"
@@ -34,7 +35,7 @@ class EngineActor:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[str]]:
         for line in batch["row"]:
             row = json.loads(line)
-            params = self.config.sampling.with_overrides(row["overrides"])  # the driver checked them
+            params = row_params(self.config.sampling, row["overrides"], row["index"])  # the driver checked them
             self.engine.add_request(row["index"], row["prompt"], row["prompt_token_ids"], params, row["samples"])
         results: list[tuple[str, dict[str, Any]]] = []
         if not self.info_sent:

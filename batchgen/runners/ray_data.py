@@ -40,6 +40,7 @@ from batchgen.job.summary import AttemptStats
 from batchgen.runners.ray_actor import INFO, OUTPUT, STEP, EngineActor
 from batchgen.runners.ray_batches import iter_batches
 from batchgen.runners.shards import SHARDED_STEPS_SCHEMA
+from batchgen.sample.params import row_params
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,9 @@ def _missing_samples(rows: list[PromptRow], config: Config, written: dict[int, s
     for row in rows:
         if row.error is None:
             try:
-                num_samples = config.sampling.with_overrides(row.overrides).n
+                num_samples = row_params(config.sampling, row.overrides, row.index).n
             except ValueError as exc:
-                row.error = f"row {row.index}: {exc}"
+                row.error = str(exc)
         if row.error is not None:
             num_samples = 1
         missing[row.index] = [i for i in range(num_samples) if i not in written.get(row.index, ())]

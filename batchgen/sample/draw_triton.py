@@ -7,7 +7,7 @@ computed here in uint32 registers instead of a (B, V) int64 tensor: one read of 
 per block of them. The row key (the hash of seed and position) is computed in the kernel too: in torch it is some
 twenty tiny launches, which inside a decode graph cost more than the draw itself. Both argmaxes split each row over
 many programs and merge their candidates: one program per row reads a 151,936-logit row in a serial loop, too slow
-for a decode step. The draw rounds as the torch path does (a precise 1 / T, no fused multiply-add), so both pick the
+for a decode step. The draw rounds as the torch path does (the host's 1 / T, no fused multiply-add), so both pick the
 same tokens.
 """
 
@@ -68,11 +68,11 @@ _DRAW_BLOCK = 2048  # logits a program draws from: a row is split so that a batc
 
 
 @triton.jit
-def _draw_chunk_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, positions_ptr, ranks_ptr, values_ptr,
+def _draw_chunk_kernel(logits_ptr, stride, inv_temperatures_ptr, seeds_ptr, positions_ptr, ranks_ptr, values_ptr,
                        indices_ptr, VOCAB: tl.constexpr, SCALE: tl.constexpr, SALT: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, block of logits): the block's torch.argmax candidate of logits / T - log(-log U).
-    SCALE: divide by the row's temperature (False where the logits are already divided)."""
+    SCALE: multiply by the row's 1 / T (False where the logits are already divided)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -80,8 +80,7 @@ def _draw_chunk_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, position
     wait_for_previous(PDL)
     logits = tl.load(logits_ptr + row * stride + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
     if SCALE:
-        temperature = tl.load(temperatures_ptr + row)
-        logits = logits * tl.div_rn(1.0, tl.where(temperature == 0, 1.0, temperature))
+        logits = logits * tl.load(inv_temperatures_ptr + row)
     top_rank, top_value, winner = _argmax(logits - gumbel, cols)
     at = row * tl.num_programs(1) + chunk
     tl.store(ranks_ptr + at, top_rank)
@@ -90,10 +89,10 @@ def _draw_chunk_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, position
 
 
 @triton.jit
-def _draw_merge_kernel(ranks_ptr, values_ptr, indices_ptr, temperatures_ptr, greedy_ids_ptr, out_ptr,
-                       inv_temperatures_ptr, chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+def _draw_merge_kernel(ranks_ptr, values_ptr, indices_ptr, temperatures_ptr, greedy_ids_ptr, out_ptr, chunks,
+                       CHUNKS: tl.constexpr, PDL: tl.constexpr):
     """One program per row: the best of its blocks' candidates (the earlier block on a tie), or the row's greedy id
-    where its temperature is 0; and the row's 1 / temperature (1 for greedy rows)."""
+    where its temperature is 0."""
     row = tl.program_id(0)
     offsets = tl.arange(0, CHUNKS)
     mask = offsets < chunks
@@ -102,18 +101,16 @@ def _draw_merge_kernel(ranks_ptr, values_ptr, indices_ptr, temperatures_ptr, gre
     ranks = tl.load(ranks_ptr + at, mask=mask, other=-1)
     values = tl.load(values_ptr + at, mask=mask, other=float("-inf"))
     _, _, winner = _best(ranks, values, tl.load(indices_ptr + at, mask=mask, other=2**31 - 1))
-    temperature = tl.load(temperatures_ptr + row)
-    greedy = temperature == 0
+    greedy = tl.load(temperatures_ptr + row) == 0
     tl.store(out_ptr + row, tl.where(greedy, tl.load(greedy_ids_ptr + row), winner.to(tl.int64)))
-    tl.store(inv_temperatures_ptr + row, tl.div_rn(1.0, tl.where(greedy, 1.0, temperature)))
 
 
-def seeded_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                greedy_ids: torch.Tensor, scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The seeded draw of every row: logits (B, V), temperatures (B,) float32 (0 = greedy), seeds (B,) int64 in
-    [0, 2**63), positions (B,) int64, greedy_ids (B,) int64 (what greedy rows take). scale=False where the logits
-    are already divided by the temperatures. -> (B,) int64 token ids, (B,) float32 1 / temperature (1 for greedy
-    rows)."""
+def seeded_draw(logits: torch.Tensor, temperatures: torch.Tensor, inv_temperatures: torch.Tensor, seeds: torch.Tensor,
+                positions: torch.Tensor, greedy_ids: torch.Tensor, scale: bool = True) -> torch.Tensor:
+    """The seeded draw of every row: logits (B, V), temperatures (B,) float32 (0 = greedy), inv_temperatures (B,)
+    float32 (1 / temperature, 1 for greedy rows), seeds (B,) int64 in [0, 2**63), positions (B,) int64, greedy_ids
+    (B,) int64 (what greedy rows take). scale=False where the logits are already divided by the temperatures.
+    -> (B,) int64 token ids."""
     rows, vocab = logits.shape
     block = min(_DRAW_BLOCK, triton.next_power_of_2(vocab))
     chunks = triton.cdiv(vocab, block)
@@ -121,19 +118,18 @@ def seeded_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
     values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     token_ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    inv_temperatures = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
-        return token_ids, inv_temperatures
+        return token_ids
     options = launch_options(logits.device)
-    _draw_chunk_kernel[(rows, chunks)](logits, logits.stride(0), temperatures, seeds, positions, ranks, values,
+    _draw_chunk_kernel[(rows, chunks)](logits, logits.stride(0), inv_temperatures, seeds, positions, ranks, values,
                                        indices, VOCAB=vocab, SCALE=scale, SALT=_SALT, BLOCK=block,
                                        num_warps=4 if block >= 1024 else 1, enable_fp_fusion=False, **options)
-    _draw_merge_kernel[(rows,)](ranks, values, indices, temperatures, greedy_ids, token_ids, inv_temperatures,
-                                chunks, CHUNKS=triton.next_power_of_2(chunks), num_warps=1, **options)
-    return token_ids, inv_temperatures
+    _draw_merge_kernel[(rows,)](ranks, values, indices, temperatures, greedy_ids, token_ids, chunks,
+                                CHUNKS=triton.next_power_of_2(chunks), num_warps=1, **options)
+    return token_ids
 
 
-_GREEDY_CHUNKS = 64  # programs per row: torch.argmax of a 151,936-logit row took 7.7 us of an H200 decode step
+_GREEDY_CHUNKS = 64  # programs per row: torch.argmax reads a large vocabulary's row too slowly for a decode step
 
 
 @triton.jit
@@ -153,25 +149,25 @@ def _greedy_chunk_kernel(logits_ptr, stride, ranks_ptr, values_ptr, indices_ptr,
     tl.store(indices_ptr + at, winner)
 
 
-# last_rows is the bucket size or max_num_seqs: specialized, it would compile once for 1, once for multiples of 16
+# pending_rows is the bucket size or max_num_seqs: specialized, it would compile once for 1, once for multiples of 16
 # and once for the rest.
-@triton.jit(do_not_specialize=["last_rows"])
-def _greedy_merge_kernel(ranks_ptr, values_ptr, indices_ptr, out_ptr, last_sampled_ptr, last_rows,
+@triton.jit(do_not_specialize=["pending_rows"])
+def _greedy_merge_kernel(ranks_ptr, values_ptr, indices_ptr, out_ptr, pending_ids_ptr, pending_rows,
                          CHUNKS: tl.constexpr, PDL: tl.constexpr):
     """One program per row: the best of its chunks' candidates (the earlier chunk on a tie), into out and, for rows
-    below last_rows, into last_sampled."""
+    below pending_rows, into pending_ids."""
     row = tl.program_id(0)
     at = row * CHUNKS + tl.arange(0, CHUNKS)
     wait_for_previous(PDL)
     _, _, winner = _best(tl.load(ranks_ptr + at), tl.load(values_ptr + at), tl.load(indices_ptr + at))
     tl.store(out_ptr + row, winner.to(tl.int64))
-    if row < last_rows:
-        tl.store(last_sampled_ptr + row, winner.to(tl.int64))
+    if row < pending_rows:
+        tl.store(pending_ids_ptr + row, winner.to(tl.int64))
 
 
-def greedy_argmax(logits: torch.Tensor, last_sampled: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor) -> torch.Tensor:
     """logits (B, V) -> (B,) int64 token ids, torch.argmax's (NaN first, then the first largest value); also written
-    into last_sampled's first min(B, len(last_sampled)) rows. Each row is read by _GREEDY_CHUNKS programs."""
+    into pending_ids's first min(B, len(pending_ids)) rows. Each row is read by _GREEDY_CHUNKS programs."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -184,6 +180,6 @@ def greedy_argmax(logits: torch.Tensor, last_sampled: torch.Tensor) -> torch.Ten
     _greedy_chunk_kernel[(rows, _GREEDY_CHUNKS)](logits, logits.stride(0), ranks, values, indices, VOCAB=vocab,
                                                  CHUNK=chunk, BLOCK=triton.next_power_of_2(chunk), num_warps=4,
                                                  **options)
-    _greedy_merge_kernel[(rows,)](ranks, values, indices, out, last_sampled, min(rows, len(last_sampled)),
+    _greedy_merge_kernel[(rows,)](ranks, values, indices, out, pending_ids, min(rows, len(pending_ids)),
                                   CHUNKS=_GREEDY_CHUNKS, num_warps=1, **options)
     return out

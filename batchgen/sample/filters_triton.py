@@ -1,12 +1,11 @@
 """Temperature, top-k, top-p, min-p and the seeded draw of a small vocabulary's rows in one kernel (CUDA only).
 
-In torch the filters are a sort, a scatter and a dozen elementwise launches: the main job's sampler graph (65
-tokens, top-k 40) took 0.056 ms a decode step on an H200, this kernel 0.028 (benchmarks/RESULTS.md, seventeenth
-session). Here one program holds a whole row and finds each
-filter's cut without sorting: a bisection over int32 keys that order as the floats do (NaN above everything, as
-torch's descending sort puts it). Tokens tied at a cut are kept in index order, as a stable sort keeps them
-(sampler._apply_top_k_top_p sorts stably). Probability sums are taken in another order than torch's cumsum, so a
-token whose top-p mass lies within rounding of p may be cut differently.
+In torch the filters are a sort, a scatter and a dozen elementwise launches, which take a small vocabulary's decode
+step longer than this one kernel. Here one program holds a whole row and finds each filter's cut without sorting: a
+bisection over int32 keys that order as the floats do (NaN above everything, as torch's descending sort puts it).
+Tokens tied at a cut are kept in index order, as a stable sort keeps them (sampler._apply_top_k_top_p sorts stably).
+Probability sums are taken in another order than torch's cumsum, so a token whose top-p mass lies within rounding of
+p may be cut differently.
 """
 
 from __future__ import annotations
@@ -53,8 +52,8 @@ def _softmax(x):
 
 
 @triton.jit
-def _filtered_draw_kernel(logits_ptr, stride, temperatures_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr, seeds_ptr,
-                          positions_ptr, greedy_ids_ptr, out_ptr, inv_temperatures_ptr, filtered_ptr,
+def _filtered_draw_kernel(logits_ptr, stride, temperatures_ptr, inv_temperatures_ptr, top_ks_ptr, top_ps_ptr,
+                          min_ps_ptr, seeds_ptr, positions_ptr, greedy_ids_ptr, out_ptr, filtered_ptr,
                           VOCAB: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
                           SALT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
@@ -62,9 +61,7 @@ def _filtered_draw_kernel(logits_ptr, stride, temperatures_ptr, top_ks_ptr, top_
     valid = cols < VOCAB
     gumbel = _gumbel(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), cols, SALT)
     wait_for_previous(PDL)
-    temperature = tl.load(temperatures_ptr + row)
-    greedy = temperature == 0
-    inv_temperature = tl.div_rn(1.0, tl.where(greedy, 1.0, temperature))
+    inv_temperature = tl.load(inv_temperatures_ptr + row)
     x = tl.load(logits_ptr + row * stride + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temperature
     if TOP_K or TOP_P:
         keys = _order_keys(x, valid)
@@ -81,29 +78,28 @@ def _filtered_draw_kernel(logits_ptr, stride, temperatures_ptr, top_ks_ptr, top_
         x = tl.where(probs < tl.max(probs, axis=0) * tl.load(min_ps_ptr + row), float("-inf"), x)
     tl.store(filtered_ptr + row * VOCAB + cols, x, mask=valid)
     _, _, winner = _argmax(x - gumbel, cols)
+    greedy = tl.load(temperatures_ptr + row) == 0
     tl.store(out_ptr + row, tl.where(greedy, tl.load(greedy_ids_ptr + row), winner.to(tl.int64)))
-    tl.store(inv_temperatures_ptr + row, inv_temperature)
 
 
-def filtered_draw(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None,
-                  top_ps: torch.Tensor | None, min_ps: torch.Tensor | None, seeds: torch.Tensor,
-                  positions: torch.Tensor, greedy_ids: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def filtered_draw(logits: torch.Tensor, temperatures: torch.Tensor, inv_temperatures: torch.Tensor,
+                  top_ks: torch.Tensor | None, top_ps: torch.Tensor | None, min_ps: torch.Tensor | None,
+                  seeds: torch.Tensor, positions: torch.Tensor, greedy_ids: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """sampler._draw's filtered path for logits (B, V <= sampler.FILTERED_DRAW_MAX_VOCAB); a filter whose tensor is
     None is not run. -> (B,) int64 token ids (greedy rows: their greedy_ids), (B, V) float32 filtered logits
-    (divided by the temperature), (B,) float32 1 / temperature (1 for greedy rows)."""
+    (multiplied by inv_temperatures)."""
     rows, vocab = logits.shape
     token_ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
     filtered = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
-    inv_temperatures = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
-        return token_ids, filtered, inv_temperatures
+        return token_ids, filtered
     block = triton.next_power_of_2(vocab)
     unused = temperatures  # stands in for the tensor of a filter no row uses: the kernel does not read it
     _filtered_draw_kernel[(rows,)](
-        logits, logits.stride(0), temperatures, unused if top_ks is None else top_ks,
+        logits, logits.stride(0), temperatures, inv_temperatures, unused if top_ks is None else top_ks,
         unused if top_ps is None else top_ps, unused if min_ps is None else min_ps, seeds, positions, greedy_ids,
-        token_ids, inv_temperatures, filtered, VOCAB=vocab, TOP_K=top_ks is not None, TOP_P=top_ps is not None,
+        token_ids, filtered, VOCAB=vocab, TOP_K=top_ks is not None, TOP_P=top_ps is not None,
         MIN_P=min_ps is not None, SALT=_SALT, BLOCK=block, num_warps=max(1, min(8, block // 256)),
         enable_fp_fusion=False, **launch_options(logits.device))
-    return token_ids, filtered, inv_temperatures
+    return token_ids, filtered

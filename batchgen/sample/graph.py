@@ -1,46 +1,34 @@
 """The sampling pipeline of a graphed decode step, captured as its own CUDA graph per (bucket, features).
 
 The forward graph of a bucket ends in static logits; the sampler graph reads them and the step's per-row parameters
-from a static byte buffer (one copy per step, plus the bitmask when a row is guided), and
-writes the sampled ids into `last_sampled`, where the next step's graph finds them, and into the requests' output
-counts. A separate graph per feature set keeps each step to the stages its rows use: an unpenalized step never reads
-the penalty state. Graphs are captured on first use (once per bucket and feature set), not at start-up.
+from a static byte buffer (one copy per step, plus the bitmask when a row is guided), and writes the sampled ids into
+`pending_ids`, where the next step's graph finds them, and into the requests' output counts. A separate graph per
+feature set keeps each step to the stages its rows use: an unpenalized step never reads the penalty state. Graphs
+are captured on first use (once per bucket and feature set), not at start-up.
 
 An eager forward's logits (prefill and mixed steps) are staged into one more static buffer and sampled by the same
-graphs, which replaces the eager pipeline's dozens of small launches (0.6 ms of host time per prefill step of the
-main job).
+graphs, which replaces the eager pipeline's dozens of small launches, each of them host time.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from batchgen.sample.sampler import (
-    FLOAT_FIELDS,
-    INT_FIELDS,
-    NEUTRAL_FLOATS,
-    NEUTRAL_INTS,
-    PackedSampling,
-    SamplerOutput,
-    SamplingFeatures,
-    SamplingTensors,
-    run_sampler,
-)
+from batchgen.layers.staging import staging_buffer
+from batchgen.sample.batch import ParamLayout, SamplingBatch, SamplingFeatures, SamplingTensors
+from batchgen.sample.sampler import SamplerOutput, run_sampler
 from batchgen.sample.state import SamplingState
-from batchgen.worker.upload import aligned_length, staging_buffer
 
 
 class SamplerGraphs:
-    def __init__(self, max_size: int, vocab_size: int, last_sampled: torch.Tensor, device: torch.device):
+    def __init__(self, max_size: int, vocab_size: int, pending_ids: torch.Tensor, device: torch.device):
         self.device = device
         self.max_size = max_size
         self.capture_graphs = device.type == "cuda"  # on CPU the same static-buffer path runs eagerly (tests)
-        # A bucket of `size` rows lays its parameters out from the start: the float rows, then the int rows, each
-        # starting 64-byte aligned (Triton specializes on alignment).
-        self.params = torch.zeros(_params_nbytes(max_size), dtype=torch.uint8, device=device)
+        # A bucket of `size` rows lays its parameters out from the start (ParamLayout.of(size)); buckets overlap.
+        self.params = torch.zeros(ParamLayout.of(max_size).nbytes, dtype=torch.uint8, device=device)
         self.bitmask = torch.full((max_size, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
-        self.last_sampled = last_sampled
+        self.pending_ids = pending_ids
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, SamplerOutput]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
         self._staged_logits: torch.Tensor | None = None
@@ -55,12 +43,12 @@ class SamplerGraphs:
         staged[:len(logits)].copy_(logits)
         return staged
 
-    def run(self, packed: PackedSampling, bitmask: torch.Tensor | None, size: int, logits: torch.Tensor,
-            state: SamplingState | None, greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
-        """Samples a decode step of n <= size rows from the bucket's static logits (size, V); the ids land in
-        last_sampled[:n]. bitmask: (n, W) int32 on the host (pinned on CUDA) or None. greedy_ids: the forward
-        graph's static argmax of the logits (size,), or None (see run_sampler)."""
-        features = packed.features
+    def run(self, batch: SamplingBatch, size: int, logits: torch.Tensor, state: SamplingState | None,
+            greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
+        """Samples the batch's n <= size rows from the bucket's static logits (size, V); the ids land in
+        pending_ids[:n]. greedy_ids: the forward graph's static argmax of the logits (size,), or None (see
+        run_sampler)."""
+        features = batch.features
         # A bucket's plain and cascade forward graphs each end in their own static outputs, which a graph reads (the
         # logits name them; the staged logits of eager steps come without greedy_ids).
         key = (size, features, state.version if features.penalties else 0, logits.data_ptr())
@@ -68,54 +56,40 @@ class SamplerGraphs:
             if features.penalties:  # graphs of state tensors that have since grown (and moved) are never replayed
                 self.graphs = {k: v for k, v in self.graphs.items() if not k[1].penalties or k[2] == key[2]}
             self.graphs[key] = self._capture(size, features, logits, state, greedy_ids)
-        self._load(packed, bitmask, size)
+        self._load(batch, size)
         if self.capture_graphs:
             graph, output = self.graphs[key]
             graph.replay()
         else:
             output = self._pipeline(size, features, logits, state, greedy_ids)
             self._keep_ids(output, size)
-        n = packed.floats.shape[1]
+        n = batch.num_rows
         return SamplerOutput(output.token_ids[:n], output.logits[:n],
                              None if output.filtered is None else output.filtered[:n],
-                             None if output.inv_temperatures is None else output.inv_temperatures[:n])
+                             None if output.inv_temperature is None else output.inv_temperature[:n])
 
     def _pipeline(self, size: int, features: SamplingFeatures, logits: torch.Tensor, state: SamplingState | None,
                   greedy_ids: torch.Tensor | None) -> SamplerOutput:
-        state_rows = state.rows_tensors if features.penalties else None
-        tensors = SamplingTensors.from_packed(features, *self._views(size), state_rows, self.bitmask[:size])
+        tensors = SamplingTensors.view(features, ParamLayout.of(size).fields(self.params), state, self.bitmask[:size])
         return run_sampler(logits[:size], tensors, None if greedy_ids is None else greedy_ids[:size])
 
-    def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`size`'s (float rows, int rows) over the device buffer."""
-        stride, floats_end = _param_stride(size), _floats_nbytes(size)
-        floats = self.params[:floats_end].view(torch.float32).view(len(FLOAT_FIELDS), stride)[:, :size]
-        ints = self.params[floats_end:_params_nbytes(size)].view(torch.int64).view(len(INT_FIELDS), stride)[:, :size]
-        return floats, ints
-
-    def _load(self, packed: PackedSampling, bitmask: torch.Tensor | None, size: int) -> None:
-        """Stage the rows padded to `size` with neutral rows (greedy, state row 0, everything allowed) in `size`'s
-        layout (`upload.staging_buffer`), and copy them in one copy."""
-        n = packed.floats.shape[1]
-        stride, floats_end, nbytes = _param_stride(size), _floats_nbytes(size), _params_nbytes(size)
-        host = staging_buffer(nbytes, self.capture_graphs)
-        staged = host.numpy()
-        floats = staged[:floats_end].view(np.float32).reshape(len(FLOAT_FIELDS), stride)
-        ints = staged[floats_end:].view(np.int64).reshape(len(INT_FIELDS), stride)
-        floats[:, :n], ints[:, :n] = packed.floats, packed.ints
-        floats[:, n:size], ints[:, n:size] = _NEUTRAL_FLOATS, _NEUTRAL_INTS
-        self.params[:nbytes].copy_(host, non_blocking=True)
-        if packed.features.bitmask:
-            self.bitmask[:n].copy_(bitmask, non_blocking=True)
+    def _load(self, batch: SamplingBatch, size: int) -> None:
+        """Stages the rows padded to `size` with neutral rows (greedy, state row 0, everything allowed) and copies
+        them in one copy."""
+        layout = ParamLayout.of(size)
+        host = staging_buffer(layout.nbytes, self.capture_graphs)
+        layout.stage(batch, host.numpy())
+        self.params[:layout.nbytes].copy_(host, non_blocking=True)
+        if batch.features.bitmask:
+            n = batch.num_rows
+            self.bitmask[:n].copy_(batch.bitmask, non_blocking=True)
             self.bitmask[n:size].fill_(-1)
 
     def _capture(self, size: int, features: SamplingFeatures, logits: torch.Tensor, state: SamplingState | None,
                  greedy_ids: torch.Tensor | None) -> tuple[torch.cuda.CUDAGraph, SamplerOutput]:
         # Warm-up (Triton compiles, lazy init) on neutral rows: it counts only into the neutral state row 0 and
-        # leaves last_sampled alone, so it can run while earlier steps are still queued.
-        floats, ints = self._views(size)
-        floats.copy_(torch.tensor(NEUTRAL_FLOATS, device=self.device).unsqueeze(1).expand(-1, size))
-        ints.copy_(torch.tensor(NEUTRAL_INTS, device=self.device).unsqueeze(1).expand(-1, size))
+        # leaves pending_ids alone, so it can run while earlier steps are still queued.
+        self._load(SamplingBatch.prepare([], []), size)
         self.bitmask[:size].fill_(-1)
         self._pipeline(size, features, logits, state, greedy_ids)
         torch.cuda.synchronize(self.device)
@@ -126,22 +100,4 @@ class SamplerGraphs:
         return graph, output
 
     def _keep_ids(self, output: SamplerOutput, size: int) -> None:
-        rows = min(size, len(self.last_sampled))  # a bucket may be larger than max_num_seqs
-        self.last_sampled[:rows].copy_(output.token_ids[:rows])
-
-
-_NEUTRAL_FLOATS = np.array(NEUTRAL_FLOATS, dtype=np.float32)[:, None]
-_NEUTRAL_INTS = np.array(NEUTRAL_INTS, dtype=np.int64)[:, None]
-
-
-def _param_stride(size: int) -> int:
-    """Elements from one parameter row to the next: whole 64-byte lines for float32 rows, so for int64 ones too."""
-    return aligned_length(size, 4)
-
-
-def _floats_nbytes(size: int) -> int:
-    return len(FLOAT_FIELDS) * _param_stride(size) * 4
-
-
-def _params_nbytes(size: int) -> int:
-    return _floats_nbytes(size) + len(INT_FIELDS) * _param_stride(size) * 8
+        self.pending_ids[:size].copy_(output.token_ids[:size])  # the pending ids hold the largest bucket

@@ -1,4 +1,5 @@
-"""Log-probabilities of chosen tokens and their top alternatives: a log_softmax over the vocabulary in float32.
+"""Log-probabilities of chosen tokens and their top alternatives (a log_softmax over the vocabulary in float32): the
+sampled tokens' (with `sampling.logprobs`) and the prompt tokens' (with `sampling.prompt_logprobs`).
 
 Rows are scored in slices of at most `max_rows` rows of logits (a prompt-logprobs step may score every token of a
 16,384-token step: 10 GB of float32 logits at Qwen3's vocabulary; engine/kv_sizing.py chooses the slice); each slice
@@ -60,3 +61,40 @@ def compute_logprobs(logits_of_rows: Callable[[int, int], torch.Tensor], token_i
         scored.top_ids[start:end] = part.top_ids
         scored.top_logprobs[start:end] = part.top_logprobs
     return scored.to_host(pinned)
+
+
+@dataclass
+class StepLogprobs:
+    """Device work queued for a step's logprobs; read on the host after the step's event."""
+
+    sample_rows: list[int]  # step rows whose sampled token has logprobs, parallel to `sampled`
+    sampled: LogprobsTensors | None
+    prompt: tuple[list[tuple[int, int]], LogprobsTensors] | None  # ([(step row, prompt position)], their logprobs)
+
+    def entries(self) -> tuple[dict[int, tuple], list[tuple[int, int, tuple]]]:
+        """({step row: (logprob, rank, top ids, top logprobs)}, [(step row, prompt position, same tuple)])."""
+        sampled = {}
+        if self.sampled is not None:
+            sampled = dict(zip(self.sample_rows, _rows(self.sampled), strict=True))
+        prompt = []
+        if self.prompt is not None:
+            owners, tensors = self.prompt
+            prompt = [(row, position, values) for (row, position), values in zip(owners, _rows(tensors), strict=True)]
+        return sampled, prompt
+
+
+def _rows(t: LogprobsTensors) -> list[tuple]:
+    return list(zip(t.logprobs.tolist(), t.ranks.tolist(), t.top_ids.tolist(), t.top_logprobs.tolist(), strict=True))
+
+
+def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None], max_rows: int,
+                     pinned: bool) -> tuple[list[int], LogprobsTensors | None]:
+    """Logprobs of the rows that ask for them, max_rows at a time; logits (S, V) and token_ids (S,) of the step's
+    sampling rows."""
+    rows = [i for i, k in enumerate(wanted) if k is not None]
+    if not rows:
+        return [], None
+    index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+    k = max(wanted[i] for i in rows)
+    return rows, compute_logprobs(lambda start, end: logits.index_select(0, index[start:end]),
+                                  token_ids.index_select(0, index), k, max_rows, pinned)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -11,7 +12,40 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ValueError(f"{key}={value!r} is invalid: {allowed}")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ValueRange:
+    """The values a numeric option allows; `requirement` says so in words."""
+
+    requirement: str
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    integer: bool = False
+
+    def allows(self, value: Any) -> bool:
+        if not (isinstance(value, int) and not isinstance(value, bool) if self.integer else _is_number(value)):
+            return False
+        return (value > self.low if self.low_open else value >= self.low) and value <= self.high
+
+
+# The numeric options' rules, for the job's defaults and for each row's overrides (io/overrides.py).
+VALUE_RANGES = {
+    "n": ValueRange("a positive integer", 1, integer=True),
+    "temperature": ValueRange("a number >= 0", 0),
+    "top_p": ValueRange("a number in (0, 1]", 0, 1, low_open=True),
+    "top_k": ValueRange("an integer >= -1 (0 or -1: off)", -1, integer=True),
+    "min_p": ValueRange("a number in [0, 1]", 0, 1),
+    "repetition_penalty": ValueRange("a number > 0 (1: off)", 0, low_open=True),
+    "presence_penalty": ValueRange("a number in [-2, 2] (0: off)", -2, 2),
+    "frequency_penalty": ValueRange("a number in [-2, 2] (0: off)", -2, 2),
+    "min_tokens": ValueRange("a non-negative integer", 0, integer=True),
+}
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 @dataclass
@@ -46,24 +80,32 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        self.validate("sampling")
-
-    def validate(self, prefix: str) -> None:
-        _check(isinstance(self.n, int) and self.n > 0, f"{prefix}.n", self.n, "must be a positive integer")
+        for key, rule in VALUE_RANGES.items():
+            value = getattr(self, key)
+            _check(rule.allows(value), f"sampling.{key}", value, f"must be {rule.requirement}")
         _check(isinstance(self.max_tokens, int) and (self.max_tokens > 0 or self.max_tokens == 0 and self.scoring),
-               f"{prefix}.max_tokens", self.max_tokens, "must be a positive integer (0 only with prompt_logprobs)")
-        _check(self.temperature >= 0, f"{prefix}.temperature", self.temperature, "must be >= 0")
-        _check(0 < self.top_p <= 1, f"{prefix}.top_p", self.top_p, "must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, f"{prefix}.top_k", self.top_k,
-               "must be a non-negative integer (0 or -1: off)")
-        _check(0 <= self.min_p <= 1, f"{prefix}.min_p", self.min_p, "must be in [0, 1]")
+               "sampling.max_tokens", self.max_tokens, "must be a positive integer (0 only with prompt_logprobs)")
         _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens > 0,
-               f"{prefix}.truncate_prompt_tokens", self.truncate_prompt_tokens, "must be a positive integer")
-        _check(all(isinstance(s, str) and s for s in self.stop), f"{prefix}.stop", self.stop,
+               "sampling.truncate_prompt_tokens", self.truncate_prompt_tokens, "must be a positive integer")
+        _check(all(isinstance(s, str) and s for s in self.stop), "sampling.stop", self.stop,
                "must be a list of non-empty strings")
         guided = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
-        _check(len(guided) <= 1, f"{prefix}.{'/'.join(guided)}", "both set", "set at most one guided_* option")
-        validate_penalties(self, prefix)
+        _check(len(guided) <= 1, f"sampling.{'/'.join(guided)}", "both set", "set at most one guided_* option")
+        _check(self.max_tokens == 0 or self.min_tokens <= self.max_tokens, "sampling.min_tokens", self.min_tokens,
+               f"must be <= max_tokens ({self.max_tokens})")
+        bias = self.logit_bias
+        _check(isinstance(bias, dict) and all(isinstance(k, int) and k >= 0 and _is_number(v) for k, v in bias.items()),
+               "sampling.logit_bias", bias, "must map non-negative token ids to numbers")
+        _check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+               "sampling.bad_words", self.bad_words, "must be a list of non-empty strings")
+        allowed = self.allowed_token_ids
+        _check(allowed is None or (isinstance(allowed, list) and allowed and all(isinstance(t, int) and t >= 0
+                                                                                for t in allowed)),
+               "sampling.allowed_token_ids", allowed, "must be a non-empty list of non-negative token ids")
+        for key in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, key)
+            _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), f"sampling.{key}", value,
+                   f"must be an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -81,9 +123,12 @@ class SamplingParams:
                 or self.min_tokens > 0 or bool(self.logit_bias) or bool(self.bad_words)
                 or self.allowed_token_ids is not None)
 
-    def with_overrides(self, overrides: dict[str, Any]) -> SamplingParams:
-        """A copy with per-row values; a single stop string becomes a list."""
-        known = {f.name for f in fields(self)}
+
+def row_params(defaults: SamplingParams, overrides: dict[str, Any], row_index: int) -> SamplingParams:
+    """A row's parameters: the job's defaults with the row's overrides (a single stop string or bad word becomes a
+    list, logit_bias keys may be digits); a ValueError names the row and the option."""
+    try:
+        known = {f.name for f in fields(defaults)}
         unknown = set(overrides) - known
         _check(not unknown, "sampling", sorted(unknown), f"unknown options; known are {', '.join(sorted(known))}")
         values = dict(overrides)
@@ -96,37 +141,6 @@ class SamplingParams:
             values["logit_bias"] = {int(k): v for k, v in bias.items()}
         if any(name in values for name in GUIDED_FIELDS):  # a row's guided_* option replaces the job's
             values = {**dict.fromkeys(GUIDED_FIELDS), **values}
-        return replace(self, **values)
-
-
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def validate_penalties(params: SamplingParams, prefix: str) -> None:
-    """The checks of the penalty, limit and logprobs fields; vocabulary bounds are checked by the engine."""
-    _check(_is_number(params.repetition_penalty) and params.repetition_penalty > 0, f"{prefix}.repetition_penalty",
-           params.repetition_penalty, "must be > 0 (1: off)")
-    for key in ("presence_penalty", "frequency_penalty"):
-        value = getattr(params, key)
-        _check(_is_number(value) and -2 <= value <= 2, f"{prefix}.{key}", value, "must be in [-2, 2] (0: off)")
-    _check(isinstance(params.min_tokens, int) and params.min_tokens >= 0, f"{prefix}.min_tokens", params.min_tokens,
-           "must be a non-negative integer")
-    _check(params.max_tokens == 0 or params.min_tokens <= params.max_tokens, f"{prefix}.min_tokens",
-           params.min_tokens, f"must be <= max_tokens ({params.max_tokens})")
-    bias = params.logit_bias
-    _check(isinstance(bias, dict) and all(isinstance(k, int) and k >= 0 and _is_number(v) for k, v in bias.items()),
-           f"{prefix}.logit_bias", bias, "must map non-negative token ids to numbers")
-    _check(isinstance(params.bad_words, list) and all(isinstance(w, str) and w.strip() for w in params.bad_words),
-           f"{prefix}.bad_words", params.bad_words, "must be a list of non-empty strings")
-    allowed = params.allowed_token_ids
-    _check(allowed is None or (isinstance(allowed, list) and allowed and all(isinstance(t, int) and t >= 0
-                                                                            for t in allowed)),
-           f"{prefix}.allowed_token_ids", allowed, "must be a non-empty list of non-negative token ids")
-    for key in ("logprobs", "prompt_logprobs"):
-        value = getattr(params, key)
-        _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), f"{prefix}.{key}", value,
-               f"must be an integer in [0, {MAX_LOGPROBS}]")
+        return replace(defaults, **values)
+    except ValueError as exc:
+        raise ValueError(f"row {row_index}: {exc}") from None

@@ -1,4 +1,4 @@
-"""The pipeline stages after the structured-output bitmask: logit bias, min_tokens, the penalties and bad words.
+"""The pipeline stages after the structured-output bitmask: logit bias, min_tokens and the penalties.
 
 Every stage is a fixed-shape tensor program (no host sync, no data-dependent shape), so it runs as it is inside a
 captured decode graph. Per-request data lives in device rows that persist across steps (`SamplingStateRows`);
@@ -55,21 +55,3 @@ def count_sampled(p: PenaltyTensors, token_ids: torch.Tensor) -> None:
     flat_index = p.state_rows * counts.shape[1] + token_ids
     # index_add_ (atomic adds on CUDA): rows sharing the neutral row 0 add to the same entries, with no sync.
     counts.view(-1).index_add_(0, flat_index, torch.ones_like(token_ids, dtype=counts.dtype))
-
-
-@dataclass
-class BadWordCandidates:
-    """Multi-token bad words whose prefix matches the host-known output but for its last token, which the device
-    checks (it may still be pending): where it matches, the word's last token is banned."""
-
-    batch_rows: torch.Tensor  # (C,) int64
-    expected_last: torch.Tensor  # (C,) int64: the prefix's last token
-    banned: torch.Tensor  # (C,) int64: the word's last token
-    last_tokens: torch.Tensor  # (B,) int64: each batch row's latest token, on the device
-
-
-def apply_bad_words(logits: torch.Tensor, c: BadWordCandidates) -> torch.Tensor:
-    match = c.last_tokens.index_select(0, c.batch_rows) == c.expected_last
-    penalty = torch.where(match, NEG_INF, 0.0).to(logits.dtype)
-    # Accumulate: the same (row, token) may be listed twice, and adding 0 or -inf is order-independent.
-    return logits.index_put((c.batch_rows, c.banned), penalty, accumulate=True)

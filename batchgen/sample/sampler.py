@@ -10,147 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from batchgen.sample.bad_words import apply_bad_words
+from batchgen.sample.batch import SamplingTensors
 from batchgen.sample.bitmask import apply_token_bitmask
-from batchgen.sample.params import SamplingParams
-from batchgen.sample.penalties import (
-    BadWordCandidates,
-    PenaltyTensors,
-    SamplingStateRows,
-    apply_bad_words,
-    apply_penalties,
-    count_sampled,
-)
+from batchgen.sample.penalties import apply_penalties, count_sampled
 
 _MASK32 = 0xFFFFFFFF
-_SEED_MODULUS = 1 << 63
 _SALT = 0x9E3779B9  # 2**32 / golden ratio
 # Up to this vocabulary a row fits one program's registers, and the filters run with the draw in one Triton kernel
-# (sampler_filters_triton); larger ones sort in torch.
+# (filters_triton); larger ones sort in torch.
 FILTERED_DRAW_MAX_VOCAB = 4096
-
-
-FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency", "block_stops")
-INT_FIELDS = ("top_k", "seed", "position", "state_row")
-# What a row that uses nothing holds (also the padding rows of a graph bucket): greedy, no filter, no penalty.
-NEUTRAL_FLOATS = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0)
-NEUTRAL_INTS = (0, 0, 0, 0)
-
-
-@dataclass(frozen=True)
-class SamplingFeatures:
-    """The stages a step runs. Fixed per step (and per captured graph): shapes never depend on the data, and a
-    stage no row uses is not run at all."""
-
-    random: bool = False  # some row draws (temperature > 0)
-    top_k: bool = False
-    top_p: bool = False
-    min_p: bool = False
-    penalties: bool = False  # some row uses its per-request state rows (penalties, bias, min_tokens, ...)
-    bitmask: bool = False  # a structured-output token bitmask
-
-    @property
-    def any(self) -> bool:
-        return self != SamplingFeatures()
-
-
-@dataclass
-class PackedSampling:
-    """A step's per-row sampling parameters on the host, one float and one int array, so that the step pays one
-    copy of each to the device (or into a graph's static buffers)."""
-
-    features: SamplingFeatures
-    floats: np.ndarray  # (len(FLOAT_FIELDS), B) float32
-    ints: np.ndarray  # (len(INT_FIELDS), B) int64
-
-    @classmethod
-    def from_params(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
-                    state_rows: list[int] | None = None, block_stops: list[bool] | None = None) -> PackedSampling:
-        """Seeds may be any integers; they are reduced modulo 2**63. Greedy rows keep their filter values: the
-        filters do not change an argmax."""
-        n = len(params)
-        sampled = [p for p in params if not p.greedy]  # greedy rows ignore the filters
-        penalties = state_rows is not None and any(state_rows)
-        if not sampled and not penalties:  # argmax alone (the common greedy step): neutral rows, no per-row work
-            return cls(SamplingFeatures(), np.repeat(np.array(NEUTRAL_FLOATS, dtype=np.float32)[:, None], n, axis=1),
-                       np.repeat(np.array(NEUTRAL_INTS, dtype=np.int64)[:, None], n, axis=1))
-        floats = np.empty((len(FLOAT_FIELDS), n), dtype=np.float32)
-        ints = np.empty((len(INT_FIELDS), n), dtype=np.int64)
-        floats[0] = [p.temperature for p in params]
-        floats[1] = [p.top_p for p in params]
-        floats[2] = [p.min_p for p in params]
-        floats[3] = [p.repetition_penalty for p in params]
-        floats[4] = [p.presence_penalty for p in params]
-        floats[5] = [p.frequency_penalty for p in params]
-        floats[6] = block_stops if block_stops is not None else 0.0
-        ints[0] = [max(p.top_k, 0) for p in params]
-        ints[1] = [seed % _SEED_MODULUS for seed in seeds]
-        ints[2] = positions
-        ints[3] = state_rows if state_rows is not None else 0
-        features = SamplingFeatures(
-            random=bool(sampled),
-            top_k=any(p.top_k > 0 for p in sampled),
-            top_p=any(p.top_p < 1 for p in sampled),
-            min_p=any(p.min_p > 0 for p in sampled),
-            penalties=penalties,
-        )
-        return cls(features, floats, ints)
-
-    def to_device(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        # Pinned, so that the copies queue behind the device's work instead of waiting for it.
-        pinned = torch.device(device).type == "cuda"
-        floats, ints = torch.from_numpy(self.floats), torch.from_numpy(self.ints)
-        if pinned:
-            floats, ints = floats.pin_memory(), ints.pin_memory()
-        return floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
-
-
-@dataclass
-class SamplingTensors:
-    # The filter tensors are None when no sampled row uses them; every draw tensor is None when all rows are greedy.
-    temperatures: torch.Tensor | None  # (B,) float32, 0 = greedy row
-    top_ks: torch.Tensor | None  # (B,) int64, 0 = off
-    top_ps: torch.Tensor | None  # (B,) float32
-    min_ps: torch.Tensor | None  # (B,) float32
-    seeds: torch.Tensor | None  # (B,) int64, per-request seed
-    positions: torch.Tensor | None  # (B,) int64, index in the sequence of the token being sampled
-    all_greedy: bool
-    penalties: PenaltyTensors | None = None
-    bitmask: torch.Tensor | None = None  # (B, ceil(V / 32)) int32, applied first
-    bad_words: BadWordCandidates | None = None  # eager steps only: their count depends on the data
-
-    @classmethod
-    def from_params(
-        cls, params: list[SamplingParams], seeds: list[int], positions: list[int], device: torch.device | str
-    ) -> SamplingTensors:
-        """Seeds may be any integers; they are reduced modulo 2**63."""
-        packed = PackedSampling.from_params(params, seeds, positions)
-        return cls.from_packed(packed.features, *packed.to_device(device))
-
-    @classmethod
-    def from_packed(cls, features: SamplingFeatures, floats: torch.Tensor, ints: torch.Tensor,
-                    state: SamplingStateRows | None = None, bitmask: torch.Tensor | None = None) -> SamplingTensors:
-        """Views of packed device tensors (a step's own, or a graph's static buffers) for the stages `features`
-        runs."""
-        temperatures, top_ps, min_ps, repetition, presence, frequency, block_stops = floats
-        top_ks, seeds, positions, state_rows = ints
-        random = features.random
-        penalties = None
-        if features.penalties:
-            penalties = PenaltyTensors(state, state_rows, repetition, presence, frequency, block_stops)
-        return cls(
-            temperatures=temperatures if random else None,
-            top_ks=top_ks if features.top_k else None,
-            top_ps=top_ps if features.top_p else None,
-            min_ps=min_ps if features.min_p else None,
-            seeds=seeds if random else None,
-            positions=positions if random else None,
-            all_greedy=not random,
-            penalties=penalties,
-            bitmask=bitmask if features.bitmask else None,
-        )
 
 
 @dataclass
@@ -158,20 +29,15 @@ class SamplerOutput:
     token_ids: torch.Tensor  # (B,) int64
     logits: torch.Tensor  # (B, V) after the bitmask, bias and penalties; before temperature
     filtered: torch.Tensor | None  # (B, V) float32 after temperature and the filters, when a filter ran
-    inv_temperatures: torch.Tensor | None  # (B,) float32, 1 for greedy rows; None when all rows are greedy
+    inv_temperature: torch.Tensor | None  # (B,) float32, 1 for greedy rows; None when all rows are greedy
 
     def processed_logits(self) -> torch.Tensor:
         """The logits the draw sampled from (greedy rows: after penalties, without temperature)."""
         if self.filtered is not None:
             return self.filtered
-        if self.inv_temperatures is None:
+        if self.inv_temperature is None:
             return self.logits
-        return self.logits.float() * self.inv_temperatures.unsqueeze(1)
-
-
-def sample(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-    """logits (B, V), any float dtype -> (B,) int64 token ids on the same device."""
-    return run_sampler(logits, tensors).token_ids
+        return self.logits.float() * self.inv_temperature.unsqueeze(1)
 
 
 def run_sampler(logits: torch.Tensor, tensors: SamplingTensors,
@@ -193,52 +59,45 @@ def run_sampler(logits: torch.Tensor, tensors: SamplingTensors,
     return output
 
 
-def _draw(logits: torch.Tensor, tensors: SamplingTensors, greedy_ids: torch.Tensor | None) -> SamplerOutput:
+def _draw(logits: torch.Tensor, t: SamplingTensors, greedy_ids: torch.Tensor | None) -> SamplerOutput:
     if greedy_ids is None:
         greedy_ids = logits.argmax(dim=-1)
-    if tensors.all_greedy:
+    if t.all_greedy:
         return SamplerOutput(greedy_ids, logits, None, None)
-    filters = tensors.top_ks is not None or tensors.top_ps is not None or tensors.min_ps is not None
+    filters = t.top_k is not None or t.top_p is not None or t.min_p is not None
     if logits.is_cuda:
-        return _draw_cuda(logits, tensors, greedy_ids, filters)
-    greedy_rows = tensors.temperatures == 0
-    inv_temperatures = 1.0 / torch.where(greedy_rows, 1.0, tensors.temperatures)
-    scaled = logits.float() * inv_temperatures.unsqueeze(1)
-    filtered = _apply_filters(scaled, tensors) if filters else None
+        return _draw_cuda(logits, t, greedy_ids, filters)
+    scaled = logits.float() * t.inv_temperature.unsqueeze(1)
+    filtered = _apply_filters(scaled, t) if filters else None
     # The exponential race in log space: argmax(logits / T - log(-log U)) samples softmax(logits / T).
-    gumbel = _uniform(_row_keys(tensors.seeds, tensors.positions), logits.shape[1]).log_().neg_().log_()
+    gumbel = _uniform(_row_keys(t.seed, t.position), logits.shape[1]).log_().neg_().log_()
     sampled_ids = (scaled if filtered is None else filtered).sub(gumbel).argmax(dim=-1)
-    return SamplerOutput(torch.where(greedy_rows, greedy_ids, sampled_ids), logits, filtered, inv_temperatures)
+    return SamplerOutput(torch.where(t.temperature == 0, greedy_ids, sampled_ids), logits, filtered, t.inv_temperature)
 
 
-def _draw_cuda(logits: torch.Tensor, tensors: SamplingTensors, greedy_ids: torch.Tensor,
-               filters: bool) -> SamplerOutput:
+def _draw_cuda(logits: torch.Tensor, t: SamplingTensors, greedy_ids: torch.Tensor, filters: bool) -> SamplerOutput:
     """The same draw in Triton kernels: with the filters in one kernel for small vocabularies, after torch's sort
     for larger ones."""
     if filters and logits.shape[1] <= FILTERED_DRAW_MAX_VOCAB:
         from batchgen.sample.filters_triton import filtered_draw
 
-        token_ids, filtered, inv_temperatures = filtered_draw(
-            logits, tensors.temperatures, tensors.top_ks, tensors.top_ps, tensors.min_ps, tensors.seeds,
-            tensors.positions, greedy_ids)
-        return SamplerOutput(token_ids, logits, filtered, inv_temperatures)
+        token_ids, filtered = filtered_draw(logits, t.temperature, t.inv_temperature, t.top_k, t.top_p, t.min_p,
+                                            t.seed, t.position, greedy_ids)
+        return SamplerOutput(token_ids, logits, filtered, t.inv_temperature)
     from batchgen.sample.draw_triton import seeded_draw
 
-    filtered = None
-    if filters:
-        inv_temperatures = 1.0 / torch.where(tensors.temperatures == 0, 1.0, tensors.temperatures)
-        filtered = _apply_filters(logits.float() * inv_temperatures.unsqueeze(1), tensors)
-    token_ids, inv_temperatures = seeded_draw(logits if filtered is None else filtered, tensors.temperatures,
-                                              tensors.seeds, tensors.positions, greedy_ids, scale=filtered is None)
-    return SamplerOutput(token_ids, logits, filtered, inv_temperatures)
+    filtered = _apply_filters(logits.float() * t.inv_temperature.unsqueeze(1), t) if filters else None
+    token_ids = seeded_draw(logits if filtered is None else filtered, t.temperature, t.inv_temperature, t.seed,
+                            t.position, greedy_ids, scale=filtered is None)
+    return SamplerOutput(token_ids, logits, filtered, t.inv_temperature)
 
 
-def _apply_filters(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+def _apply_filters(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Top-k, top-p and min-p of logits already divided by the temperatures."""
-    if tensors.top_ks is not None or tensors.top_ps is not None:
-        logits = _apply_top_k_top_p(logits, tensors.top_ks, tensors.top_ps)
-    if tensors.min_ps is not None:
-        logits = _apply_min_p(logits, tensors.min_ps)
+    if t.top_k is not None or t.top_p is not None:
+        logits = _apply_top_k_top_p(logits, t.top_k, t.top_p)
+    if t.min_p is not None:
+        logits = _apply_min_p(logits, t.min_p)
     return logits
 
 

@@ -14,11 +14,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchgen.core.request import Request
-from batchgen.core.request_rows import RequestRows
+from batchgen.sample.params import SamplingParams
 from batchgen.sample.penalties import NEG_INF, SamplingStateRows
 
 INITIAL_ROWS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TokenHistory:
+    """What the penalty stages read of a row's request (only rows whose parameters use penalty state have one)."""
+
+    key: object  # the request: it holds its state row until released, and is kept alive so that its id stays unique
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # the latest may still be pending on the device
+    eos_token_id: int | None
+    bad_words_token_ids: list[list[int]]  # sampling_params.bad_words, tokenized
 
 
 class SamplingState:
@@ -27,23 +37,29 @@ class SamplingState:
         self.device = device
         self.rows_tensors: SamplingStateRows | None = None
         self.version = 0
-        self._rows = RequestRows(_Entry)
+        self._held: dict[int, tuple[object, int]] = {}  # id(key) -> (key, row)
+        self._free_rows: list[int] = []  # popped lowest first
 
-    def rows(self, requests: list[Request]) -> list[int]:
-        """Each request's row (0 for one that uses none), new rows initialised on the device first."""
-        rows = []
-        for request in requests:
-            if not request.sampling_params.uses_penalty_state:
-                rows.append(0)
-                continue
-            entry, new = self._rows.entry(request, self._grow)
-            if new:
-                self._initialise(entry.row, request)
-            rows.append(entry.row)
-        return rows
+    def rows(self, params: list[SamplingParams], histories: list[TokenHistory | None]) -> list[int]:
+        """Each row's state row (0 for a row without history), new rows initialised on the device first."""
+        return [0 if history is None else self._row(p, history) for p, history in zip(params, histories, strict=True)]
 
-    def release(self, requests: list[Request]) -> None:
-        self._rows.release(requests)
+    def release(self, keys: list[object]) -> None:
+        for key in keys:
+            held = self._held.pop(id(key), None)
+            if held is not None:
+                self._free_rows.append(held[1])
+
+    def _row(self, params: SamplingParams, history: TokenHistory) -> int:
+        held = self._held.get(id(history.key))
+        if held is not None:
+            return held[1]
+        if not self._free_rows:
+            self._free_rows = sorted(self._grow(), reverse=True)
+        row = self._free_rows.pop()
+        self._held[id(history.key)] = (history.key, row)
+        self._initialise(row, params, history)
+        return row
 
     def _grow(self) -> range:
         old = self.rows_tensors
@@ -63,21 +79,20 @@ class SamplingState:
         self.version += 1
         return range(max(old_rows, 1), rows)  # row 0 stays neutral
 
-    def _initialise(self, row: int, request: Request) -> None:
-        params = request.sampling_params
+    def _initialise(self, row: int, params: SamplingParams, history: TokenHistory) -> None:
         vocab = self.vocab_size
         prompt_mask = np.zeros(vocab, dtype=np.bool_)
-        prompt_mask[request.prompt_token_ids] = True
+        prompt_mask[history.prompt_token_ids] = True
         bias = np.zeros(vocab, dtype=np.float32)
         if params.allowed_token_ids is not None:
             bias[:] = NEG_INF
             bias[params.allowed_token_ids] = 0.0
         for token, value in params.logit_bias.items():
             bias[token] += value
-        bias[[ids[0] for ids in request.bad_words_token_ids if len(ids) == 1]] = NEG_INF
+        bias[[ids[0] for ids in history.bad_words_token_ids if len(ids) == 1]] = NEG_INF
         stop_mask = np.zeros(vocab, dtype=np.bool_)
         if params.min_tokens > 0:
-            stop_mask[[t for t in (request.eos_token_id, *params.stop_token_ids) if t is not None]] = True
+            stop_mask[[t for t in (history.eos_token_id, *params.stop_token_ids) if t is not None]] = True
         state = self.rows_tensors
         state.output_counts[row].zero_()  # queued behind earlier steps, which may still count into a freed row
         pinned = self.device.type == "cuda"
@@ -85,8 +100,3 @@ class SamplingState:
                                (state.stop_mask[row], stop_mask)):
             host = torch.from_numpy(values)
             target.copy_(host.pin_memory() if pinned else host, non_blocking=pinned)
-
-
-@dataclass
-class _Entry:
-    row: int

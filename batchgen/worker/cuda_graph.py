@@ -8,8 +8,8 @@ Steps whose rows share a KV prefix replay a bucket's cascade variant (`attention
 length inside the graph. Each is captured on first use, so jobs without shared prefixes never pay for them.
 
 A bucket whose attention reads short contexts' KV before its PDL wait also has an early-start variant, captured
-under `pdl.early_start`, which steps whose contexts all fit replay (`early_read_limit`): on an H200, a Qwen3-0.6B
-step took 41 us less at batch 1 and 48 at batch 2 (benchmarks/RESULTS.md, fourteenth session).
+under `pdl.early_start`, which steps whose contexts all fit replay (`early_read_limit`): the next kernel starts
+while the attention still reads, which shortens small-batch steps.
 """
 
 from __future__ import annotations
@@ -22,27 +22,15 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch import nn
 
 from batchgen.layers.attention import Attention, AttentionMetadata
-from batchgen.layers.embedding import PendingTokens
 from batchgen.layers.shared_prefix import shared_prefix_len
+from batchgen.layers.staging import aligned_length, staging_buffer
+from batchgen.models.base import CausalLM
+from batchgen.worker.pending_tokens import PendingTokens
 from batchgen.worker.step_inputs import StepInputs
-from batchgen.worker.upload import aligned_length, staging_buffer
 
 log = logging.getLogger(__name__)
-
-MAX_CAPTURE_SIZE = 512
-
-
-def default_capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> list[int]:
-    """1, 2, 4, then steps of 8, up to max_capture_size (default: max_num_seqs, at most 512)."""
-    limit = min(max_capture_size or max_num_seqs, MAX_CAPTURE_SIZE)
-    sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
-    if sizes[-1] != limit:
-        sizes.append(limit)
-    return sizes
-
 
 def padded_size(sizes: list[int], n: int) -> int | None:
     """The smallest bucket >= n, or None when n is above the largest (the step then runs eagerly)."""
@@ -57,17 +45,16 @@ class BucketInputs(NamedTuple):
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     seq_lens: torch.Tensor
-    pending_source: torch.Tensor
+    pending_rows: torch.Tensor
     block_tables: torch.Tensor
 
 
 class GraphCaptureBuffers:
-    """Static device inputs in one byte buffer, which each step fills with one host-to-device copy (the block
-    tables in a second copy, from a pinned buffer of their own, cost a Qwen3-0.6B step at batch 1 17 us more on an
-    H200: benchmarks/RESULTS.md, sixteenth session).
+    """Static device inputs in one byte buffer, which each step fills with one host-to-device copy (a second copy
+    for the block tables made small steps measurably slower).
 
     A bucket of `size` rows lays its inputs out from the buffer's start: five int64 rows (ids, positions, slots,
-    context lengths, pending sources), each starting 64-byte aligned (Triton specializes on alignment), then the
+    context lengths, pending rows), each starting 64-byte aligned (Triton specializes on alignment), then the
     (size, width) int32 block tables. Its graphs read those views; buckets' layouts overlap, and only the one being
     replayed is staged.
     """
@@ -96,7 +83,7 @@ class GraphCaptureBuffers:
         self.bytes[:self._nbytes(size)].zero_()
         views = self.views(size)
         views.slot_mapping.fill_(-1)
-        views.pending_source.fill_(-1)
+        views.pending_rows.fill_(-1)
 
     def metadata(self, size: int, cascade: bool = False) -> AttentionMetadata:
         views = self.views(size)
@@ -114,7 +101,7 @@ class GraphCaptureBuffers:
         )
 
     def load(self, inputs: StepInputs, size: int) -> None:
-        """Stage the step in host memory in `size`'s layout (`upload.staging_buffer`), padded to `size` rows, then
+        """Stage the step in host memory in `size`'s layout (`staging.staging_buffer`), padded to `size` rows, then
         copy it to the device in one copy, without a sync.
 
         Padding rows get token 0 at position 0, slot -1 (no KV write), context length 0 (no KV read), no pending
@@ -130,7 +117,7 @@ class GraphCaptureBuffers:
         rows[1, :n] = inputs.positions
         rows[2, :n] = inputs.slot_mapping
         rows[3, :n] = inputs.seq_lens
-        rows[4, :n] = -1 if inputs.pending_source is None else inputs.pending_source
+        rows[4, :n] = -1 if inputs.pending_rows is None else inputs.pending_rows
         tables = staged[_rows_nbytes(size):nbytes].view(np.int32).reshape(size, self.block_table_width)
         tables[:n] = inputs.block_tables
         tables[n:] = 0
@@ -148,8 +135,8 @@ def _rows_nbytes(size: int) -> int:
 
 class GraphOutputs(NamedTuple):
     logits: torch.Tensor  # (size, vocab)
-    # (size,) int64: each row's argmax, also written into last_sampled: the whole sampling of a greedy step, in the
-    # graph (run eagerly after it, torch's argmax and its copies took 15 us of an H200 step at batch 1)
+    # (size,) int64: each row's argmax, also written into the pending tokens: the whole sampling of a greedy step,
+    # in the graph (eagerly after it, torch's argmax and its copies are launches of their own)
     greedy_ids: torch.Tensor
 
 
@@ -170,11 +157,11 @@ class CaptureStats:
 class CudaGraphRunner:
     """Captures model forward + logits for each bucket, largest first, into one shared memory pool."""
 
-    def __init__(self, model: nn.Module, buffers: GraphCaptureBuffers, sizes: list[int], last_sampled: torch.Tensor,
+    def __init__(self, model: CausalLM, buffers: GraphCaptureBuffers, sizes: list[int], pending: PendingTokens,
                  cascade: bool = False):
         self.model = model
         self.buffers = buffers
-        self.last_sampled = last_sampled  # (max_num_seqs,) int64: the previous step's sampled ids
+        self.pending = pending  # the previous step's sampled ids, which the graphs read and write
         self.sizes = sorted(sizes)
         self.cascade = cascade  # whether steps may replay cascade variants
         # Keyed by (bucket, cascade, early start); each graph's outputs are its own static tensors.
@@ -186,11 +173,11 @@ class CudaGraphRunner:
         self._early_read_limits: dict[int, int] = {}  # by bucket, see early_read_limit
 
     def _forward(self, size: int, cascade: bool, sampled_into: torch.Tensor) -> GraphOutputs:
-        """sampled_into: where the argmax goes besides the outputs (last_sampled in the graph)."""
+        """sampled_into: where the argmax goes besides the outputs (the pending tokens' ids in the graph)."""
         from batchgen.sample.draw_triton import greedy_argmax  # Triton only where graphs are captured (CUDA)
 
         inputs = self.buffers.views(size)
-        input_ids = PendingTokens(inputs.input_ids, inputs.pending_source, self.last_sampled)
+        input_ids = self.pending.input_ids(inputs.input_ids, inputs.pending_rows)
         hidden = self.model(input_ids, inputs.positions, self.buffers.metadata(size, cascade))
         logits = self.model.compute_logits(hidden)
         return GraphOutputs(logits, greedy_argmax(logits, sampled_into))
@@ -199,7 +186,7 @@ class CudaGraphRunner:
         """The longest context that every layer's decode attention at this bucket reads before its PDL wait; 0 for
         none. A step whose contexts all fit replays the bucket's early-start variant (`pdl.early_start`): its
         kernels let the next start before they wait. Elsewhere more resident kernels hold up the attention's reads
-        after its wait (batch 4 was 23-73 us slower, contexts of 2,048 at batch 1 64 us)."""
+        after its wait, which makes larger batches and longer contexts slower."""
         if size not in self._early_read_limits:
             limits = [layer.decode_early_read_limit(size, self._dtype) for layer in self._attention]
             self._early_read_limits[size] = min(limits, default=0)
@@ -207,19 +194,19 @@ class CudaGraphRunner:
 
     def _capture_one(self, key: GraphKey) -> None:
         size, cascade, early = key
-        # Warm-up and capture must not write into real KV blocks, nor the warm-up into last_sampled. Both are queued
-        # after any step still in flight (a cascade variant is captured mid-run), whose sampled ids the next step
-        # reads; the next replay stages its own inputs.
+        # Warm-up and capture must not write into real KV blocks, nor the warm-up into the pending tokens. Both are
+        # queued after any step still in flight (a cascade variant is captured mid-run), whose sampled ids the next
+        # step reads; the next replay stages its own inputs.
         from batchgen.layers import pdl  # Triton only where graphs are captured (CUDA)
 
         self.buffers.clear(size)
         with pdl.early_start(early):
             # warm-up: lazy initialisation and autotuning stay out of the graph
-            self._forward(size, cascade, torch.empty_like(self.last_sampled))
+            self._forward(size, cascade, torch.empty_like(self.pending.ids))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self.outputs[key] = self._forward(size, cascade, self.last_sampled)
+                self.outputs[key] = self._forward(size, cascade, self.pending.ids)
         self.graphs[key] = graph
         torch.cuda.synchronize()
 

@@ -11,9 +11,8 @@ def intra_op_threads(requested: int | None, device: torch.device) -> int | None:
     """requested: engine.cpu_threads. None keeps torch's default.
 
     With a GPU the host only stages small tensors, and torch's default pool (a thread per core, spinning after each
-    parallel op) competes with the other processes on the machine: two data-parallel ranks on two H200s each ran
-    1.3x slower than one alone, and at full speed with one thread each. On CPU the ranks of one machine share its
-    cores (LOCAL_WORLD_SIZE, set by torchrun and by engine.data_parallel_size)."""
+    parallel op) competes with the other processes on the machine, such as the other data-parallel ranks. On CPU the
+    ranks of one machine share its cores (LOCAL_WORLD_SIZE, set by torchrun and by engine.data_parallel_size)."""
     if requested is not None:
         return requested
     if device.type == "cuda":

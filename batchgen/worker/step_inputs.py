@@ -11,6 +11,7 @@ import numpy as np
 from batchgen.core.request import PENDING_TOKEN, Request
 from batchgen.core.scheduler import SchedulerOutput
 from batchgen.worker.block_tables import BlockTables
+from batchgen.worker.pending_tokens import PendingTokens
 
 
 @dataclass
@@ -25,9 +26,9 @@ class StepInputs:
     block_tables: np.ndarray  # (B, max_blocks) int32
     sample_rows: list[int]  # indices into the scheduled requests that sample a token this step
     sample_token_index: np.ndarray  # (S,) int64: flattened token index whose hidden state gives each sample's logits
-    # (T,) int64: where input_ids holds PENDING_TOKEN, the row of the previous step's sampled ids that holds the
-    # token (still on the device); -1 elsewhere. None when no token is pending.
-    pending_source: np.ndarray | None
+    # (T,) int64: where input_ids holds PENDING_TOKEN, the row of PendingTokens.ids that holds the token (still on
+    # the device); -1 elsewhere. None when no token is pending.
+    pending_rows: np.ndarray | None
     max_query_len: int
     max_seq_len: int
 
@@ -41,15 +42,14 @@ class StepInputs:
 
     @property
     def has_pending_tokens(self) -> bool:
-        return self.pending_source is not None
+        return self.pending_rows is not None
 
 
 def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTables,
-                      block_table_width: int | None = None,
-                      previous_sample_rows: dict[int, int] | None = None) -> StepInputs:
+                      block_table_width: int | None = None, pending: PendingTokens | None = None) -> StepInputs:
     """step: as scheduled, before `Scheduler.advance` moves its requests on (its `samples` name the sampling rows).
     block_table_width: a fixed width (the CUDA-graph buffers' width) or None for the widest request's.
-    previous_sample_rows: id(request) -> its row among the previous step's samples, for tokens still pending.
+    pending: the previous step's sampled ids, for the step's tokens still pending.
 
     Per-request quantities are computed in Python from the step's lists, per-token ones in as few numpy calls as
     possible: on a host whose caches the forward has just flushed, each numpy call costs microseconds."""
@@ -59,9 +59,9 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
     block_tables = tables.table[rows, :width]
     query_ends = list(accumulate(counts))
     if query_ends[-1] == len(counts):  # one token each: the decode shape
-        tokens = _one_token_each(requests, ends, previous_sample_rows)
+        tokens = _one_token_each(requests, ends, pending)
     else:
-        tokens = _chunks(requests, counts, ends, query_ends, previous_sample_rows)
+        tokens = _chunks(requests, counts, ends, query_ends, pending)
     blocks = block_tables[tokens.rows, tokens.positions // block_size]
     sample_rows = [row for row, samples in enumerate(step.samples) if samples]
     return StepInputs(
@@ -75,7 +75,7 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
         sample_token_index=np.array([query_ends[row] - 1 for row in sample_rows], dtype=np.int64),
         max_query_len=max(counts),
         max_seq_len=max(ends),
-        pending_source=tokens.pending_source,
+        pending_rows=tokens.pending_rows,
     )
 
 
@@ -85,25 +85,23 @@ class _Tokens(NamedTuple):
     input_ids: np.ndarray
     positions: np.ndarray
     rows: np.ndarray  # each token's index among the step's requests
-    pending_source: np.ndarray | None  # as StepInputs.pending_source
+    pending_rows: np.ndarray | None  # as StepInputs.pending_rows
 
 
-def _one_token_each(requests: list[Request], ends: list[int], previous_sample_rows: dict[int, int] | None) -> _Tokens:
+def _one_token_each(requests: list[Request], ends: list[int], pending: PendingTokens | None) -> _Tokens:
     """The decode-shaped step: each request's token at position end - 1."""
     token_ids = [request.token_id(end - 1) for request, end in zip(requests, ends, strict=True)]
-    pending_source = None
-    if PENDING_TOKEN in token_ids:  # only the previous step's tokens can still be pending: earlier ones are committed
-        pending_source = np.array([previous_sample_rows[id(request)] if token_id == PENDING_TOKEN else -1
-                                   for request, token_id in zip(requests, token_ids, strict=True)], dtype=np.int64)
+    # Only the previous step's tokens can still be pending: earlier ones are committed.
+    pending_rows = pending.rows(requests, token_ids) if PENDING_TOKEN in token_ids else None
     return _Tokens(np.array(token_ids, dtype=np.int64), np.array(ends, dtype=np.int64) - 1, np.arange(len(ends)),
-                   pending_source)
+                   pending_rows)
 
 
 def _chunks(requests: list[Request], counts: list[int], ends: list[int], query_ends: list[int],
-            previous_sample_rows: dict[int, int] | None) -> _Tokens:
+            pending: PendingTokens | None) -> _Tokens:
     """A step with multi-token chunks: request i's tokens are positions [ends[i] - counts[i], ends[i])."""
     pieces: list[np.ndarray] = []
-    pending: list[tuple[int, int, int]] = []  # (first, end) token indices in the step and the previous sample row
+    pending_chunks: list[tuple[int, int, int]] = []  # (first, end) token indices in the step, and the pending row
     for request, num_tokens, end, query_end in zip(requests, counts, ends, query_ends, strict=True):
         if end <= request.num_prompt_tokens:  # most chunks: a slice of the prompt
             pieces.append(request.prompt_array[end - num_tokens:end])
@@ -111,16 +109,16 @@ def _chunks(requests: list[Request], counts: list[int], ends: list[int], query_e
         chunk = request.token_ids(end - num_tokens, end)
         pieces.append(np.array(chunk, dtype=np.int64))
         if chunk[-1] == PENDING_TOKEN:  # pending slots are the last ones: a chunk with one ends with one
-            pending.append((query_end - num_tokens + chunk.index(PENDING_TOKEN), query_end,
-                            previous_sample_rows[id(request)]))
+            pending_chunks.append((query_end - num_tokens + chunk.index(PENDING_TOKEN), query_end,
+                                   pending.row(request)))
     input_ids = np.concatenate(pieces)
-    pending_source = None
-    if pending:
-        pending_source = np.full(len(input_ids), -1, dtype=np.int64)
-        for first, last, sample_row in pending:
-            pending_source[first:last] = sample_row
+    pending_rows = None
+    if pending_chunks:
+        pending_rows = np.full(len(input_ids), -1, dtype=np.int64)
+        for first, last, row in pending_chunks:
+            pending_rows[first:last] = row
     num_scheduled = np.array(counts, dtype=np.int64)
     # A token's position is its index in the step plus its request's (end - query end).
     offsets = np.array([end - query_end for end, query_end in zip(ends, query_ends, strict=True)], dtype=np.int64)
     positions = np.repeat(offsets, num_scheduled) + np.arange(len(input_ids), dtype=np.int64)
-    return _Tokens(input_ids, positions, np.repeat(np.arange(len(counts)), num_scheduled), pending_source)
+    return _Tokens(input_ids, positions, np.repeat(np.arange(len(counts)), num_scheduled), pending_rows)

@@ -4,8 +4,8 @@ The window opens after the warm-up steps, at the next prefill or mixed step (or 
 waits), and closes once `num_decode_steps` decode steps are recorded. Each recorded step gets its own profiler
 session, with the device synchronized before and after, so every kernel it lists belongs to that step, including the
 kernels of a replayed CUDA graph; steps outside the window run untouched. The profiler's own start and stop land in
-the recorded steps' step_ms (and, with async scheduling, in the step before each, which is applied after the next
-launch), so read the timings of those steps from kernels.parquet, not steps.parquet.
+the recorded steps' step_ms (a step's launch counts in its own step_ms), so read the timings of those steps from
+kernels.parquet, not steps.parquet.
 """
 
 from __future__ import annotations

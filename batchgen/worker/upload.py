@@ -1,5 +1,4 @@
-"""One host-to-device copy for several small host arrays, of any integer or float dtypes, and the staging pieces that
-the CUDA-graph buffers share with it."""
+"""One host-to-device copy for several small host arrays, of any integer or float dtypes."""
 
 from __future__ import annotations
 
@@ -9,27 +8,7 @@ from functools import cache
 import numpy as np
 import torch
 
-# Each array starts on a 64-byte boundary of the packed buffer: Triton specializes kernels on 16-byte-aligned
-# pointers, so a misaligned view would compile a second variant of every kernel it feeds.
-_ALIGN_BYTES = 64
-PAGEABLE_STAGING_BYTES = 64 << 10  # the largest staging buffer of a static device buffer kept pageable
-
-
-def aligned_length(count: int, itemsize: int) -> int:
-    """`count` elements of `itemsize` bytes, rounded up to a whole number of 64-byte lines."""
-    per_line = _ALIGN_BYTES // itemsize
-    return -(-count // per_line) * per_line
-
-
-def staging_buffer(nbytes: int, cuda: bool) -> torch.Tensor:
-    """A host byte buffer whose one copy fills a static device buffer (a CUDA graph's inputs).
-
-    Up to PAGEABLE_STAGING_BYTES it is pageable: the driver copies it into its own staging memory before the copy
-    call returns, and the device had it 5-15 us sooner than a DMA from pinned memory (a Qwen3-0.6B step at batch 1
-    to 8 on an H200, benchmarks/RESULTS.md, sixteenth session). A larger one, which the driver might stage in chunks
-    while the host waits, is fresh from torch's pinned-memory cache, which reuses a buffer only after its copy has
-    run. Either way the host may stage the next step while this one is still queued."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda and nbytes > PAGEABLE_STAGING_BYTES)
+from batchgen.layers.staging import ALIGN_BYTES, aligned_length
 
 
 def upload_packed(arrays: Sequence[np.ndarray], device: torch.device, pinned: bool) -> list[torch.Tensor]:
@@ -41,7 +20,7 @@ def upload_packed(arrays: Sequence[np.ndarray], device: torch.device, pinned: bo
         start = total // array.itemsize
         spans.append(slice(start, start + array.size))
         total += aligned_length(array.nbytes, 1)
-    host = torch.empty(max(total, _ALIGN_BYTES), dtype=torch.uint8, pin_memory=pinned)
+    host = torch.empty(max(total, ALIGN_BYTES), dtype=torch.uint8, pin_memory=pinned)
     # The whole buffer seen once per dtype (it is a multiple of 64 bytes long): each array is then one slice.
     dtypes = {array.dtype for array in arrays}
     staging = {dtype: host.numpy().view(dtype) for dtype in dtypes}

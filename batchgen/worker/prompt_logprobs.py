@@ -1,0 +1,57 @@
+"""Which of a step's hidden states score which prompt tokens (`sampling.prompt_logprobs`): every prompt position the
+step computes; position p's logits score prompt token p + 1, so the first prompt token has none, as in vLLM. The
+plan's logits are computed and scored a bounded slice at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchgen.core.scheduler import SchedulerOutput
+from batchgen.sample.logprobs import LogprobsTensors, compute_logprobs
+from batchgen.worker.step_inputs import StepInputs
+
+
+@dataclass
+class PromptLogprobsPlan:
+    token_index: np.ndarray  # (P,) int64: the flattened token whose hidden state scores the target
+    targets: np.ndarray  # (P,) int64: the prompt token scored
+    owners: list[tuple[int, int]]  # (step row, prompt position of the target), parallel to targets
+    k: int  # the most alternatives any row asks for
+
+
+def plan_prompt_logprobs(step: SchedulerOutput, inputs: StepInputs) -> PromptLogprobsPlan | None:
+    """Called at launch, before `Scheduler.advance`; skips positions already recorded (a recompute after
+    preemption scores the same prompt again). A continuation-scoring request's entries start recorded up to its
+    context (engine/continuation.py), so only its continuation's positions are scored."""
+    token_index: list[int] = []
+    targets: list[int] = []
+    owners: list[tuple[int, int]] = []
+    k = 0
+    for row, (request, count) in enumerate(zip(step.requests, step.num_scheduled_tokens, strict=True)):
+        wanted = request.sampling_params.prompt_logprobs
+        if wanted is None:
+            continue
+        begin, start = request.num_computed_tokens, int(inputs.query_start_loc[row])
+        first = max(begin, len(request.prompt_logprobs) - 1)
+        for position in range(first, min(begin + count, request.num_prompt_tokens - 1)):
+            token_index.append(start + position - begin)
+            targets.append(request.prompt_token_ids[position + 1])
+            owners.append((row, position + 1))
+            k = max(k, wanted)
+    if not owners:
+        return None
+    return PromptLogprobsPlan(np.array(token_index, dtype=np.int64), np.array(targets, dtype=np.int64), owners, k)
+
+
+def prompt_logprobs(plan: PromptLogprobsPlan, hidden: torch.Tensor,
+                    compute_logits: Callable[[torch.Tensor], torch.Tensor], max_rows: int,
+                    pinned: bool) -> LogprobsTensors:
+    """The plan's prompt logprobs from the step's hidden states (T, H), max_rows rows of logits at a time."""
+    index, targets = (torch.from_numpy(a).to(hidden.device, non_blocking=True) for a in (plan.token_index,
+                                                                                        plan.targets))
+    return compute_logprobs(lambda start, end: compute_logits(hidden.index_select(0, index[start:end])), targets,
+                            plan.k, max_rows, pinned)

@@ -1,0 +1,232 @@
+"""Tiny checkpoints of every architecture, prompts, transformers' reference outputs, batchgen as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from batchgen.config import ModelConfig
+from batchgen.models.loader import load_hf_config, load_model
+
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel"]
+
+
+LLAMA_LIKE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+
+def tiny_hf_config(architecture: str) -> PretrainedConfig:
+    """A tiny config per architecture, covering the features each one adds: Llama 3 rope scaling (Llama),
+    sliding_window set (Mistral), qkv bias (Qwen2), head_dim != hidden / heads and q/k norms (Qwen3);
+    Qwen2, Qwen3 and GPT-2 tie lm_head to the embeddings, Llama and Mistral do not."""
+    if architecture == "LlamaForCausalLM":
+        config = LlamaConfig(
+            **LLAMA_LIKE,
+            rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 32},
+            tie_word_embeddings=False,
+        )
+    elif architecture == "MistralForCausalLM":
+        config = MistralConfig(**LLAMA_LIKE, head_dim=16, sliding_window=4096, tie_word_embeddings=False)
+    elif architecture == "Qwen2ForCausalLM":
+        config = Qwen2Config(**LLAMA_LIKE, rope_theta=1000000.0, tie_word_embeddings=True)
+    elif architecture == "Qwen3ForCausalLM":
+        config = Qwen3Config(**LLAMA_LIKE, head_dim=32, tie_word_embeddings=True)
+    elif architecture == "GPT2LMHeadModel":
+        config = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=255,
+                            eos_token_id=255)
+    else:
+        raise ValueError(f"no tiny config for {architecture}")
+    config.architectures = [architecture]
+    return config
+
+
+def with_sliding_window(config: PretrainedConfig, window: int) -> PretrainedConfig:
+    """The same tiny config with a small sliding window: on every layer (Mistral), or on the layers from
+    max_window_layers=1 on (Qwen2: layer 0 full, layer 1 sliding), as transformers reads these keys."""
+    config.sliding_window = window
+    if isinstance(config, Qwen2Config):
+        config.use_sliding_window = True
+        config.max_window_layers = 1
+        config.layer_types = ["full_attention" if i < 1 else "sliding_attention"
+                              for i in range(config.num_hidden_layers)]
+    return config
+
+
+def build_tiny_model_dir(architecture: str, directory: Path, max_shard_size: str | None = None,
+                         sliding_window: int | None = None) -> Path:
+    """Saves a randomly initialized tiny model (seeded) as a safetensors checkpoint into `directory`; with
+    `sliding_window`, the weights are the same as without it."""
+    torch.manual_seed(0)
+    config = tiny_hf_config(architecture)
+    if sliding_window is not None:
+        config = with_sliding_window(config, sliding_window)
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        # transformers initializes biases to zero and norms to one; noise makes every parameter matter.
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+def build_tiny_classifier_dir(architecture: str, directory: Path, num_labels: int,
+                              pad_token_id: int | None = None) -> Path:
+    """A seeded random tiny *ForSequenceClassification checkpoint (architecture: its causal LM's name) with
+    num_labels labels (1: a reward model) and, optionally, a pad token that the last-token pooling skips."""
+    torch.manual_seed(0)
+    config = tiny_hf_config(architecture)
+    config.architectures = [architecture.replace("ForCausalLM", "ForSequenceClassification")]
+    config.num_labels = num_labels
+    config.pad_token_id = pad_token_id
+    model = AutoModelForSequenceClassification.from_config(config).float()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(directory)
+    return directory
+
+
+MAX_TOKENS = 12
+
+
+def random_prompts(vocab_size: int, count: int = 6, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(1, 30))] for _ in range(count)]
+
+
+def hf_greedy_on(model_dir, prompts: list[list[int]], max_tokens: int, device: str = "cpu") -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: run every prompt to max_tokens
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        with torch.no_grad():
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                       do_sample=False, pad_token_id=0)
+        outputs.append(generated[0, len(prompt):].tolist())
+    return outputs
+
+
+def hf_references(tiny_model_dir, prompts: list[list[int]], max_tokens: int):
+    """references(architecture) -> (model dir, prompts, transformers' greedy tokens), each built once."""
+    cache = {}
+
+    def get(architecture: str):
+        if architecture not in cache:
+            model_dir = tiny_model_dir(architecture)
+            cache[architecture] = (model_dir, prompts, hf_greedy_on(model_dir, prompts, max_tokens))
+        return cache[architecture]
+
+    return get
+
+
+
+VOCAB = 256  # the tiny checkpoints' vocab_size
+
+
+def load_ours(directory: Path) -> nn.Module:
+    model_config = ModelConfig(path=str(directory))
+    return load_model(model_config, load_hf_config(model_config), torch.float32, torch.device("cpu"))
+
+
+@torch.no_grad()
+def reference_logits(directory: Path, tokens: list[int]) -> torch.Tensor:  # (len(tokens), vocab)
+    reference = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").float().eval()
+    return reference(torch.tensor([tokens])).logits[0]
+
+
+def assert_logits_close(ours: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4 * max(scale, 1.0))
+
+
+def random_tokens(count: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+
+def hf_logprobs(model_dir, sequence: list[int]) -> torch.Tensor:
+    """(len(sequence), V): row p is log_softmax of the logits at position p, which score token p + 1."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([sequence])).logits[0].float().log_softmax(-1)
+
+
+def check_entry(entry: dict, token: int, reference: torch.Tensor, k: int) -> None:
+    assert entry["token_id"] == token
+    assert abs(entry["logprob"] - reference[token].item()) < 1e-4
+    assert entry["rank"] == int((reference > reference[token]).sum()) + 1
+    top_logprobs, top_ids = reference.topk(k)
+    assert [t["token_id"] for t in entry["top"]] == top_ids.tolist()
+    assert torch.allclose(torch.tensor([t["logprob"] for t in entry["top"]]), top_logprobs, atol=1e-4)
+
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+TIMING_COLUMNS = ["ttft_ms", "tpot_ms", "latency_ms"]
+
+
+def batchgen(run_dir: Path, *overrides: str, wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
+    command = [sys.executable, "-m", "batchgen", f"hydra.run.dir={run_dir}", "engine.device=cpu",
+               "job.progress=false", *overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not wait:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def comparable(path: Path) -> list[dict]:
+    return pq.read_table(path).drop_columns(TIMING_COLUMNS).to_pylist()
+
+
+def wait_for_parts(run_dir: Path, count: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    parts = run_dir / "completions.parts"
+    while len(list(parts.glob("part-*.parquet"))) < count:
+        assert process.poll() is None, process.stdout.read().decode()
+        assert time.monotonic() < deadline, "the job wrote no parts in time"
+        time.sleep(0.05)
+
+
+
+KV_SETUPS = {  # chunked prefill, preemption (recompute over blocks other requests wrote) and padded block tables
+    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=7),
+    "preemption": dict(block_size=4, num_gpu_blocks_override=14, max_num_seqs=6),
+}
+

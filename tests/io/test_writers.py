@@ -1,0 +1,308 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.io.schema import COMPLETIONS_SCHEMA, STEPS_SCHEMA, read_metadata
+from batchgen.io.writers import CompletionWriter, DuplicateRowError, StepWriter, write_json_atomic
+from batchgen.job.run import TASK_COLUMNS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+METADATA = {"config": {"data": {"path": "prompts.jsonl"}, "seed": 0}, "versions": {"batchgen": "0.1.0"}}
+
+
+def completion(index: int) -> dict[str, Any]:
+    return {
+        "index": index,
+        "id": f"id-{index}",
+        "prompt": f"prompt {index}",
+        "completion": f"completion {index}",
+        "prompt_token_ids": [1, 2, index],
+        "output_token_ids": [index, 4],
+        "num_prompt_tokens": 3,
+        "num_output_tokens": 2,
+        "finish_reason": "length",
+        "ttft_ms": 1.5,
+        "tpot_ms": 0.25,
+        "latency_ms": 2.0,
+        "sample_index": 0,
+        "num_cached_tokens": 0,
+    }
+
+
+def error_completion(index: int) -> dict[str, Any]:
+    return {"index": index, "id": f"id-{index}", "finish_reason": "error", "error": "line 3: invalid JSON"}
+
+
+def step(attempt: int, number: int) -> dict[str, Any]:
+    return {
+        "step": number,
+        "attempt": attempt,
+        "kind": "decode",
+        "num_seqs": 4,
+        "num_tokens": 4,
+        "num_prefill_tokens": 0,
+        "num_decode_tokens": 4,
+        "padded_size": 8,
+        "cuda_graph": True,
+        "cascade_attention": False,
+        "schedule_ms": 0.1,
+        "prepare_ms": 0.2,
+        "forward_ms": 3.0,
+        "sample_ms": 0.3,
+        "wait_ms": 2.9,
+        "step_ms": 3.6,
+        "kv_blocks_used": 10,
+        "kv_blocks_total": 100,
+        "num_waiting": 0,
+        "num_running": 4,
+        "num_preempted": 0,
+        "num_cached_tokens": 0,
+    }
+
+
+def uninterrupted_run(run_dir: Path, count: int) -> list[dict[str, Any]]:
+    writer = CompletionWriter(run_dir, METADATA)
+    for index in range(count):
+        writer.write(completion(index))
+    return pq.read_table(writer.close()).to_pylist()
+
+
+def part_files(writer: CompletionWriter | StepWriter) -> list[Path]:
+    return sorted(writer.parts_dir.glob("part-*.parquet"))
+
+
+def test_completions_schema_and_metadata_round_trip(tmp_path: Path) -> None:
+    writer = CompletionWriter(tmp_path, METADATA)
+    writer.write(completion(0))
+    writer.write(error_completion(1))
+    path = writer.close()
+
+    assert path == tmp_path / "completions.parquet"
+    table = pq.read_table(path)
+    assert table.schema.equals(COMPLETIONS_SCHEMA)
+    assert read_metadata(path) == METADATA
+    # Columns of other tasks (score, embed, classify) are null.
+    assert table.to_pylist()[0] == {**completion(0), "error": None, "logprobs": None, "prompt_logprobs": None,
+                                    **dict.fromkeys(TASK_COLUMNS)}
+    frame = pd.read_parquet(path)
+    assert list(frame.columns) == COMPLETIONS_SCHEMA.names
+    assert frame.loc[1, "finish_reason"] == "error"
+    assert frame.loc[1, "error"] == "line 3: invalid JSON"
+    assert pd.isna(frame.loc[1, "ttft_ms"]) and pd.isna(frame.loc[1, "completion"])
+    assert list(frame.loc[0, "output_token_ids"]) == [0, 4]
+    assert not writer.parts_dir.exists()
+
+
+def test_steps_schema_and_metadata_round_trip(tmp_path: Path) -> None:
+    writer = StepWriter(tmp_path, METADATA)
+    writer.write(step(0, 0))
+    writer.write({**step(0, 1), "padded_size": None, "cuda_graph": False, "kind": "prefill"})
+    path = writer.close()
+
+    assert path == tmp_path / "steps.parquet"
+    assert pq.read_table(path).schema.equals(STEPS_SCHEMA)
+    assert read_metadata(path) == METADATA
+    frame = pd.read_parquet(path)
+    assert list(frame["kind"]) == ["decode", "prefill"]
+    assert pd.isna(frame.loc[1, "padded_size"]) and not frame.loc[1, "cuda_graph"]
+
+
+def test_rows_are_sorted_by_index_after_out_of_order_writes(tmp_path: Path) -> None:
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
+    for index in [5, 2, 0, 4, 1, 3]:
+        writer.write(completion(index))
+    assert pq.read_table(writer.close()).column("index").to_pylist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_parts_flushed_by_row_count_are_readable_before_close(tmp_path: Path) -> None:
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
+    for index in range(5):
+        writer.write(completion(index))
+
+    parts = part_files(writer)
+    assert len(parts) == 2
+    assert [pq.read_table(part).column("index").to_pylist() for part in parts] == [[0, 1], [2, 3]]
+    assert pd.read_parquet(writer.parts_dir)["index"].tolist() == [0, 1, 2, 3]
+    assert writer.existing_rows().num_rows == 4
+
+
+def test_parts_are_flushed_by_time(tmp_path: Path) -> None:
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=1000, flush_seconds=0.0)
+    writer.write(completion(0))
+    assert len(part_files(writer)) == 1
+
+
+def test_resume_after_a_crash_gives_the_uninterrupted_result(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    crashed = CompletionWriter(run_dir, METADATA, flush_rows=2)
+    for index in [0, 3, 1, 2, 4]:
+        crashed.write(completion(index))
+    # Abandoned without close(): the row of index 4 was still buffered and is lost, as after a SIGKILL.
+    (crashed.parts_dir / "part-000002.parquet.tmp").write_bytes(b"half a parquet file")
+    (run_dir / "completions.parquet.tmp").write_bytes(b"half a merged file")
+    del crashed
+
+    resumed = CompletionWriter(run_dir, METADATA, flush_rows=2)
+    assert resumed.finished_indices() == {0, 1, 2, 3}
+    assert not list(run_dir.rglob("*.tmp"))
+    for index in range(10):
+        if index not in resumed.finished_indices():
+            resumed.write(completion(index))
+    merged = pq.read_table(resumed.close())
+
+    assert merged.to_pylist() == uninterrupted_run(tmp_path / "reference", 10)
+    assert read_metadata(run_dir / "completions.parquet") == METADATA
+
+
+def test_resume_after_a_finished_run_rebuilds_from_parts(tmp_path: Path) -> None:
+    first = CompletionWriter(tmp_path, METADATA)
+    for index in range(3):
+        first.write(completion(index))
+    first.close()
+
+    resumed = CompletionWriter(tmp_path, METADATA)
+    assert not (tmp_path / "completions.parquet").exists()
+    assert resumed.finished_indices() == {0, 1, 2}
+    resumed.write(completion(3))
+    assert pq.read_table(resumed.close()).column("index").to_pylist() == [0, 1, 2, 3]
+
+
+def test_resume_after_a_close_killed_before_removing_the_parts(tmp_path: Path) -> None:
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=1)
+    for index in range(3):
+        writer.write(completion(index))
+    leftover = {part.name: part.read_bytes() for part in part_files(writer)}
+    final_path = writer.close()
+    writer.parts_dir.mkdir()
+    for name, content in leftover.items():
+        (writer.parts_dir / name).write_bytes(content)
+
+    resumed = CompletionWriter(tmp_path, METADATA)
+    assert resumed.existing_rows().column("index").to_pylist() == [0, 1, 2]
+    assert pq.read_table(resumed.close()).num_rows == 3
+    assert final_path.exists()
+
+
+def test_an_index_is_written_once(tmp_path: Path) -> None:
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=1)
+    writer.write(completion(0))
+    with pytest.raises(DuplicateRowError, match="index 0 was already written"):
+        writer.write(completion(0))
+    writer.flush()
+
+    resumed = CompletionWriter(tmp_path, METADATA)
+    with pytest.raises(DuplicateRowError, match="index 0"):
+        resumed.write(completion(0))
+
+
+def test_close_rejects_duplicates_and_keeps_the_parts(tmp_path: Path) -> None:
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=1)
+    writer.write(completion(0))
+    writer.write(completion(1))
+    [first_part, _] = part_files(writer)
+    (writer.parts_dir / "part-000009.parquet").write_bytes(first_part.read_bytes())
+
+    with pytest.raises(DuplicateRowError, match=r"more than once: \[0\]"):
+        writer.close()
+    assert len(part_files(writer)) == 3
+    assert not (tmp_path / "completions.parquet").exists()
+
+
+def test_records_are_checked_against_the_schema(tmp_path: Path) -> None:
+    writer = CompletionWriter(tmp_path, METADATA)
+    with pytest.raises(ValueError, match=r"unknown fields \['completion_text'\]"):
+        writer.write({**completion(0), "completion_text": "typo"})
+    with pytest.raises(ValueError, match=r"required fields \['finish_reason'\]"):
+        writer.write({**completion(0), "finish_reason": None})
+    writer.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.write(completion(1))
+
+
+def test_steps_keep_write_order_across_attempts(tmp_path: Path) -> None:
+    first = StepWriter(tmp_path, METADATA, flush_rows=2)
+    assert first.next_attempt() == 0
+    for number in range(3):
+        first.write(step(0, number))
+    first.flush()
+    del first  # killed after its last flush
+
+    second = StepWriter(tmp_path, METADATA)
+    assert second.next_attempt() == 1
+    for number in range(2):
+        second.write(step(1, number))
+    frame = pd.read_parquet(second.close())
+    assert list(zip(frame["attempt"], frame["step"], strict=True)) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    assert StepWriter(tmp_path, METADATA).next_attempt() == 2
+
+
+def test_write_json_atomic(tmp_path: Path) -> None:
+    path = tmp_path / "summary.json"
+    write_json_atomic(path, {"rows": 1})
+    write_json_atomic(path, {"rows": 2, "errors": []})
+    assert json.loads(path.read_text()) == {"rows": 2, "errors": []}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+KILLED_JOB = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from batchgen.io.writers import CompletionWriter
+    from tests.io.test_writers import METADATA, completion
+
+    writer = CompletionWriter(Path(sys.argv[1]), METADATA, flush_rows=3)
+    for index in range(1000):
+        writer.write(completion(index))
+        time.sleep(0.002)
+    """
+)
+
+
+@pytest.mark.slow  # the child process imports batchgen, and with it torch
+def test_a_sigkilled_job_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    job = subprocess.Popen([sys.executable, "-c", KILLED_JOB, str(run_dir)], cwd=REPO_ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list((run_dir / "completions.parts").glob("part-*.parquet"))) < 4:
+            assert job.poll() is None and time.monotonic() < deadline, "the job stopped before writing parts"
+            time.sleep(0.01)
+    finally:
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+
+    resumed = CompletionWriter(run_dir, METADATA, flush_rows=50)
+    done = resumed.finished_indices()
+    assert len(done) >= 12 and done == set(range(len(done)))
+    for index in range(1000):
+        if index not in done:
+            resumed.write(completion(index))
+    assert pq.read_table(resumed.close()).to_pylist() == uninterrupted_run(tmp_path / "reference", 1000)
+
+
+def test_samples_of_a_row_sort_by_index_then_sample_and_a_row_is_finished_when_all_are(tmp_path: Path) -> None:
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=1)
+    for index, sample_index in [(1, 1), (0, 2), (1, 0), (0, 0)]:
+        writer.write({**completion(index), "sample_index": sample_index})
+    with pytest.raises(DuplicateRowError, match="index 1 was already written"):
+        writer.write({**completion(1), "sample_index": 1})
+    resumed = CompletionWriter(tmp_path, METADATA)
+    assert resumed.finished_samples() == {0: {0, 2}, 1: {0, 1}}
+    assert resumed.finished_indices(lambda index: 2) == {1}
+    assert resumed.finished_indices() == {0, 1}
+    resumed.write({**completion(0), "sample_index": 1})
+    table = pq.read_table(resumed.close())
+    assert list(zip(table["index"].to_pylist(), table["sample_index"].to_pylist(), strict=True)) == [
+        (0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]

@@ -1,0 +1,141 @@
+"""`Linear` as a drop-in nn.Linear in every model: same parameters, tied lm_head kept, plain F.linear on CPU.
+
+The Triton kernel itself is tested in test_linear_triton.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.config import ModelConfig
+from batchgen.layers.linear import Linear
+from batchgen.layers.triton_layers import use_triton_layers
+from batchgen.models.loader import load_hf_config, load_model
+from tests.helpers.common import ARCHITECTURES
+from tests.helpers.paged import PagedTestCache
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def test_linear_is_a_drop_in_nn_linear() -> None:
+    torch.manual_seed(0)
+    plain = nn.Linear(16, 8)
+    ours = Linear(16, 8)
+    ours.load_state_dict(plain.state_dict())
+    assert [name for name, _ in ours.named_parameters()] == ["weight", "bias"]
+    assert isinstance(ours, nn.Linear) and Linear(16, 8, bias=False).bias is None
+    x = torch.randn(3, 5, 16)
+    assert torch.equal(ours(x), plain(x))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
+def test_warp_split_config_under_a_thread_cap() -> None:
+    """Capped at a quarter of an H200 (132 SMs x 2048 threads): programs take the fewest doublings of their rows
+    that bring the launch under the cap; the lm_head, which no MAX_BLOCK_N brings under it, takes twice the rows."""
+    from batchgen.layers.linear_triton import MAX_BLOCK_N, warp_split_config
+
+    cap = 132 * 2048 // 4
+    for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)]:  # Qwen3-0.6B, lm_head last
+        uncapped, capped = warp_split_config(n, k, 2, None), warp_split_config(n, k, 2, cap)
+        assert (capped.block_k, capped.num_warps) == (uncapped.block_k, uncapped.num_warps)
+        threads = {block_n: -(-n // block_n) * 32 * capped.num_warps  # the launch's threads, by rows per program
+                   for block_n in (max(1, capped.block_n // 2), capped.block_n, MAX_BLOCK_N)}
+        if threads[MAX_BLOCK_N] > cap:
+            assert capped.block_n == 2 * uncapped.block_n
+        else:
+            assert threads[capped.block_n] <= cap
+            assert capped.block_n == uncapped.block_n or threads[max(1, capped.block_n // 2)] > cap
+    assert warp_split_config(4096, 1024, 2, cap).block_n == 8  # qkv: 512 programs of 128 threads
+    assert warp_split_config(151936, 1024, 2, cap).block_n == 4
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
+def test_one_row_tiles_take_two_warp_programs_under_the_cap() -> None:
+    """Qwen3-0.6B's projections: two warps a program, 16 weight loads of 16 bytes a thread, all of K in one step.
+    A launch that would pass the cap so (the lm_head, an 8B model's qkv) keeps the warp-split programs."""
+    from batchgen.layers.linear_triton import default_config, warp_split_config
+
+    cap = 132 * 2048 // 4
+    for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]:
+        config = default_config(n, k, 2, max_threads=cap)
+        assert config.num_warps == 2 and config.block_k >= k
+        assert config.block_n * config.block_k * 2 == 16 * 16 * 32 * 2
+        assert -(-n // config.block_n) * 64 <= cap
+    for n, k in [(151936, 1024), (6144, 4096)]:
+        assert default_config(n, k, 2, max_threads=cap) == warp_split_config(n, k, 2, cap)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
+def test_tiles_of_several_rows_take_the_warp_split_programs_with_half_the_warps() -> None:
+    from batchgen.layers.linear_triton import default_config, warp_split_config
+
+    cap = 132 * 2048 // 4
+    for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (1024, 128)]:
+        split = warp_split_config(n, k, 2, cap)
+        for rows in (2, 4, 8):
+            config = default_config(n, k, 2, max_threads=cap, rows=rows)
+            assert (config.block_n, config.block_k) == (split.block_n, split.block_k)
+            assert config.num_warps == max(1, split.num_warps // 2)
+    assert default_config(1024, 128, 2, rows=4).num_warps == 1  # a program of one warp keeps it
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="use_triton imports the Triton kernel")
+def test_switched_linear_falls_back_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchgen.layers import linear_triton
+
+    monkeypatch.setattr(linear_triton, "small_m_linear", lambda *args: pytest.fail("the kernel ran on CPU"))
+    layer = Linear(16, 8)
+    layer.use_triton()
+    x = torch.randn(1, 16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_models_build_their_projections_from_linear(
+    architecture: str, tiny_model_dir: Callable[..., Path]
+) -> None:
+    """Every projection and lm_head is a `Linear`; a tied lm_head still shares the embedding after loading, and the
+    switch to the Triton path (a no-op on CPU) leaves the logits unchanged."""
+    model_config = ModelConfig(path=str(tiny_model_dir(architecture)))
+    model = load_model(model_config, load_hf_config(model_config), torch.float32, torch.device("cpu"))
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, Linear) for m in linears)
+    assert len(linears) == 4 * model.config.num_hidden_layers + 1
+    embedding = model.get_submodule("transformer.wte" if architecture == "GPT2LMHeadModel" else "model.embed_tokens")
+    assert (model.lm_head.weight is embedding.weight) == model.config.tie_word_embeddings
+    tokens = [3, 1, 4, 1, 5]
+    (expected,) = PagedTestCache(model).run(model, [(0, tokens)])
+    if HAS_TRITON:
+        use_triton_layers(model, gemv=True)
+        assert all(layer._kernels is not None for layer in linears)
+        (logits,) = PagedTestCache(model).run(model, [(0, tokens)])
+        assert torch.equal(logits, expected)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the dispatch rule lives beside the Triton kernel")
+def test_gemv_takes_single_rows_and_small_launches_only() -> None:
+    from batchgen.layers.linear_triton import MAX_M, beats_cublas
+
+    mib = 2**20
+    assert beats_cublas(1, 151936, 300 * mib) and not beats_cublas(2, 151936, 300 * mib)  # lm_head: a single row only
+    assert beats_cublas(MAX_M, 1024, 2 * mib) and not beats_cublas(MAX_M + 1, 1024, 2 * mib)
+    # Qwen3-0.6B's qkv (4096 rows) and gate/up (6144) projections: up to M = 4 (a tile of 4 rows for M = 3 too).
+    for n in (4096, 6144):
+        assert all(beats_cublas(m, n, n * 2048) for m in (2, 3, 4)) and not beats_cublas(MAX_M, n, n * 2048)
+    # The main job's 128-wide GPT-2: every weight is tiny, cuBLAS reads it as fast and nothing compiles.
+    assert not beats_cublas(1, 512, 512 * 128 * 4) and not beats_cublas(1, 66, 66 * 128 * 4)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the row tile lives beside the Triton kernel")
+def test_gemv_row_tiles_are_the_powers_of_two_up_to_max_m() -> None:
+    from batchgen.layers.linear_triton import MAX_M, block_m
+
+    tiles = [block_m(m) for m in range(1, MAX_M + 1)]
+    assert tiles == [1, 2, 4, 4, 8, 8, 8, 8]  # at most four compiles per weight shape, each at most twice the rows

@@ -1,0 +1,83 @@
+"""On CUDA: graph replay equals eager decode for every bucket, and greedy tokens equal transformers'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen import LLM, SamplingParams
+from batchgen.worker.cuda_graph import CudaGraphRunner, GraphOutputs
+from batchgen.worker.step_inputs import build_step_inputs
+from tests.helpers.common import ARCHITECTURES, MAX_TOKENS, hf_greedy_on, random_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CAPTURE_SIZES = [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_greedy_tokens_equal_transformers_on_gpu(tiny_model_dir, architecture):
+    model_dir = tiny_model_dir(architecture)
+    prompts = random_prompts(256, count=12)
+    expected = hf_greedy_on(model_dir, prompts, MAX_TOKENS, device="cuda")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for setup in (dict(enforce_eager=True), dict(cuda_graph_capture_sizes=CAPTURE_SIZES),
+                  dict(cuda_graph_capture_sizes=CAPTURE_SIZES, max_num_batched_tokens=7, block_size=4,
+                       num_gpu_blocks_override=40)):
+        llm = LLM(str(model_dir), dtype="float32", max_num_seqs=16, **setup)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == expected, setup
+        llm.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "GPT2LMHeadModel"])
+def test_graph_replay_equals_eager_for_every_bucket(tiny_model_dir, architecture, kv_cache_dtype):
+    llm = LLM(str(tiny_model_dir(architecture)), dtype="float32", max_num_seqs=16,
+              cuda_graph_capture_sizes=CAPTURE_SIZES, kv_cache_dtype=kv_cache_dtype)
+    engine, runner = llm.engine, llm.engine.runner
+    assert runner.graphs.sizes == CAPTURE_SIZES
+    for num_seqs in range(1, 17):
+        for i, prompt in enumerate(random_prompts(256, count=num_seqs, seed=num_seqs)):
+            engine.add_request(i, None, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        while True:  # prefill everything, then stop at the first pure-decode step
+            step = engine.scheduler.schedule()
+            if step.kind == "decode":
+                break
+            launched = runner.launch(step)
+            engine.scheduler.advance(step)
+            engine.scheduler.commit(step, runner.collect(launched).sampled_token_ids)
+        size = runner.graphs.padded_size(num_seqs)
+        assert size == min(s for s in CAPTURE_SIZES if s >= num_seqs)
+        with torch.inference_mode():
+            inputs = build_step_inputs(step, runner.config.block_size, runner.block_tables, runner.block_table_width)
+            graph_logits = runner.graphs.replay(inputs, size).logits[:num_seqs].clone()
+            eager_logits = runner._eager_forward(inputs, *runner._to_device(inputs))[1]
+        torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
+        for request in list(step.requests):
+            engine.scheduler.finish_request(request, "length")
+    llm.close()
+
+
+def test_capture_out_of_memory_drops_only_that_bucket(tiny_model_dir, monkeypatch, caplog):
+    capture_forward = CudaGraphRunner._forward
+
+    def forward(self, size: int, cascade: bool, sampled_into: torch.Tensor) -> GraphOutputs:
+        if size == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return capture_forward(self, size, cascade, sampled_into)
+
+    monkeypatch.setattr(CudaGraphRunner, "_forward", forward)
+    model_dir = str(tiny_model_dir("Qwen3ForCausalLM"))
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=16, cuda_graph_capture_sizes=CAPTURE_SIZES)
+    assert llm.engine.runner.graphs.sizes == llm.engine.info["cuda_graph_sizes"] == [1, 2, 4, 16]
+    assert "out of memory at batch size 8" in caplog.text
+    assert list(llm.engine.info["cuda_graph_capture_seconds_per_size"]) == ["1", "2", "4", "16"]
+    prompts = random_prompts(256, count=6, seed=3)  # 6 running requests: replayed in the 16 bucket now
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.close()
+    eager = LLM(model_dir, dtype="float32", max_num_seqs=16, enforce_eager=True)
+    assert outputs == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    eager.close()

@@ -68,6 +68,10 @@ class EngineConfig:
     enforce_eager: bool = False
     mixed_prefill_decode: bool = False  # False: a step is all prefill or all decode (decode steps replay graphs)
     async_scheduling: bool = True  # schedule and stage step N+1 while the device runs step N
+    # A prefill step interrupts running decodes only to admit at least this many waiting rows (fewer when fewer
+    # wait) or prompt tokens that fill max_num_batched_tokens: each eager prefill step costs about the same launch
+    # overhead however few rows it admits. None: max_num_seqs // 8 (at least 1). Mixed steps ignore it.
+    min_admit_rows: int | None = None
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     # auto: the model's dtype | fp8: float8_e4m3fn with scale 1.0 (vLLM's kv_cache_dtype="fp8" without calibrated
     # scales): half the KV bytes of bf16 to read per decode step, twice the blocks in the same memory
@@ -96,6 +100,10 @@ class EngineConfig:
     @property
     def max_step_rows(self) -> int:  # a step's device buffers hold a CUDA-graph bucket's padding rows too
         return max(self.max_num_seqs, self.cuda_graph_sizes[-1])
+
+    @property
+    def admit_rows(self) -> int:
+        return self.min_admit_rows or max(1, self.max_num_seqs // 8)
 
     @property
     def wanted_backlog(self) -> int:  # requests kept waiting (two batches): the scheduler always has rows to admit
@@ -209,6 +217,7 @@ def validate_engine(engine: EngineConfig) -> None:
     _positive("engine.num_gpu_blocks_override", engine.num_gpu_blocks_override, optional=True)
     _positive("engine.cpu_threads", engine.cpu_threads, optional=True)
     _positive("engine.data_parallel_size", engine.data_parallel_size)
+    _positive("engine.min_admit_rows", engine.min_admit_rows, optional=True)
     bs = engine.block_size
     _require(isinstance(bs, int) and bs > 0 and bs & (bs - 1) == 0, "engine.block_size", bs,
              "must be a power of two")

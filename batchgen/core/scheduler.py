@@ -6,8 +6,10 @@ requests leave and waiting ones join at every step. Step composition, chosen by 
 - False (default, nano-vllm style; uniform decode steps replay CUDA graphs): a step is all prefill or all decode.
   It is a prefill step when a running request is mid-prefill or the head of the waiting queue can be admitted:
   mid-prefill requests continue first, then waiting requests are admitted FIFO, each getting min(tokens left,
-  budget left), so a long prompt is split across steps (chunked prefill). Otherwise, or when the prefill step ends
-  up empty, it is a decode step: every running request gets 1 token.
+  budget left), so a long prompt is split across steps (chunked prefill). While requests are decoding, admission
+  waits until it is worth a step: `admit_rows` free slots (or as many as wait) or waiting prompts that fill the
+  token budget; an eager prefill step costs its launches however few rows it admits, and the decodes wait for it.
+  Otherwise, or when the prefill step ends up empty, it is a decode step: every running request gets 1 token.
 - True (vLLM v1 style): running requests first, in admission order (a decode takes 1 token, a mid-prefill request
   a chunk of the remaining budget), then waiting requests with whatever budget remains; a step with both is "mixed".
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from batchgen.config import EngineConfig
 from batchgen.core.block_manager import BlockManager
@@ -120,7 +123,8 @@ class _StepBuilder:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
-        """config: reads max_num_seqs, max_num_batched_tokens, max_model_len (set) and mixed_prefill_decode."""
+        """config: reads max_num_seqs, max_num_batched_tokens, max_model_len (set), admit_rows and
+        mixed_prefill_decode."""
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
@@ -264,10 +268,25 @@ class Scheduler:
             return True
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
+        if self.running and not self._admission_worth_a_step():
+            return False
         head = self.waiting[0]
         cached_blocks = self.block_manager.lookup_prefix(head).block_ids
         num_new = self._admission_tokens(head, cached_blocks, self.config.max_num_batched_tokens)
         return self.block_manager.can_allocate(head, num_new, cached_blocks)
+
+    def _admission_worth_a_step(self) -> bool:
+        """Whether a prefill step that interrupts the running decodes would admit enough: admit_rows rows (or every
+        waiting one, when fewer wait), or waiting prompts whose tokens fill the step's budget."""
+        free_slots = self.config.max_num_seqs - len(self.running)
+        if free_slots >= min(self.config.admit_rows, len(self.waiting)):
+            return True
+        tokens, budget = 0, self.config.max_num_batched_tokens
+        for request in islice(self.waiting, free_slots):
+            tokens += request.num_tokens
+            if tokens >= budget:
+                return True
+        return False
 
     def _admission_tokens(self, request: Request, cached_blocks: list[int], budget: int) -> int:
         """How many of a waiting request's tokens after its cached blocks fit the budget."""

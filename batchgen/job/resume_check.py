@@ -34,6 +34,7 @@ OUTPUT_NEUTRAL_KEYS = (
     "engine.enforce_eager",
     "engine.async_scheduling",
     "engine.mixed_prefill_decode",
+    "engine.min_admit_rows",
     "engine.cuda_graph.*",
     "engine.gpu_memory_utilization",
     "engine.num_gpu_blocks_override",

@@ -542,3 +542,61 @@ def test_a_prompt_is_hashed_when_it_arrives_not_in_the_step_that_admits_it():
     hashes = list(request.block_hashes)
     run_step(scheduler)
     assert request.block_hashes == hashes
+
+
+def make_admitting_scheduler(min_admit_rows: int | None, max_num_seqs: int = 8,
+                             max_num_batched_tokens: int = 64) -> Scheduler:
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=1024, min_admit_rows=min_admit_rows)
+    return Scheduler(config, BlockManager(1000, 4, True))
+
+
+def finish_running(scheduler: Scheduler, count: int) -> None:
+    """Ends the `count` earliest running requests, as a stop token would."""
+    for request in scheduler.running[:count]:
+        scheduler.finish_request(request, "stop")
+
+
+def test_prefill_interrupts_decodes_only_to_admit_min_admit_rows():
+    scheduler = make_admitting_scheduler(min_admit_rows=3)
+    add_requests(scheduler, [4] * 8, max_tokens=100)
+    add_requests(scheduler, [4] * 6, max_tokens=100, first_id=8)
+    assert run_step(scheduler)[0].kind == "prefill"  # nothing decodes yet: the first batch is admitted at once
+    assert run_step(scheduler)[0].kind == "decode"
+    for freed in (1, 1):  # one slot, then two: still fewer than 3
+        finish_running(scheduler, freed)
+        output, _ = run_step(scheduler)
+        assert output.kind == "decode" and scheduler.num_waiting == 6
+    finish_running(scheduler, 1)  # three free slots: worth a prefill step
+    output, _ = run_step(scheduler)
+    assert output.kind == "prefill" and sorted(scheduled(output)) == [8, 9, 10]
+
+
+def test_fewer_waiting_rows_than_min_admit_rows_are_admitted_when_they_all_fit():
+    scheduler = make_admitting_scheduler(min_admit_rows=4)
+    add_requests(scheduler, [4] * 8, max_tokens=100)
+    add_requests(scheduler, [4] * 2, max_tokens=100, first_id=8)
+    run_step(scheduler)  # the first batch's prefill
+    run_step(scheduler)  # its first decode
+    finish_running(scheduler, 1)
+    assert run_step(scheduler)[0].kind == "decode"  # one slot for two waiting rows
+    finish_running(scheduler, 1)
+    output, _ = run_step(scheduler)
+    assert output.kind == "prefill" and sorted(scheduled(output)) == [8, 9]
+
+
+def test_waiting_prompts_that_fill_the_token_budget_are_worth_a_step():
+    scheduler = make_admitting_scheduler(min_admit_rows=4, max_num_batched_tokens=32)
+    add_requests(scheduler, [4] * 8, max_tokens=100)
+    add_requests(scheduler, [40, 4, 4], max_tokens=100, first_id=8)
+    run_step(scheduler)  # the first batch's prefill
+    run_step(scheduler)  # its first decode
+    finish_running(scheduler, 1)  # one free slot, but the head's prompt alone fills the budget
+    output, _ = run_step(scheduler)
+    assert output.kind == "prefill" and scheduled(output) == {8: 32}
+
+
+def test_min_admit_rows_defaults_to_an_eighth_of_max_num_seqs():
+    assert EngineConfig(max_num_seqs=512).admit_rows == 64
+    assert EngineConfig(max_num_seqs=4).admit_rows == 1
+    assert EngineConfig(max_num_seqs=512, min_admit_rows=1).admit_rows == 1

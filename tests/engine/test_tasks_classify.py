@@ -10,11 +10,10 @@ import random
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tests.test_job import batchgen
 from transformers import AutoModelForSequenceClassification
 
 from batchgen import LLM
-from tests.helpers.common import build_tiny_classifier_dir
+from tests.helpers.common import batchgen, build_tiny_classifier_dir
 
 PAD = 0
 

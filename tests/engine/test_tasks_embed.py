@@ -12,12 +12,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tests.test_job import batchgen
-from tests.test_tokenizer import SHAKESPEARE_MODEL
 from transformers import AutoModel
 
 from batchgen import LLM
-from tests.helpers.common import tiny_hf_config
+from tests.engine.test_tokenizer import SHAKESPEARE_MODEL
+from tests.helpers.common import batchgen, tiny_hf_config
 
 SETUPS = {"chunked": dict(max_num_batched_tokens=7),
           "preemption": dict(block_size=4, num_gpu_blocks_override=10, max_num_seqs=6, max_num_batched_tokens=12)}

@@ -10,8 +10,6 @@ import random
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tests.test_job import batchgen
-from tests.test_tokenizer import SHAKESPEARE_MODEL, byte_level_bpe_dir  # noqa: F401 (a fixture)
 from transformers import AutoModelForCausalLM
 
 from batchgen import LLM
@@ -19,6 +17,8 @@ from batchgen.config import Config, ConfigError, DataConfig, JobConfig
 from batchgen.engine.continuation import encode_pair
 from batchgen.engine.tokenizer import load_tokenizer
 from batchgen.io.openai_results import openai_results_wanted
+from tests.engine.test_tokenizer import SHAKESPEARE_MODEL, byte_level_bpe_dir  # noqa: F401 (a fixture)
+from tests.helpers.common import batchgen
 
 VOCAB_SIZE = 256  # the tiny models'
 

@@ -120,9 +120,12 @@ def test_check_checkpoint_reads_files_only(tmp_path, tiny_model_dir):
 
 
 def test_every_architecture_check_checkpoint_accepts_has_a_model_class():
-    from batchgen.models.registry import MODEL_REGISTRY
+    from batchgen.models.hf_config import CLASSIFIERS, DECODERS
+    from batchgen.models.registry import CLASSIFIER_REGISTRY, DECODER_REGISTRY, MODEL_REGISTRY
 
     assert set(ARCHITECTURES.values()) == set(MODEL_REGISTRY)
+    assert set(CLASSIFIERS) == set(CLASSIFIER_REGISTRY)
+    assert set(DECODERS) == set(DECODER_REGISTRY)
 
 
 def test_a_second_job_on_a_run_dir_exits_2_naming_the_holder(tmp_path):

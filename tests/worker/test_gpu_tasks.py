@@ -20,7 +20,7 @@ from tests.engine.test_tasks_score import hf_loglikelihood
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-QWEN3_0_6B = Path(__file__).resolve().parents[1] / "conf" / "model" / "qwen3_0_6b.yaml"
+QWEN3_0_6B = Path(__file__).resolve().parents[2] / "conf" / "model" / "qwen3_0_6b.yaml"
 TOLERANCE = 1e-4
 
 

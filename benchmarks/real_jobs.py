@@ -146,7 +146,8 @@ def write_text_rows(path: Path, spec: TextRows, seed: int = 0) -> None:
             file.write(json.dumps({"id": f"s{index:06d}", "prompt": text[start:start + length]}) + "\n")
 
 
-def job_arguments(workload: Workload, input_path: Path, run_dir: Path, tiny: bool) -> list[str]:
+def job_arguments(workload: Workload, input_path: Path, run_dir: Path, tiny: bool,
+                  extra: Sequence[str] = ()) -> list[str]:
     spec = workload.rows
     if isinstance(spec, TextRows):
         model = ["job=shakespeare", f"sampling.max_tokens={spec.max_tokens}"]
@@ -155,7 +156,7 @@ def job_arguments(workload: Workload, input_path: Path, run_dir: Path, tiny: boo
         if spec.max_tokens[0] == spec.max_tokens[1]:
             model.append(f"sampling.max_tokens={spec.max_tokens[0]}")
     return ["-m", "batchgen", *model, f"data.path={input_path}", "data.id_field=id", *workload.overrides,
-            *(TINY_ENGINE if tiny else ()), f"job.name=real_jobs_{workload.name}", "job.progress=false",
+            *(TINY_ENGINE if tiny else ()), *extra, f"job.name=real_jobs_{workload.name}", "job.progress=false",
             f"hydra.run.dir={run_dir}"]
 
 
@@ -164,7 +165,8 @@ def last_line(output: str) -> str:
     return lines[-1] if lines else ""
 
 
-def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float) -> dict[str, Any]:
+def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float,
+                 extra: Sequence[str] = ()) -> dict[str, Any]:
     """Writes the input, runs the job; its figures, or {"failed": ...} with the exit status and last output line."""
     directory.mkdir(parents=True)
     input_path = directory / "input.jsonl"
@@ -179,7 +181,7 @@ def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float
                "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor_cache")}
     result: dict[str, Any] = {"workload": workload.name, "rows": workload.rows.rows}
     try:
-        run = run_process(job_arguments(workload, input_path, run_dir, tiny), env, timeout=timeout)
+        run = run_process(job_arguments(workload, input_path, run_dir, tiny, extra), env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {**result, "failed": f"timed out after {timeout:g} s"}
     if run.returncode != 0:
@@ -271,6 +273,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="every workload shrunk, on CPU (a smoke test)")
     parser.add_argument("--rows", type=int, help="run this many rows of each workload instead of its own number")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a workload may run before it fails")
+    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Hydra override for every workload (repeatable), e.g. engine.min_admit_rows=1")
+    parser.add_argument("--tag", default="", help="a suffix for the JSON's name, to tell runs with --set apart")
     add_out_argument(parser)
     args = parser.parse_args()
     unknown = [name for name in args.names if name not in WORKLOADS]
@@ -284,17 +289,19 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="batchgen_real_jobs_") as tmp:
         for workload in workloads:
-            result = run_workload(workload, Path(tmp) / workload.name, args.tiny, args.timeout)
+            result = run_workload(workload, Path(tmp) / workload.name, args.tiny, args.timeout, args.extra)
             outcome = result.get("failed") or f"{result['process_s']:.1f} s"
             print(f"{workload.name}: {outcome}", flush=True)
             results.append(result)
-    suffix = ("_tiny" if args.tiny else "") + ("" if names == list(catalogue) else "_" + "_".join(names))
-    settings = {"tiny": args.tiny, "rows": args.rows, "timeout": args.timeout,
+    suffix = (("_tiny" if args.tiny else "") + ("" if names == list(catalogue) else "_" + "_".join(names))
+              + (f"_{args.tag}" if args.tag else ""))
+    settings = {"tiny": args.tiny, "rows": args.rows, "timeout": args.timeout, "overrides": args.extra,
                 "workloads": [asdict(w) for w in workloads]}
     env = environment()
     save_json(args.out, f"real_jobs{suffix}", {"environment": env, "settings": settings, "results": results})
     device = "CPU, --tiny" if args.tiny else env["device"]
-    print(f"\n## real_jobs ({device}; {env['git_commit']})\n")
+    overrides = f"; {' '.join(args.extra)}" if args.extra else ""
+    print(f"\n## real_jobs ({device}; {env['git_commit']}{overrides})\n")
     print(markdown_table(TABLE, [[r.get(column) for column in TABLE] for r in results]))
 
 

@@ -465,7 +465,7 @@ class LLMEngine:
             finished += self.detokenizer.apply_stop_strings(step, self.scheduler)
         if self.structured_output is not None:
             finished += self.structured_output.commit(step, self.scheduler)
-        if result.logprobs or result.prompt_logprobs:
+        if result.logprobs or result.prompt_logprobs is not None:
             attach_logprobs(step, result, self._token_text)
         for row, values in result.pooled.items():
             self._pooled[step.requests[row].key] = values

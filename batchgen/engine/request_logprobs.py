@@ -17,10 +17,10 @@ def token_texts(detokenizer: Detokenizer | None) -> Callable[[int], str | None]:
     return lru_cache(maxsize=65536)(lambda token_id: detokenizer.tokenizer.decode([token_id]))
 
 
-def entry(token_id: int, values: tuple, text: Callable[[int], str | None], k: int) -> dict:
+def entry(token_id: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float],
+          text: Callable[[int], str | None], k: int) -> dict:
     """The token's entry with its request's k most likely tokens: the step computed the most any of its rows asks
     for."""
-    logprob, rank, top_ids, top_logprobs = values
     return {"token_id": token_id, "text": text(token_id), "logprob": logprob, "rank": rank,
             "top": [{"token_id": t, "text": text(t), "logprob": lp} for t, lp in zip(top_ids[:k], top_logprobs[:k],
                                                                                       strict=True)]}
@@ -32,10 +32,15 @@ def attach_logprobs(step: SchedulerOutput, result: StepResult, text: Callable[[i
     for row, values in result.logprobs.items():
         request, slot = step.requests[row], step.output_slots[row]
         if request.logprobs is not None and slot < request.num_output_tokens and len(request.logprobs) == slot:
-            request.logprobs.append(entry(request.output_token_ids[slot], values, text,
+            request.logprobs.append(entry(request.output_token_ids[slot], *values, text,
                                           request.sampling_params.logprobs))
-    for row, position, values in result.prompt_logprobs:
+    prompt = result.prompt_logprobs
+    if prompt is None:
+        return
+    for row, position, logprob, rank, top_ids, top_logprobs in zip(
+        prompt.rows, prompt.positions, prompt.logprobs, prompt.ranks, prompt.top_ids, prompt.top_logprobs, strict=True
+    ):
         request = step.requests[row]
         if len(request.prompt_logprobs) == position:
-            request.prompt_logprobs.append(entry(request.prompt_token_ids[position], values, text,
-                                                 request.sampling_params.prompt_logprobs))
+            request.prompt_logprobs.append(entry(request.prompt_token_ids[position], logprob, rank, top_ids,
+                                                 top_logprobs, text, request.sampling_params.prompt_logprobs))

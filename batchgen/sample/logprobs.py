@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -38,7 +39,12 @@ def score_slice(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Logpro
     logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1).add_(1)
-    top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], token_ids.unsqueeze(1)[:, :0])
+    if k == 1:  # a reduction: topk's radix select costs several passes over the (N, V) logprobs on CUDA
+        top_logprobs, top_ids = logprobs.max(dim=-1, keepdim=True)
+    elif k:
+        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    else:
+        top_logprobs, top_ids = logprobs[:, :0], token_ids.unsqueeze(1)[:, :0]
     return LogprobsTensors(chosen.squeeze(1), ranks, top_ids, top_logprobs)
 
 
@@ -64,22 +70,37 @@ def compute_logprobs(logits_of_rows: Callable[[int, int], torch.Tensor], token_i
 
 
 @dataclass
+class PromptLogprobRows:
+    """A step's prompt logprobs on the host as parallel lists, one item per prompt position scored: a scoring step
+    has thousands, and one tuple per position would cost more host time than the step's forward."""
+
+    rows: list[int]  # the step row
+    positions: list[int]  # the prompt position scored
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
 class StepLogprobs:
     """Device work queued for a step's logprobs; read on the host after the step's event."""
 
     sample_rows: list[int]  # step rows whose sampled token has logprobs, parallel to `sampled`
     sampled: LogprobsTensors | None
-    prompt: tuple[list[tuple[int, int]], LogprobsTensors] | None  # ([(step row, prompt position)], their logprobs)
+    # (step rows, prompt positions), both (P,) int64, and their logprobs
+    prompt: tuple[np.ndarray, np.ndarray, LogprobsTensors] | None
 
-    def entries(self) -> tuple[dict[int, tuple], list[tuple[int, int, tuple]]]:
-        """({step row: (logprob, rank, top ids, top logprobs)}, [(step row, prompt position, same tuple)])."""
+    def entries(self) -> tuple[dict[int, tuple], PromptLogprobRows | None]:
+        """({step row: (logprob, rank, top ids, top logprobs)}, the prompt positions' logprobs)."""
         sampled = {}
         if self.sampled is not None:
             sampled = dict(zip(self.sample_rows, _rows(self.sampled), strict=True))
-        prompt = []
+        prompt = None
         if self.prompt is not None:
-            owners, tensors = self.prompt
-            prompt = [(row, position, values) for (row, position), values in zip(owners, _rows(tensors), strict=True)]
+            rows, positions, t = self.prompt
+            prompt = PromptLogprobRows(rows.tolist(), positions.tolist(), t.logprobs.tolist(), t.ranks.tolist(),
+                                       t.top_ids.tolist(), t.top_logprobs.tolist())
         return sampled, prompt
 
 

@@ -23,7 +23,7 @@ from batchgen.layers.shared_prefix import shared_prefix_len
 from batchgen.models.base import CausalLM
 from batchgen.sample.batch import LastPacked, SamplingBatch
 from batchgen.sample.graph import SamplerGraphs
-from batchgen.sample.logprobs import StepLogprobs, sampled_logprobs, score_slice
+from batchgen.sample.logprobs import PromptLogprobRows, StepLogprobs, sampled_logprobs, score_slice
 from batchgen.sample.params import MAX_LOGPROBS, SamplingParams
 from batchgen.sample.route import SamplingRoute, choose_route
 from batchgen.sample.sampler import SamplerOutput, run_sampler
@@ -86,9 +86,9 @@ class StepResult:
     wait_ms: float  # host time spent waiting for the sampled ids
     padded_size: int | None  # the CUDA-graph bucket that ran the step, None when eager
     cascade_attention: bool  # the step's rows shared a KV prefix, read once for all of them
-    # {step row: (logprob, rank, top ids, top logprobs)} and [(step row, prompt position, same)]; empty unless asked
+    # {step row: (logprob, rank, top ids, top logprobs)} and the prompt positions scored; empty or None unless asked
     logprobs: dict[int, tuple] = field(default_factory=dict)
-    prompt_logprobs: list[tuple[int, int, tuple]] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobRows | None = None
     pooled: dict[int, list[float]] = field(default_factory=dict)  # {step row: embedding or logits}: pooling steps
 
 
@@ -330,8 +330,8 @@ class ModelRunner:
         plan = plan_prompt_logprobs(step, inputs)
         if plan is None:
             return None
-        return plan.owners, prompt_logprobs(plan, hidden, self.model.compute_logits, self.logprobs_slice_rows,
-                                            self._pinned)
+        return plan.rows, plan.positions, prompt_logprobs(plan, hidden, self.model.compute_logits,
+                                                          self.logprobs_slice_rows, self._pinned)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Waits for a launched step; its sampled ids are parallel to the step's requests."""

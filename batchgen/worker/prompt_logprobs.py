@@ -19,7 +19,8 @@ from batchgen.worker.step_inputs import StepInputs
 class PromptLogprobsPlan:
     token_index: np.ndarray  # (P,) int64: the flattened token whose hidden state scores the target
     targets: np.ndarray  # (P,) int64: the prompt token scored
-    owners: list[tuple[int, int]]  # (step row, prompt position of the target), parallel to targets
+    rows: np.ndarray  # (P,) int64: the target's step row
+    positions: np.ndarray  # (P,) int64: the target's prompt position
     k: int  # the most alternatives any row asks for
 
 
@@ -27,24 +28,28 @@ def plan_prompt_logprobs(step: SchedulerOutput, inputs: StepInputs) -> PromptLog
     """Called at launch, before `Scheduler.advance`; skips positions already recorded (a recompute after
     preemption scores the same prompt again). A continuation-scoring request's entries start recorded up to its
     context (engine/continuation.py), so only its continuation's positions are scored."""
-    token_index: list[int] = []
-    targets: list[int] = []
-    owners: list[tuple[int, int]] = []
+    token_index: list[np.ndarray] = []
+    targets: list[np.ndarray] = []
+    rows: list[np.ndarray] = []
+    positions: list[np.ndarray] = []
     k = 0
     for row, (request, count) in enumerate(zip(step.requests, step.num_scheduled_tokens, strict=True)):
         wanted = request.sampling_params.prompt_logprobs
         if wanted is None:
             continue
         begin, start = request.num_computed_tokens, int(inputs.query_start_loc[row])
-        first = max(begin, len(request.prompt_logprobs) - 1)
-        for position in range(first, min(begin + count, request.num_prompt_tokens - 1)):
-            token_index.append(start + position - begin)
-            targets.append(request.prompt_token_ids[position + 1])
-            owners.append((row, position + 1))
-            k = max(k, wanted)
-    if not owners:
+        scored = np.arange(max(begin, len(request.prompt_logprobs) - 1),
+                           min(begin + count, request.num_prompt_tokens - 1), dtype=np.int64)  # positions scoring
+        if not len(scored):
+            continue
+        token_index.append(scored + (start - begin))
+        targets.append(request.prompt_array[scored + 1])
+        rows.append(np.full(len(scored), row, dtype=np.int64))
+        positions.append(scored + 1)
+        k = max(k, wanted)
+    if not rows:
         return None
-    return PromptLogprobsPlan(np.array(token_index, dtype=np.int64), np.array(targets, dtype=np.int64), owners, k)
+    return PromptLogprobsPlan(*(np.concatenate(parts) for parts in (token_index, targets, rows, positions)), k)
 
 
 def prompt_logprobs(plan: PromptLogprobsPlan, hidden: torch.Tensor,

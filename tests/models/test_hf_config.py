@@ -67,6 +67,8 @@ CONFIG_DICTS = {
     "mistral without window": {"model_type": "mistral", "sliding_window": None, "head_dim": 64},
     "qwen2 sliding": {"model_type": "qwen2", "num_hidden_layers": 3, "use_sliding_window": True,
                       "sliding_window": 16, "max_window_layers": 1, "rope_theta": 1000000.0},
+    "qwen3 yarn": {"model_type": "qwen3", "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 32768}},
     "qwen3 window off": {"model_type": "qwen3", "num_hidden_layers": 2, "sliding_window": 16, "dtype": "float16"},
     "gpt2 sized": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
                    "n_inner": 96, "activation_function": "gelu", "architectures": ["GPT2LMHeadModel"]},

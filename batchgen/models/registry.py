@@ -6,6 +6,8 @@ from batchgen.models.base import CausalLM
 from batchgen.models.gpt2 import GPT2LMHeadModel
 from batchgen.models.hf_config import HFConfig, architecture_of
 from batchgen.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from batchgen.models.olmo2 import Olmo2ForCausalLM
+from batchgen.models.phi3 import Phi3ForCausalLM
 
 # Keyed by hf_config.ARCHITECTURES' values, which check_checkpoint reads without importing the models (torch).
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
@@ -14,6 +16,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
 }
 
 

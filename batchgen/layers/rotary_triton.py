@@ -57,8 +57,9 @@ def _rotate_and_store_kernel(
     slot = tl.load(slot_mapping_ptr + t)
     i = tl.arange(0, BLOCK_HALF)[None, :]  # (1, BLOCK_HALF): the rotary dims are rotated as two halves
     i_mask = i < HALF
-    j = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]  # (1, BLOCK_PASS): the dims after them (partial rotary)
-    j_mask = j < HEAD_DIM
+    if PASS > 0:
+        j = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]  # (1, BLOCK_PASS): the dims after them (partial rotary)
+        j_mask = j < HEAD_DIM
     # The reference casts the fp32 tables to the model dtype before rotating.
     cos = tl.load(cos_ptr + pos * stride_cos_p + i, mask=i_mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos_p + i, mask=i_mask, other=0.0).to(dtype).to(tl.float32)
@@ -73,11 +74,11 @@ def _rotate_and_store_kernel(
     if not is_kv:
         head = tl.arange(0, BLOCK_Q_HEADS)[:, None]
         mask = (head < NUM_HEADS) & i_mask
-        pass_mask = (head < NUM_HEADS) & j_mask
         q_at = row + head * HEAD_DIM
         q1 = tl.load(q_at + i, mask=mask, other=0.0).to(tl.float32)
         q2 = tl.load(q_at + HALF + i, mask=mask, other=0.0).to(tl.float32)
         if PASS > 0:
+            pass_mask = (head < NUM_HEADS) & j_mask
             q3 = tl.load(q_at + j, mask=pass_mask, other=0.0).to(tl.float32)
         if QK_NORM:
             sum_sq = tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)
@@ -96,7 +97,6 @@ def _rotate_and_store_kernel(
         if slot >= 0:  # padding rows of a graph bucket write no K/V
             g = tl.arange(0, BLOCK_KV_HEADS)[:, None]
             mask = (g < NUM_KV_HEADS) & i_mask
-            pass_mask = (g < NUM_KV_HEADS) & j_mask
             d = tl.arange(0, BLOCK_HEAD)[None, :]  # V is copied whole
             v_mask = (g < NUM_KV_HEADS) & (d < HEAD_DIM)
             blk = slot // BLOCK_SIZE
@@ -108,6 +108,7 @@ def _rotate_and_store_kernel(
             k1 = tl.load(k_at + i, mask=mask, other=0.0).to(tl.float32)
             k2 = tl.load(k_at + HALF + i, mask=mask, other=0.0).to(tl.float32)
             if PASS > 0:
+                pass_mask = (g < NUM_KV_HEADS) & j_mask
                 k3 = tl.load(k_at + j, mask=pass_mask, other=0.0).to(tl.float32)
             v = tl.load(v_at + d, mask=v_mask)
             if QK_NORM:

@@ -71,7 +71,8 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
                             eos_token_id=255)
     elif architecture == "Phi3ForCausalLM":
         # Phi-4-mini's partial rotary (3/4 of each head: 6 of 8 frequencies) and Phi-3's LongRoPE, whose long factors
-        # start at position 64: prompts stay below it, generations past the window cross it.
+        # start at position 64: the engine tests' prompts and generations stay below it, the sliding-window tests'
+        # generations cross it (tests/models/test_phi3.py checks both sides against transformers).
         config = Phi3Config(**LLAMA_LIKE, partial_rotary_factor=0.75, original_max_position_embeddings=64,
                             rope_scaling={"type": "longrope", "short_factor": PHI3_SHORT_FACTOR,
                                           "long_factor": PHI3_LONG_FACTOR},

@@ -59,7 +59,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (more with yarn/dynamic RoPE)
     block_size: int = 16
     num_gpu_blocks_override: int | None = None  # fixes the number of KV blocks (tests force a small cache)
     gpu_memory_utilization: float = 0.9

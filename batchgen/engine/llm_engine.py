@@ -25,6 +25,7 @@ from batchgen.engine.structured_output import StructuredOutputManager, guided_sp
 from batchgen.layers import attention_torch
 from batchgen.layers.compiled import compile_small_layers
 from batchgen.layers.triton_layers import use_triton_layers
+from batchgen.models.hf_config import max_positions
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.models.pooling_config import checkpoint_pooling
 from batchgen.models.registry import check_task
@@ -105,7 +106,7 @@ def resolve_engine_config(config: EngineConfig, hf_config: Any, device: torch.de
         backend = "triton" if device.type == "cuda" else "torch"
     elif backend == "triton" and device.type != "cuda":
         raise ValueError("engine.attention_backend='triton' needs a CUDA device; allowed on CPU: torch, auto")
-    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    limit = max_positions(hf_config)
     max_model_len = config.max_model_len or limit
     if limit is not None and max_model_len > limit:
         raise ValueError(f"engine.max_model_len={max_model_len} is invalid: the model supports at most {limit} "

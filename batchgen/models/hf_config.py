@@ -30,6 +30,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 # The other heads of these model types that job.task=classify and job.task=embed run: sequence classifiers (and
 # reward models) and bare decoders (transformers' *Model).
@@ -156,9 +158,34 @@ def architecture_of(config: Any) -> str:
     raise ValueError(f"architecture {listed} is not supported; supported: {', '.join(supported)}")
 
 
+def _rope_scaling(config: Any) -> dict[str, Any]:
+    """The RoPE entry of a config (v5 `rope_parameters`, v4 `rope_scaling`); empty when there is none."""
+    params = _field(config, "rope_parameters")
+    if not (isinstance(params, dict) and "rope_theta" in params):
+        params = _field(config, "rope_scaling")
+    return params if isinstance(params, dict) else {}
+
+
 def max_positions(config: Any) -> int | None:
-    """The most positions the model supports (max_position_embeddings, GPT-2's n_positions); None if it names none."""
-    return _field(config, "max_position_embeddings") or _field(config, "n_positions")
+    """The most positions the model supports; None if it names none.
+
+    max_position_embeddings (GPT-2's n_positions), stretched where the RoPE scaling is what extends the context past
+    it, as vLLM reads these configs: `dynamic` by its factor, `yarn` to factor times its original length (Qwen's
+    configs add yarn to max_position_embeddings = the original length). `llama3` and `longrope` configs already name
+    the extended length.
+    """
+    limit = _field(config, "max_position_embeddings") or _field(config, "n_positions")
+    scaling = _rope_scaling(config)
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    factor = scaling.get("factor")
+    if limit is None or not factor:
+        return limit
+    if rope_type == "dynamic":
+        return max(limit, int(limit * factor))
+    if rope_type == "yarn":
+        original = scaling.get("original_max_position_embeddings") or limit
+        return max(limit, int(original * factor))
+    return limit
 
 
 def _read_json(path: Path, where: str) -> dict[str, Any]:

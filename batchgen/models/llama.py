@@ -19,7 +19,7 @@ from batchgen.layers.embedding import Embedding, InputIdsWithPending
 from batchgen.layers.fused import norm_then_gate_up, norm_then_linear
 from batchgen.layers.linear import Linear
 from batchgen.layers.norms import RMSNorm, rms_norm
-from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rotary_embedding
 from batchgen.models.base import CausalLM
 from batchgen.models.hf_config import HFConfig
 from batchgen.models.weights import WeightTarget, fused_rows, load_into
@@ -121,9 +121,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: HFConfig, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        theta, scaling = rope_parameters(config)
         # One cos/sin table shared by all layers: at 128k positions it is tens of MB.
-        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+        rotary = rotary_embedding(config, head_dim_of(config))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm, window) for window in layer_sliding_windows(config)
         )

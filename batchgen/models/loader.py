@@ -18,6 +18,7 @@ from batchgen.models.base import CausalLM
 from batchgen.models.gguf import gguf_hf_config, iter_gguf_weights
 from batchgen.models.gguf_file import is_gguf_path
 from batchgen.models.hf_config import SAFETENSORS_FILE, SAFETENSORS_INDEX, hf_config_from_dict, read_hf_config
+from batchgen.models.olmo2 import Olmo2RMSNorm
 from batchgen.models.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,7 +101,7 @@ def init_dummy_weights(model: nn.Module) -> None:
     torch.manual_seed(0)
     with torch.no_grad():
         for module in model.modules():
-            is_norm = isinstance(module, (nn.LayerNorm, RMSNorm))
+            is_norm = isinstance(module, (nn.LayerNorm, RMSNorm, Olmo2RMSNorm))
             for name, param in module.named_parameters(recurse=False):
                 if not is_norm:
                     param.normal_(mean=0.0, std=0.02)

@@ -19,6 +19,8 @@ from batchgen.models.llama import (
     Qwen3ForEmbedding,
     Qwen3ForSequenceClassification,
 )
+from batchgen.models.olmo2 import Olmo2ForCausalLM
+from batchgen.models.phi3 import Phi3ForCausalLM
 
 # Keyed by hf_config's architecture names (ARCHITECTURES' values, CLASSIFIERS, DECODERS), which check_checkpoint
 # reads without importing the models (torch).
@@ -28,6 +30,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
 }
 # Classifiers and reward models (job.task=classify): the decoder with a `score` head in place of the LM head.
 CLASSIFIER_REGISTRY: dict[str, type] = {

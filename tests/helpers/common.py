@@ -18,6 +18,8 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
@@ -26,7 +28,8 @@ from transformers import (
 from batchgen.config import ModelConfig
 from batchgen.models.loader import load_hf_config, load_model
 
-ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel"]
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
+                 "Phi3ForCausalLM", "Olmo2ForCausalLM"]
 
 
 LLAMA_LIKE = dict(
@@ -41,10 +44,15 @@ LLAMA_LIKE = dict(
 )
 
 
+PHI3_SHORT_FACTOR = [1.0, 1.1, 1.3, 1.6, 2.2, 3.0]
+PHI3_LONG_FACTOR = [1.5, 2.5, 4.0, 6.5, 10.0, 16.0]
+
+
 def tiny_hf_config(architecture: str) -> PretrainedConfig:
     """A tiny config per architecture, covering the features each one adds: Llama 3 rope scaling (Llama),
-    sliding_window set (Mistral), qkv bias (Qwen2), head_dim != hidden / heads and q/k norms (Qwen3);
-    Qwen2, Qwen3 and GPT-2 tie lm_head to the embeddings, Llama and Mistral do not."""
+    sliding_window set (Mistral), qkv bias (Qwen2), head_dim != hidden / heads and q/k norms (Qwen3), partial rotary
+    and LongRoPE (Phi-3), norms after the sublayers and q/k norms over whole projections (OLMo 2);
+    Qwen2, Qwen3, GPT-2 and Phi-3 tie lm_head to the embeddings, Llama, Mistral and OLMo 2 do not."""
     if architecture == "LlamaForCausalLM":
         config = LlamaConfig(
             **LLAMA_LIKE,
@@ -62,6 +70,16 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
     elif architecture == "GPT2LMHeadModel":
         config = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=255,
                             eos_token_id=255)
+    elif architecture == "Phi3ForCausalLM":
+        # Phi-4-mini's partial rotary (3/4 of each head: 6 of 8 frequencies) and Phi-3's LongRoPE, whose long factors
+        # start at position 64: the engine tests' prompts and generations stay below it, the sliding-window tests'
+        # generations cross it (tests/models/test_phi3.py checks both sides against transformers).
+        config = Phi3Config(**LLAMA_LIKE, partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                            rope_scaling={"type": "longrope", "short_factor": PHI3_SHORT_FACTOR,
+                                          "long_factor": PHI3_LONG_FACTOR},
+                            pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    elif architecture == "Olmo2ForCausalLM":
+        config = Olmo2Config(**LLAMA_LIKE, pad_token_id=0, eos_token_id=2, tie_word_embeddings=False)
     else:
         raise ValueError(f"no tiny config for {architecture}")
     config.architectures = [architecture]

@@ -29,29 +29,34 @@ TOLERANCE = {f32: (1e-5, 1e-5), bf16: (3e-2, 1.6e-2), f16: (4e-3, 2e-3)}
 # the differences themselves near 0.
 FP8_K_RTOL = 2**-3
 
-# (tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype); every case has padding rows (slot -1)
+# (tokens, num_heads, num_kv_heads, head_dim, rotary_dim, qk_norm, dtype); every case has padding rows (slot -1).
+# rotary_dim < head_dim: partial rotary (Phi-3/4), the dims after the rotary ones pass through (and are normed).
 CASES = [
-    (1, 16, 8, 128, True, bf16),
-    (1, 16, 8, 128, False, f32),
-    (5, 4, 4, 64, True, f32),
-    (7, 12, 4, 80, False, f16),
-    (33, 6, 2, 80, True, f32),
-    (64, 32, 8, 128, False, bf16),
-    (300, 16, 8, 128, True, bf16),
-    (9, 8, 1, 32, True, f16),
+    (1, 16, 8, 128, 128, True, bf16),
+    (1, 16, 8, 128, 128, False, f32),
+    (5, 4, 4, 64, 64, True, f32),
+    (7, 12, 4, 80, 80, False, f16),
+    (33, 6, 2, 80, 80, True, f32),
+    (64, 32, 8, 128, 128, False, bf16),
+    (300, 16, 8, 128, 128, True, bf16),
+    (9, 8, 1, 32, 32, True, f16),
+    (3, 8, 2, 128, 96, True, f32),
+    (6, 12, 4, 96, 48, False, bf16),
+    (5, 4, 4, 64, 24, True, f16),
+    (4, 6, 2, 80, 60, False, f32),
 ]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_rotate_and_store_matches_reference(case: tuple, kv_cache_dtype: str) -> None:
-    num_tokens, num_heads, num_kv_heads, head_dim, qk_norm, dtype = case
+    num_tokens, num_heads, num_kv_heads, head_dim, rotary_dim, qk_norm, dtype = case
     if DEVICE == "cpu" and dtype == bf16:
         pytest.skip("bf16 runs on CUDA only")
     skip_fp8_store_in_interpreter(kv_cache_dtype)
     gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
     block_size, num_blocks, max_positions = 16, 64, 4096
-    rotary = RotaryEmbedding(head_dim, max_positions, theta=1e6).to(DEVICE)
+    rotary = RotaryEmbedding(rotary_dim, max_positions, theta=1e6).to(DEVICE)
     qkv = (3 * torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)).to(dtype)
     positions = torch.randint(0, max_positions, (num_tokens,), generator=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -55,7 +55,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
         inv_freq = 1.0 / (theta**exponents)  # (D / 2,)
-        if scaling is not None:
+        if scaling is not None and scaling["rope_type"] == "linear":  # positions divided by `factor` (Gemma 3)
+            inv_freq = inv_freq / scaling["factor"]
+        elif scaling is not None:
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, D / 2)
         # Kept in float32 whatever the model dtype (cast at use, as transformers does).

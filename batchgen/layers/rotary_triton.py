@@ -1,4 +1,5 @@
-"""One Triton kernel between the QKV projection and attention: Qwen3's q/k RMSNorm, RoPE, and the K/V cache store.
+"""One Triton kernel between the QKV projection and attention: Qwen3's (or Gemma 3's) q/k RMSNorm, RoPE, and the K/V
+cache store.
 
 The reference path runs these as separate ops (on CUDA, torch.compile still makes four kernels of the norm and
 rotation, plus the store): at batch 1 each costs a launch of a few microseconds for a few kilobytes of work, in
@@ -16,13 +17,18 @@ from batchgen.layers.pdl import launch_options, wait_for_previous
 
 
 @triton.jit
-def _rms_normed(x1, x2, w1, w2, eps, dtype: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """RMSNorm of heads given as halves (heads, BLOCK_HALF) in fp32, rounded like the reference: weight * x.to(dtype).
+def _rms_normed(x1, x2, w1, w2, eps, dtype: tl.constexpr, HEAD_DIM: tl.constexpr, GEMMA_STYLE: tl.constexpr):
+    """RMSNorm of heads given as halves (heads, BLOCK_HALF) in fp32, rounded like the reference: weight * x.to(dtype),
+    or with GEMMA_STYLE (norms.gemma_rms_norm) x * (1 + weight) rounded once.
 
     w1, w2: (1, BLOCK_HALF) halves of the norm weight, fp32."""
     rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
-    y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    if GEMMA_STYLE:
+        y1 = (x1 * rstd * (1.0 + w1)).to(dtype).to(tl.float32)
+        y2 = (x2 * rstd * (1.0 + w2)).to(dtype).to(tl.float32)
+    else:
+        y1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        y2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     return y1, y2
 
 
@@ -34,7 +40,7 @@ def _rotate_and_store_kernel(
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_vc_blk, stride_vc_off, stride_vc_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    QK_NORM: tl.constexpr, GEMMA_STYLE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Two programs per token: its q heads, and its k and v heads, each as a (heads, BLOCK_HALF) tile per half.
 
@@ -65,7 +71,7 @@ def _rotate_and_store_kernel(
         q1 = tl.load(q_at, mask=mask, other=0.0).to(tl.float32)
         q2 = tl.load(q_at + HALF, mask=mask, other=0.0).to(tl.float32)
         if QK_NORM:
-            q1, q2 = _rms_normed(q1, q2, norm_w1, norm_w2, eps, dtype, HEAD_DIM)
+            q1, q2 = _rms_normed(q1, q2, norm_w1, norm_w2, eps, dtype, HEAD_DIM, GEMMA_STYLE)
         q_out = q_out_ptr + t * stride_qo_t + head * stride_qo_h + i
         tl.store(q_out, (q1 * cos - q2 * sin).to(dtype), mask=mask)
         tl.store(q_out + HALF, (q2 * cos + q1 * sin).to(dtype), mask=mask)
@@ -84,7 +90,7 @@ def _rotate_and_store_kernel(
             v1 = tl.load(v_at, mask=mask)
             v2 = tl.load(v_at + HALF, mask=mask)
             if QK_NORM:
-                k1, k2 = _rms_normed(k1, k2, norm_w1, norm_w2, eps, dtype, HEAD_DIM)
+                k1, k2 = _rms_normed(k1, k2, norm_w1, norm_w2, eps, dtype, HEAD_DIM, GEMMA_STYLE)
             cache_dtype = k_cache_ptr.dtype.element_ty
             k_out = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + g * stride_kc_h + i
             tl.store(k_out, to_cache_dtype((k1 * cos - k2 * sin).to(dtype), cache_dtype), mask=mask)
@@ -99,12 +105,13 @@ def rotate_and_store(
     positions: torch.Tensor,  # (T,) int64
     cos: torch.Tensor,  # (P, D / 2) float32
     sin: torch.Tensor,  # (P, D / 2) float32
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (q weight (D,), k weight (D,), eps): Qwen3 only
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (q weight (D,), k weight (D,), eps): Qwen3, Gemma 3
     k_cache: torch.Tensor,  # (NB, BS, KVH, D)
     v_cache: torch.Tensor,  # (NB, BS, KVH, D)
     slot_mapping: torch.Tensor,  # (T,) int64, -1 = write nothing
     num_heads: int,
     num_kv_heads: int,
+    gemma_style: bool = False,  # the q/k norms compute as norms.gemma_rms_norm (Gemma 3)
 ) -> torch.Tensor:  # (T, H, D): q, normed and rotated
     num_tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
@@ -122,6 +129,6 @@ def rotate_and_store(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_Q_HEADS=triton.next_power_of_2(num_heads),
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=k_cache.shape[1],
-        QK_NORM=qk_norm is not None, num_warps=4, **launch_options(qkv.device),
+        QK_NORM=qk_norm is not None, GEMMA_STYLE=gemma_style, num_warps=4, **launch_options(qkv.device),
     )  # fmt: skip
     return q

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from batchgen.models.base import CausalLM
+from batchgen.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from batchgen.models.gpt2 import GPT2LMHeadModel
 from batchgen.models.hf_config import HFConfig, architecture_of
 from batchgen.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -14,6 +15,10 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its language model: the loader reads its text_config
 }
 
 

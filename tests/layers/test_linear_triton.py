@@ -349,7 +349,7 @@ def _counting(calls: dict[str, int], kernel: Callable[..., object]) -> Callable[
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
-@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "LlamaForCausalLM", "Gemma2ForCausalLM"])
 def test_model_with_fused_linears(architecture: str, fuse: bool, tiny_model_dir: Callable[..., Path],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """With every Linear on the kernel (prefill and decode steps of at most MAX_M rows), the model's logits match

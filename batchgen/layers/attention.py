@@ -37,7 +37,7 @@ class Attention(nn.Module):
     """Writes the new K/V into the paged cache, then attends over the cache (which now includes them)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -47,6 +47,8 @@ class Attention(nn.Module):
         self.scale = scale
         # Each query attends to the last `sliding_window` positions (itself included); None: the whole context.
         self.sliding_window = sliding_window
+        # Scores s become softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping); None: left as they are.
+        self.softcap = softcap
         # Plain attributes, not buffers: the cache is owned by the model runner and stays out of state_dict.
         self.k_cache = torch.empty(0)  # (num_blocks, block_size, num_kv_heads, head_dim) once bound
         self.v_cache = torch.empty(0)
@@ -83,11 +85,11 @@ class Attention(nn.Module):
             # A window cuts the shared prefix differently for every row: windowed layers never cascade.
             shared = meta.shared_prefix_len if self.sliding_window is None else None
             out = self.ops.decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                            sliding_window=self.sliding_window, shared_prefix_len=shared,
-                                            split_arrivals=meta.split_arrivals)
+                                            sliding_window=self.sliding_window, softcap=self.softcap,
+                                            shared_prefix_len=shared, split_arrivals=meta.split_arrivals)
         else:
             out = self.ops.prefill_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale,
-                meta.max_query_len, meta.max_seq_len, sliding_window=self.sliding_window,
+                meta.max_query_len, meta.max_seq_len, sliding_window=self.sliding_window, softcap=self.softcap,
             )
         return out.reshape(-1, self.num_heads * self.head_dim)

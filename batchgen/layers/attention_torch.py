@@ -3,7 +3,8 @@
 Cache layout: k_cache, v_cache are (num_blocks, block_size, num_kv_heads, head_dim); token slot s lives at
 block s // block_size, offset s % block_size. Grouped-query attention maps query head h to kv head h // group.
 With a sliding window W, the query at position p attends to key positions p - W < k <= p (transformers' and vLLM's
-convention); the cache still holds every position.
+convention); the cache still holds every position. With a soft cap C (Gemma 2's attn_logit_softcapping), each scaled
+score s becomes C * tanh(s / C) before the mask and softmax, as transformers computes it.
 
 An fp8 cache (float8_e4m3fn, engine.kv_cache_dtype=fp8) holds K/V with a per-tensor scale of 1.0, as vLLM's does
 without calibrated scales: storing clamps to the format's range, reading converts back.
@@ -65,9 +66,12 @@ def _attend(
     v: torch.Tensor,  # (B, N, KVH, D)
     allowed: torch.Tensor,  # (B, L, N) bool
     scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:  # (B, L, KVH, G, D) float32; rows with nothing allowed are zeros
     # .float() also dequantizes an fp8 cache's K/V (scale 1.0): every fp8 value is exact in fp32.
     scores = torch.einsum("blkgd,bnkd->bkgln", q.float(), k.float()) * scale  # (B, KVH, G, L, N)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     mask = allowed[:, None, None]  # (B, 1, 1, L, N)
     # A finite fill keeps fully masked rows NaN-free; zeroing masked probabilities afterwards makes those rows zeros.
     scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -86,13 +90,14 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     *,
+    softcap: float | None = None,
     shared_prefix_len: torch.Tensor | None = None,
     split_arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (B, H, D)
     """One query token per sequence, attending to its first seq_len cache positions (the last sliding_window of
-    them with a window); vectorized for CUDA graphs. shared_prefix_len (cascade attention's hint that every row
-    starts with the same blocks) and split_arrivals (the Triton kernel's scratch counters) change nothing here: the
-    reference reads every row's blocks in one pass."""
+    them with a window), scores soft-capped at softcap when it is set; vectorized for CUDA graphs.
+    shared_prefix_len (cascade attention's hint that every row starts with the same blocks) and split_arrivals (the
+    Triton kernel's scratch counters) change nothing here: the reference reads every row's blocks in one pass."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_positions = block_tables.shape[1] * block_size
@@ -105,7 +110,7 @@ def decode_attention(
         allowed &= positions[None, :] >= seq_lens[:, None] - sliding_window
     allowed = allowed[:, None, :]  # (B, 1, M * BS)
     grouped_q = q.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, 1, KVH, G, D)
-    out = _attend(grouped_q, k, v, allowed, scale)
+    out = _attend(grouped_q, k, v, allowed, scale, softcap)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
@@ -126,8 +131,11 @@ def prefill_attention(
     max_query_len: int,
     max_seq_len: int,
     sliding_window: int | None = None,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # (T, H, D)
-    """Causal attention of each sequence's new tokens over its cached context (which includes the new tokens).
+    """Causal attention of each sequence's new tokens over its cached context (which includes the new tokens),
+    scores soft-capped at softcap when it is set.
 
     Sequence b's queries q[qsl[b]:qsl[b+1]] sit at positions seq_len_b - q_len_b + i. max_query_len and max_seq_len
     are part of the shared ops interface (the Triton kernels size their grids with them); this loop does not need them.
@@ -152,6 +160,6 @@ def prefill_attention(
         if sliding_window is not None:
             allowed &= key_positions[None, :] > query_positions[:, None] - sliding_window
         grouped_q = q[start:end].view(1, query_len, num_kv_heads, group, head_dim)
-        attended = _attend(grouped_q, k[None], v[None], allowed[None], scale)  # (1, L, KVH, G, D)
+        attended = _attend(grouped_q, k[None], v[None], allowed[None], scale, softcap)  # (1, L, KVH, G, D)
         out[start:end] = attended.reshape(query_len, num_heads, head_dim).to(q.dtype)
     return out

@@ -10,6 +10,10 @@ config, context lengths are read from GPU memory inside the kernel, and it never
 A sliding window W (per layer, static) limits the query at position p to keys p - W < k <= p: the kernels start
 their KV loop at the window's first tile and mask the rest; without a window they get W = _NO_WINDOW.
 
+A soft cap C (per layer, static: Gemma 2's attn_logit_softcapping) turns each scaled score s into C * tanh(s / C)
+before the mask. It is a constexpr (SOFTCAP, in the kernels' log2 units; 0.0 for none): without a cap the kernels
+compile exactly as before.
+
 Cascade decode: when every sequence of a decode batch starts with the same physical KV blocks (prefix caching, or
 n > 1 samples of one prompt), `shared_prefix_len` (a 1-element device tensor, see `shared_prefix`) names how many
 leading positions they share. `_shared_prefix_kernel` then reads that prefix once for all sequences, as a
@@ -42,6 +46,11 @@ _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2), with log2(e) f
 _NO_WINDOW = 1 << 30  # longer than any context, and p - _NO_WINDOW stays inside int32
 _FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
 _FP16_MAX = tl.constexpr(65504.0)
+
+
+def _log2_softcap(softcap: float | None) -> float:
+    """The kernels' SOFTCAP: the cap in their log2 units (scores carry log2(e) from the softmax scale); 0.0 for none."""
+    return 0.0 if softcap is None else softcap * _LOG2E
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -150,12 +159,24 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _softmax_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+def _soft_capped(s, SOFTCAP: tl.constexpr):
+    """SOFTCAP * tanh(s / SOFTCAP), the tanh from one exp of -2|x| (off by a few fp32 units of SOFTCAP at most;
+    libdevice's tanh does not run in Triton's interpreter). Scale-free: it serves log2-unit scores and cap alike."""
+    e = tl.exp(-2.0 * tl.abs(s) / SOFTCAP)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -t, t) * SOFTCAP
+
+
+@triton.jit
+def _softmax_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """The keys k and values v of one tile (BLOCK_N, BLOCK_D), in q's dtype, folded into the online softmax of the
     queries q (rows, BLOCK_D): the new running max, sum and accumulator (log2 units). Keys where `allowed` (rows,
     BLOCK_N), or (1, BLOCK_N) for every row, is false get no weight. A row that sees no key yet (a padding row, or
-    the first tiles of a sliding window) stays empty: max -inf, sum and accumulator 0, never NaN."""
+    the first tiles of a sliding window) stays empty: max -inf, sum and accumulator 0, never NaN. SOFTCAP > 0 (log2
+    units) soft-caps the scores first."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
+    if SOFTCAP > 0:
+        s = _soft_capped(s, SOFTCAP)
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -171,7 +192,7 @@ def _attend_kv_range(
     q, m_i, l_i, acc, lo, hi, block_table, kc_head, vc_head, d, d_mask, qk_scale,
     stride_kc_blk, stride_kc_off, stride_kc_d,
     stride_vc_blk, stride_vc_off, stride_vc_d,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the queries q (rows, BLOCK_D) over cache positions [lo, hi) of one kv head, read through
     `block_table` in tiles of BLOCK_N; returns the updated running max, sum and accumulator (log2 units)."""
@@ -181,7 +202,7 @@ def _attend_kv_range(
         k, v = _load_kv_tile(block_table, kc_head, vc_head, pos, valid, d, d_mask,
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
                              BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
-        m_i, l_i, acc = _softmax_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = _softmax_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION, SOFTCAP)
     return m_i, l_i, acc
 
 
@@ -190,7 +211,8 @@ def _attend_tile_read_early(
     q_ptrs, q_mask, m_i, l_i, acc, lo, hi, seq_len, block_table, kc_head, vc_head, d, d_mask, qk_scale,
     stride_kc_blk, stride_kc_off, stride_kc_d,
     stride_vc_blk, stride_vc_off, stride_vc_d,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Waits for the previous kernel (`wait_for_previous`) and attends over one tile of positions [lo, hi), hi <=
     lo + BLOCK_N, reading it before the wait: a decode step's positions before its own (seq_len - 1) are the KV of
@@ -208,7 +230,8 @@ def _attend_tile_read_early(
     k = tl.where(own, tl.load(k_ptrs, mask=own, other=0.0), k)
     v = tl.where(own, tl.load(v_ptrs, mask=own, other=0.0), v)
     q = _dot_query(tl.load(q_ptrs, mask=q_mask, other=0.0), kc_head.dtype.element_ty)
-    return _softmax_tile(q, k.to(q.dtype), v.to(q.dtype), valid[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    return _softmax_tile(q, k.to(q.dtype), v.to(q.dtype), valid[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                         SOFTCAP)
 
 
 # Eager steps size block tables to their longest sequence: an unspecialized row stride spares a recompile (about
@@ -226,7 +249,7 @@ def _decode_kernel(
     num_splits, num_slots, short_context,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SHORT_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
     CASCADE: tl.constexpr, MERGE: tl.constexpr, GROUP_ROWS: tl.constexpr, MAX_SLOTS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (sequence, kv head, split): all GROUP query heads share each K/V tile load.
@@ -283,7 +306,7 @@ def _decode_kernel(
         m_i, l_i, acc = _attend_tile_read_early(
             q_ptrs, q_mask, m_i, l_i, acc, lo, hi, seq_len, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
             stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
-            BLOCK_SIZE, SHORT_N, DOT_PRECISION, PDL,
+            BLOCK_SIZE, SHORT_N, DOT_PRECISION, SOFTCAP, PDL,
         )  # fmt: skip
     else:
         wait_for_previous(PDL)
@@ -291,7 +314,7 @@ def _decode_kernel(
         m_i, l_i, acc = _attend_kv_range(
             q, m_i, l_i, acc, lo, hi, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
             stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
-            BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+            BLOCK_SIZE, BLOCK_N, DOT_PRECISION, SOFTCAP,
         )  # fmt: skip
 
     # Empty ranges (padding rows, splits past the context) leave l_i == 0 and acc == 0: they output zeros.
@@ -353,7 +376,7 @@ def _shared_prefix_kernel(
     num_rows, first_slot, num_splits, num_slots,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (tile of BLOCK_M query rows, kv head, prefix split). The rows are the (sequence, group head)
     pairs of the kv head, so each K/V tile of the shared prefix (read through row 0's block table) serves BLOCK_M
@@ -392,7 +415,7 @@ def _shared_prefix_kernel(
     m_i, l_i, acc = _attend_kv_range(
         q, m_i, l_i, acc, lo, hi, block_tables_ptr, kc_head, vc_head, d, d_mask, qk_scale,
         stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
-        BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, SOFTCAP,
     )  # fmt: skip
 
     done = live & (l_i > 0)
@@ -508,6 +531,7 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     *,
+    softcap: float | None = None,  # scores s become softcap * tanh(s / softcap); None: no cap
     num_splits: int | None = None,  # power of two; None: chosen from B, KVH and the SM count
     # (1,) int32 on the device: the leading positions every real row shares with row 0 (`shared_prefix`); None:
     # no cascade. Not with a sliding window.
@@ -560,7 +584,8 @@ def decode_attention(
         num_splits, num_slots, short_context,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        SHORT_N=SHORT_TILE if short_context else block_n, DOT_PRECISION=dot_precision, CASCADE=cascade,
+        SHORT_N=SHORT_TILE if short_context else block_n, DOT_PRECISION=dot_precision,
+        SOFTCAP=_log2_softcap(softcap), CASCADE=cascade,
         MERGE=merge, GROUP_ROWS=triton.next_power_of_2(group),
         MAX_SLOTS=_MAX_SPLITS,
         # A third stage keeps one more K/V tile in flight, faster on bf16 at large batch
@@ -575,7 +600,7 @@ def decode_attention(
             batch * group, num_splits, num_prefix_splits, num_slots,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             BLOCK_M=prefix_block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
-            num_warps=4, num_stages=2 if wide else 3, **pdl_options,
+            SOFTCAP=_log2_softcap(softcap), num_warps=4, num_stages=2 if wide else 3, **pdl_options,
         )  # fmt: skip
         _decode_reduce_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, *out.stride(),
@@ -597,6 +622,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One program per (query tile, head, sequence); queries sit at the end of the sequence's context."""
     tile = tl.program_id(0)
@@ -640,7 +666,8 @@ def _prefill_kernel(
                              stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
                              BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
         in_window = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
-        m_i, l_i, acc = _softmax_tile(q, k, v, valid[None, :] & in_window, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = _softmax_tile(q, k, v, valid[None, :] & in_window, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                      SOFTCAP)
 
     # Rows past the chunk (never stored) may have seen no key under a window: keep their division finite.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -659,6 +686,8 @@ def prefill_attention(
     max_query_len: int,
     max_seq_len: int,
     sliding_window: int | None = None,
+    *,
+    softcap: float | None = None,  # scores s become softcap * tanh(s / softcap); None: no cap
 ) -> torch.Tensor:  # (T, H, D)
     out = torch.empty_like(q)
     num_tokens, num_heads, head_dim = q.shape
@@ -676,6 +705,6 @@ def prefill_attention(
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2 if wide else 3,
+        SOFTCAP=_log2_softcap(softcap), num_warps=4, num_stages=2 if wide else 3,
     )  # fmt: skip
     return out

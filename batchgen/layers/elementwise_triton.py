@@ -1,4 +1,5 @@
-"""RMSNorm (with the residual add before it) and SiluAndMul as one Triton kernel each, for CUDA inputs.
+"""RMSNorm (with the residual add before it; Llama's or Gemma's) and SiluAndMul as one Triton kernel each, for CUDA
+inputs.
 
 In torch they are six and three kernels; torch.compile fuses them too, but costs seconds of a fresh process
 (importing inductor, compiling). Each kernel here rounds where the torch ops round, so both paths give the same
@@ -18,9 +19,11 @@ from batchgen.layers.pdl import launch_options, wait_for_previous
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, weight_ptr, out_ptr, res_out_ptr, eps,
     stride_x, stride_res, stride_out, stride_res_out,
-    DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GEMMA_STYLE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program per row: out = weight * rms_norm(x + residual), res_out = x + residual (the sum in x's dtype)."""
+    """One program per row: out = weight * rms_norm(x + residual), res_out = x + residual (the sum in x's dtype).
+    GEMMA_STYLE: out = rms_norm(x + residual) * (1 + weight) in fp32, rounded once (norms.gemma_rms_norm)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < DIM
@@ -34,8 +37,11 @@ def _add_rms_norm_kernel(
     h = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / DIM + eps)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    normed = (h * inv_rms).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    if GEMMA_STYLE:
+        out = h * inv_rms * (1.0 + w)
+    else:
+        out = w * (h * inv_rms).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -66,12 +72,13 @@ def _num_warps(block: int) -> int:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, gemma_style: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rms_norm(x + residual), x + residual), as norms.add_rms_norm; without a residual,
-    (weight * rms_norm(x), x)."""
+    (weight * rms_norm(x), x). gemma_style: as norms.add_gemma_rms_norm and gemma_rms_norm, in x's dtype."""
     shape, dim = x.shape, x.shape[-1]
     rows = _rows(x)
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if gemma_style else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     summed = rows if residual is None else torch.empty_like(rows)
     res = rows if residual is None else _rows(residual)
     if rows.shape[0] > 0:
@@ -79,7 +86,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         _add_rms_norm_kernel[(rows.shape[0],)](
             rows, res, weight, out, summed, eps,
             rows.stride(0), res.stride(0), out.stride(0), summed.stride(0),
-            DIM=dim, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block),
+            DIM=dim, BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA_STYLE=gemma_style,
+            num_warps=_num_warps(block),
             **launch_options(x.device),
         )  # fmt: skip
     return out.view(shape), (x if residual is None else summed.view(shape))

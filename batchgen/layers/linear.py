@@ -44,9 +44,10 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def add_rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                             eps: float, silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                             eps: float, silu_and_mul: bool = False,
+                             gemma_style: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(rms_norm(x + residual) * norm_weight), x + residual) in one Triton launch (residual None: no add,
         x is the residual); only where runs_triton(x). silu_and_mul (a gate/up projection): silu(gate) * up of the
-        forward instead, (T, out / 2)."""
+        forward instead, (T, out / 2). gemma_style: Gemma's norm (norms.gemma_rms_norm)."""
         return self._kernels.add_rms_norm_linear(x, residual, norm_weight, eps, self.weight, self.bias,
-                                                 silu_and_mul=silu_and_mul)
+                                                 silu_and_mul=silu_and_mul, gemma_style=gemma_style)

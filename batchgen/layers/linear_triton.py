@@ -50,6 +50,7 @@ class LinearConfig(NamedTuple):
 # What the kernel computes from its input rows before the dot (X_OP; constexpr, as Triton requires of globals):
 PLAIN = tl.constexpr(0)  # x as given
 ADD_RMS_NORM = tl.constexpr(1)  # rms_norm(x + residual) * norm weight: the residual add and RMSNorm fused in
+ADD_GEMMA_RMS_NORM = tl.constexpr(2)  # the same with Gemma's norm (norms.gemma_rms_norm): scaled by (1 + weight)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -83,10 +84,10 @@ def _small_m_linear_kernel(
     # and with PDL so does the end of the kernel that writes x. So is the norm's weight: loaded after the wait, it
     # came only after the pass over x (its reduction's barrier), one more round trip on every fused launch.
     w_first = _load_weight(w_rows, stride_wk, 0, K, BLOCK_K)
-    if X_OP == ADD_RMS_NORM:
+    if X_OP != PLAIN:
         norm_w_first = _load_norm_weight(norm_w_ptr, 0, K, BLOCK_K)
     wait_for_previous(PDL)
-    if X_OP == ADD_RMS_NORM:
+    if X_OP != PLAIN:
         res_rows = res_ptr + offs_m[:, None, None] * stride_rm
         sum_sq = tl.zeros((BLOCK_M, 1, 1), dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
@@ -111,13 +112,16 @@ def _small_m_linear_kernel(
         mask = (offs_m[:, None, None] < M) & (offs_k < K)
         dtype = x_ptr.dtype.element_ty
         # Each step rounds to x's dtype where the unfused torch ops do, so both paths feed the dot the same values.
-        if X_OP == ADD_RMS_NORM:
+        if X_OP != PLAIN:
             if k0 == 0:
                 h = h_first.to(tl.float32)
             else:
                 h = _load_summed(x_rows, res_rows, stride_xk, offs_k, mask, HAS_RESIDUAL).to(tl.float32)
             norm_w = norm_w_first if k0 == 0 else _load_norm_weight(norm_w_ptr, k0, K, BLOCK_K)
-            x = (norm_w * (h * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+            if X_OP == ADD_GEMMA_RMS_NORM:
+                x = (h * inv_rms * (1.0 + norm_w)).to(dtype)
+            else:
+                x = (norm_w * (h * inv_rms).to(dtype).to(tl.float32)).to(dtype)
         else:
             x = tl.load(x_rows + offs_k * stride_xk, mask=mask, other=0.0)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)  # (BLOCK_M, BLOCK_N)
@@ -262,19 +266,21 @@ def add_rms_norm_linear(
     config: LinearConfig | None = None,
     *,
     silu_and_mul: bool = False,
+    gemma_style: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (M, N) (or (M, N / 2) with silu_and_mul), and the new residual (M, K)
     """(F.linear(rms_norm(x + residual) * norm_weight, weight, bias), x + residual) in one launch: every program
     normalizes the few rows itself (K is a hidden size: a few KB), program 0 writes x + residual to a new tensor.
-    Without a residual: (F.linear(rms_norm(x) * norm_weight, ...), x). silu_and_mul: as small_m_linear's."""
+    Without a residual: (F.linear(rms_norm(x) * norm_weight, ...), x). silu_and_mul: as small_m_linear's.
+    gemma_style: Gemma's norm (norms.gemma_rms_norm) instead of Llama's."""
     assert weight.shape[1] == x.shape[1], f"x has {x.shape[1]} features, weight {tuple(weight.shape)}"
     assert norm_weight.shape == (x.shape[1],), f"norm weight {tuple(norm_weight.shape)} for {x.shape[1]} features"
+    x_op = ADD_GEMMA_RMS_NORM if gemma_style else ADD_RMS_NORM
     if residual is None:
-        out = _launch(x, weight, bias, config, ADD_RMS_NORM, norm_weight=norm_weight, eps=eps,
-                      silu_and_mul=silu_and_mul)
+        out = _launch(x, weight, bias, config, x_op, norm_weight=norm_weight, eps=eps, silu_and_mul=silu_and_mul)
         return out, x
     assert residual.shape == x.shape and residual.stride(1) == 1, f"residual {tuple(residual.shape)}, x {x.shape}"
     summed = torch.empty_like(residual)
-    out = _launch(x, weight, bias, config, ADD_RMS_NORM, residual, norm_weight, eps, summed, silu_and_mul=silu_and_mul)
+    out = _launch(x, weight, bias, config, x_op, residual, norm_weight, eps, summed, silu_and_mul=silu_and_mul)
     return out, summed
 
 

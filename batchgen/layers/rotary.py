@@ -17,7 +17,7 @@ from torch import nn
 
 from batchgen.models.hf_config import max_positions
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn", "longrope", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 # The types whose frequencies depend on a pretraining length, which transformers defaults to max_position_embeddings.
 _WITH_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 
@@ -177,6 +177,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq, attention_factor = _longrope(rotary_dim, theta, scaling, max_positions)
         elif rope_type == "dynamic":
             inv_freq = _dynamic_ntk(rotary_dim, theta, scaling, max_positions)
+        elif rope_type == "linear":  # positions divided by `factor` (Gemma 3's global layers)
+            inv_freq = _default_inv_freq(rotary_dim, theta) / scaling["factor"]
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(_default_inv_freq(rotary_dim, theta), scaling)
         else:

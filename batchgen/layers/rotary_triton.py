@@ -1,4 +1,5 @@
-"""One Triton kernel between the QKV projection and attention: Qwen3's q/k RMSNorm, RoPE, and the K/V cache store.
+"""One Triton kernel between the QKV projection and attention: Qwen3's (or Gemma 3's) q/k RMSNorm, RoPE, and the K/V
+cache store.
 
 The reference path runs these as separate ops (on CUDA, torch.compile still makes four kernels of the norm and
 rotation, plus the store): at batch 1 each costs a launch of a few microseconds for a few kilobytes of work, in
@@ -19,10 +20,13 @@ from batchgen.layers.pdl import launch_options, wait_for_previous
 
 
 @triton.jit
-def _normed(x, rstd, w, dtype: tl.constexpr):
-    """One piece (heads, BLOCK) of RMS-normed heads in fp32, rounded like the reference: weight * (x * rstd).to(dtype).
+def _normed(x, rstd, w, dtype: tl.constexpr, GEMMA_STYLE: tl.constexpr):
+    """One piece (heads, BLOCK) of RMS-normed heads in fp32, rounded like the reference: weight * (x * rstd).to(dtype),
+    or with GEMMA_STYLE (norms.gemma_rms_norm) x * rstd * (1 + weight) rounded once.
 
     rstd: (heads, 1); w: (1, BLOCK), that piece of the norm weight, fp32."""
+    if GEMMA_STYLE:
+        return (x * rstd * (1.0 + w)).to(dtype).to(tl.float32)
     return (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
 
 
@@ -41,7 +45,7 @@ def _rotate_and_store_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     PASS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_HEAD: tl.constexpr,
     BLOCK_Q_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    QK_NORM: tl.constexpr, GEMMA_STYLE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Two programs per token: its q heads, and its k and v heads, each as (heads, BLOCK) tiles: the two rotary
     halves (HALF wide each) and, with partial rotary, the PASS dimensions after them that pass through unrotated.
@@ -85,9 +89,10 @@ def _rotate_and_store_kernel(
             if PASS > 0:
                 sum_sq += tl.sum(q3 * q3, 1)
             rstd = _rstd(sum_sq, eps, HEAD_DIM)
-            q1, q2 = _normed(q1, rstd, norm_w1, dtype), _normed(q2, rstd, norm_w2, dtype)
+            q1 = _normed(q1, rstd, norm_w1, dtype, GEMMA_STYLE)
+            q2 = _normed(q2, rstd, norm_w2, dtype, GEMMA_STYLE)
             if PASS > 0:
-                q3 = _normed(q3, rstd, norm_w3, dtype)
+                q3 = _normed(q3, rstd, norm_w3, dtype, GEMMA_STYLE)
         q_out = q_out_ptr + t * stride_qo_t + head * stride_qo_h
         tl.store(q_out + i, (q1 * cos - q2 * sin).to(dtype), mask=mask)
         tl.store(q_out + HALF + i, (q2 * cos + q1 * sin).to(dtype), mask=mask)
@@ -116,9 +121,10 @@ def _rotate_and_store_kernel(
                 if PASS > 0:
                     sum_sq += tl.sum(k3 * k3, 1)
                 rstd = _rstd(sum_sq, eps, HEAD_DIM)
-                k1, k2 = _normed(k1, rstd, norm_w1, dtype), _normed(k2, rstd, norm_w2, dtype)
+                k1 = _normed(k1, rstd, norm_w1, dtype, GEMMA_STYLE)
+                k2 = _normed(k2, rstd, norm_w2, dtype, GEMMA_STYLE)
                 if PASS > 0:
-                    k3 = _normed(k3, rstd, norm_w3, dtype)
+                    k3 = _normed(k3, rstd, norm_w3, dtype, GEMMA_STYLE)
             cache_dtype = k_cache_ptr.dtype.element_ty
             k_out = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + g * stride_kc_h
             tl.store(k_out + i, to_cache_dtype((k1 * cos - k2 * sin).to(dtype), cache_dtype), mask=mask)
@@ -134,12 +140,13 @@ def rotate_and_store(
     positions: torch.Tensor,  # (T,) int64
     cos: torch.Tensor,  # (P, R / 2) float32: R = D, or with partial rotary the leading R dims of each head that rotate
     sin: torch.Tensor,  # (P, R / 2) float32
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (q weight (D,), k weight (D,), eps): Qwen3 only
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (q weight (D,), k weight (D,), eps): Qwen3, Gemma 3
     k_cache: torch.Tensor,  # (NB, BS, KVH, D)
     v_cache: torch.Tensor,  # (NB, BS, KVH, D)
     slot_mapping: torch.Tensor,  # (T,) int64, -1 = write nothing
     num_heads: int,
     num_kv_heads: int,
+    gemma_style: bool = False,  # the q/k norms compute as norms.gemma_rms_norm (Gemma 3)
 ) -> torch.Tensor:  # (T, H, D): q, normed and rotated
     num_tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
@@ -159,6 +166,6 @@ def rotate_and_store(
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(max(passed, 1)),
         BLOCK_HEAD=triton.next_power_of_2(head_dim), BLOCK_Q_HEADS=triton.next_power_of_2(num_heads),
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=k_cache.shape[1],
-        QK_NORM=qk_norm is not None, num_warps=4, **launch_options(qkv.device),
+        QK_NORM=qk_norm is not None, GEMMA_STYLE=gemma_style, num_warps=4, **launch_options(qkv.device),
     )  # fmt: skip
     return q

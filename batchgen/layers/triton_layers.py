@@ -1,7 +1,8 @@
 """Switches layers to their Triton kernels on CUDA; the CPU path and the reference tests keep the plain functions.
 
-Layers that offer `use_triton()`: RMSNorm (with its residual add) and SiluAndMul, the fused q/k-norm + RoPE + K/V
-store of Llama attention, the small-M GEMV of `Linear`, and `Embedding`'s lookup.
+Layers that offer `use_triton()`: RMSNorm (with its residual add; Gemma's too) and SiluAndMul, the fused q/k-norm +
+RoPE + K/V store of Llama and Gemma attention, the small-M GEMV of `Linear`, and `Embedding`'s lookup. Gemma's GeGLU
+offers none: it stays in torch.
 """
 
 from __future__ import annotations

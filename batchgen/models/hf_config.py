@@ -32,6 +32,10 @@ ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 # The other heads of these model types that job.task=classify and job.task=embed run: sequence classifiers (and
 # reward models) and bare decoders (transformers' *Model).

@@ -13,8 +13,9 @@ from safetensors import safe_open
 from torch import nn
 
 from batchgen.config import ModelConfig
-from batchgen.layers.norms import RMSNorm
+from batchgen.layers.norms import GemmaRMSNorm, RMSNorm
 from batchgen.models.base import CausalLM
+from batchgen.models.gemma import language_model_config
 from batchgen.models.gguf import gguf_hf_config, iter_gguf_weights
 from batchgen.models.gguf_file import is_gguf_path
 from batchgen.models.hf_config import SAFETENSORS_FILE, SAFETENSORS_INDEX, hf_config_from_dict, read_hf_config
@@ -40,7 +41,7 @@ def load_hf_config(model: ModelConfig) -> Any:
         if config is None:
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(model.path)
+            config = language_model_config(AutoConfig.from_pretrained(model.path))
         overrides.pop("model_type", None)  # the config class is fixed by config.json
         config.update(overrides)  # after the derived values, as transformers' PretrainedConfig.update does
         return config
@@ -51,7 +52,7 @@ def load_hf_config(model: ModelConfig) -> Any:
         from transformers import AutoConfig
 
         model_type = overrides.pop("model_type")
-        config = AutoConfig.for_model(model_type, **overrides)
+        config = language_model_config(AutoConfig.for_model(model_type, **overrides))
     return config
 
 
@@ -97,7 +98,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def init_dummy_weights(model: nn.Module) -> None:
-    """Reproducible random weights: normal(0, 0.02), with norm weights one and norm biases zero."""
+    """Reproducible random weights: normal(0, 0.02), with norm weights the identity scale (one; zero for Gemma's
+    norms, which scale by 1 + weight) and norm biases zero."""
     torch.manual_seed(0)
     with torch.no_grad():
         for module in model.modules():
@@ -106,7 +108,7 @@ def init_dummy_weights(model: nn.Module) -> None:
                 if not is_norm:
                     param.normal_(mean=0.0, std=0.02)
                 elif name == "weight":
-                    param.fill_(1.0)
+                    param.fill_(0.0 if isinstance(module, GemmaRMSNorm) else 1.0)
                 else:
                     param.zero_()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from batchgen.models.base import CausalLM
+from batchgen.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from batchgen.models.gpt2 import GPT2LMHeadModel
 from batchgen.models.hf_config import HFConfig, architecture_of
 from batchgen.models.llama import (
@@ -32,6 +33,10 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its language model: the loader reads its text_config
 }
 # Classifiers and reward models (job.task=classify): the decoder with a `score` head in place of the LM head.
 CLASSIFIER_REGISTRY: dict[str, type] = {

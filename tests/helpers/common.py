@@ -15,6 +15,9 @@ from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
@@ -29,7 +32,7 @@ from batchgen.config import ModelConfig
 from batchgen.models.loader import load_hf_config, load_model
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
-                 "Phi3ForCausalLM", "Olmo2ForCausalLM"]
+                 "Phi3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
 
 
 LLAMA_LIKE = dict(
@@ -51,8 +54,9 @@ PHI3_LONG_FACTOR = [1.5, 2.5, 4.0, 6.5, 10.0, 16.0]
 def tiny_hf_config(architecture: str) -> PretrainedConfig:
     """A tiny config per architecture, covering the features each one adds: Llama 3 rope scaling (Llama),
     sliding_window set (Mistral), qkv bias (Qwen2), head_dim != hidden / heads and q/k norms (Qwen3), partial rotary
-    and LongRoPE (Phi-3), norms after the sublayers and q/k norms over whole projections (OLMo 2);
-    Qwen2, Qwen3, GPT-2 and Phi-3 tie lm_head to the embeddings, Llama, Mistral and OLMo 2 do not."""
+    and LongRoPE (Phi-3), norms after the sublayers and q/k norms over whole projections (OLMo 2), soft caps and
+    query_pre_attn_scalar (Gemma 2), a RoPE per layer type and q/k norms (Gemma 3); Qwen2, Qwen3, GPT-2, Phi-3 and
+    Gemma tie lm_head to the embeddings, Llama, Mistral and OLMo 2 do not."""
     if architecture == "LlamaForCausalLM":
         config = LlamaConfig(
             **LLAMA_LIKE,
@@ -67,6 +71,21 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
         config = Qwen2Config(**LLAMA_LIKE, rope_theta=1000000.0, tie_word_embeddings=True)
     elif architecture == "Qwen3ForCausalLM":
         config = Qwen3Config(**LLAMA_LIKE, head_dim=32, tie_word_embeddings=True)
+    elif architecture == "GemmaForCausalLM":
+        config = GemmaConfig(**LLAMA_LIKE, head_dim=16)
+    elif architecture == "Gemma2ForCausalLM":
+        # Soft caps low enough to bend these tiny models' scores and logits; a window past every test sequence (the
+        # sliding-window tests shorten it), on layer 0 (Gemma 2 alternates, sliding first).
+        config = Gemma2Config(**LLAMA_LIKE, head_dim=16, query_pre_attn_scalar=24, sliding_window=256,
+                              attn_logit_softcapping=0.5, final_logit_softcapping=2.0)
+    elif architecture == "Gemma3ForCausalLM":
+        # One sliding and one global layer, each with its RoPE: the local base, and the global one linearly scaled.
+        config = Gemma3TextConfig(
+            **LLAMA_LIKE, head_dim=32, query_pre_attn_scalar=20, sliding_window=256,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
+        )
     elif architecture == "GPT2LMHeadModel":
         config = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=255,
                             eos_token_id=255)
@@ -87,8 +106,9 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
 
 
 def with_sliding_window(config: PretrainedConfig, window: int) -> PretrainedConfig:
-    """The same tiny config with a small sliding window: on every layer (Mistral), or on the layers from
-    max_window_layers=1 on (Qwen2: layer 0 full, layer 1 sliding), as transformers reads these keys."""
+    """The same tiny config with a small sliding window: on every layer (Mistral), on the layers from
+    max_window_layers=1 on (Qwen2: layer 0 full, layer 1 sliding), or on those layer_types already names (Gemma:
+    layer 0), as transformers reads these keys."""
     config.sliding_window = window
     if isinstance(config, Qwen2Config):
         config.use_sliding_window = True

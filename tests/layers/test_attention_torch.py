@@ -17,12 +17,15 @@ def dense_causal_attention(
     k: torch.Tensor,  # (S, KVH, D): the whole sequence
     v: torch.Tensor,  # (S, KVH, D)
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # (L, H, D) float64
     query_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     k = k.double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # (S, H, D)
     v = v.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
     scores = torch.einsum("lhd,shd->hls", q.double(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     query_positions = torch.arange(seq_len - query_len, seq_len)
     causal = torch.arange(seq_len)[None, :] <= query_positions[:, None]  # (L, S)
     probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
@@ -143,6 +146,32 @@ def test_prefill_of_one_token_agrees_with_decode() -> None:
     prefill = ops.prefill_attention(q, layout.k_cache, layout.v_cache, layout.block_tables,
                                     torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens, 0.3, 1, 9)
     torch.testing.assert_close(decode, prefill, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEAD_LAYOUTS)
+def test_softcapped_attention_matches_dense_attention(num_heads: int, num_kv_heads: int) -> None:
+    """Soft-capped scores (Gemma 2), in prefill chunks over a cached prefix and in decode: dense attention over
+    softcap * tanh(scores / softcap), and clearly not the uncapped attention."""
+    sequences = [(13, 13), (40, 9), (33, 1)]  # (context length after the step, new tokens)
+    layout = PagedLayout([n for n, _ in sequences], 4, num_kv_heads, seed=num_heads + 7)
+    for seq, (seq_len, _) in enumerate(sequences):
+        layout.store(seq, 0, seq_len)
+    query_lens = [q for _, q in sequences]
+    q = 3 * torch.randn(sum(query_lens), num_heads, HEAD_DIM)  # scores of a few units: the cap of 2 bends them
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([n for n, _ in sequences], dtype=torch.int32)
+    scale, softcap = HEAD_DIM**-0.5, 2.0
+    prefill = ops.prefill_attention(q, layout.k_cache, layout.v_cache, layout.block_tables, query_start_loc,
+                                    seq_lens, scale, max(query_lens), int(seq_lens.max()), softcap=softcap)
+    last_rows = query_start_loc[1:].long() - 1
+    decode = ops.decode_attention(q[last_rows], layout.k_cache, layout.v_cache, layout.block_tables, seq_lens, scale,
+                                  softcap=softcap)
+    torch.testing.assert_close(decode, prefill[last_rows], rtol=1e-6, atol=1e-6)
+    for seq, (start, end) in enumerate(zip(query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(), strict=True)):
+        k, v = layout.k[seq], layout.v[seq]
+        expected = dense_causal_attention(q[start:end], k, v, scale, softcap)
+        torch.testing.assert_close(prefill[start:end].double(), expected, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(expected, dense_causal_attention(q[start:end], k, v, scale), atol=1e-2)
 
 
 def fp8_rounded(x: torch.Tensor) -> torch.Tensor:

@@ -228,6 +228,50 @@ def test_prefill_with_sliding_window_matches_reference(window: int) -> None:
         assert not torch.allclose(expected, attention_torch.prefill_attention(*args), atol=1e-3)
 
 
+# (window, num_splits, dtype): soft-capped scores (Gemma 2) alone, with a window (Gemma 2's sliding layers), split
+# and merged by the kernel, and in bf16 (CUDA only)
+SOFTCAP_DECODE_CASES = [(None, 1, f32), (8, 1, f32), (None, 4, f32), (50, 2, f32), (None, None, bf16), (8, 4, bf16)]
+
+
+@pytest.mark.parametrize(("window", "num_splits", "dtype"), SOFTCAP_DECODE_CASES, ids=str)
+def test_decode_with_softcap_matches_reference(window: int | None, num_splits: int | None,
+                                               dtype: torch.dtype) -> None:
+    skip_bf16_dot_in_interpreter(dtype)
+    batch, num_heads, num_kv_heads, head_dim, block_size, softcap = 4, 8, 2, 32, 16, 1.5
+    gen = torch.Generator().manual_seed(17)
+    seq_lens = torch.tensor([150, 7, 64, 0], dtype=torch.int32)  # 0: a padding row of the graph bucket
+    k_cache, v_cache, block_tables = paged_cache(seq_lens.tolist(), block_size, num_kv_heads, head_dim, dtype, gen)
+    q = (2 * torch.randn(batch, num_heads, head_dim, generator=gen)).to(dtype).to(DEVICE)  # scores past the cap
+    args = (q, k_cache, v_cache, block_tables, seq_lens.to(DEVICE), head_dim**-0.5, window)
+
+    out = attention_triton.decode_attention(*args, softcap=softcap, num_splits=num_splits)
+    expected = attention_torch.decode_attention(*args, softcap=softcap)
+    assert_close(out, expected)
+    assert (out[-1] == 0).all()
+    assert not torch.allclose(expected.float(), attention_torch.decode_attention(*args).float(), atol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("window", [None, 8, 40])
+def test_prefill_with_softcap_matches_reference(window: int | None, dtype: torch.dtype) -> None:
+    """Chunks over a cached prefix, several query and KV tiles, with and without a sliding window."""
+    skip_bf16_dot_in_interpreter(dtype)
+    query_lens, prefix_lens = (70, 1, 33), (0, 90, 45)
+    num_heads, num_kv_heads, head_dim, block_size, softcap = 4, 2, 32, 8, 1.5
+    seq_lens = [p + n for p, n in zip(prefix_lens, query_lens, strict=True)]
+    gen = torch.Generator().manual_seed(18)
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    q = (2 * torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)).to(dtype).to(DEVICE)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens_t, head_dim**-0.5, max(query_lens),
+            max(seq_lens), window)
+
+    expected = attention_torch.prefill_attention(*args, softcap=softcap)
+    assert_close(attention_triton.prefill_attention(*args, softcap=softcap), expected)
+    assert not torch.allclose(expected.float(), attention_torch.prefill_attention(*args).float(), atol=5e-2)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("dtype", [f32, bf16])
 @pytest.mark.parametrize(("num_kv_heads", "head_dim", "block_size"), [(8, 128, 16), (2, 80, 32), (1, 64, 1)])

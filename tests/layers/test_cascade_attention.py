@@ -71,6 +71,28 @@ def test_cascade_decode_matches_reference(case: tuple, kv_cache_dtype: str) -> N
     assert (out[lens == 0] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_cascade_decode_with_softcap_matches_reference(dtype: torch.dtype) -> None:
+    """Soft-capped scores (Gemma 2's global layers cascade) in both the shared-prefix and the per-row kernel."""
+    skip_bf16_dot_in_interpreter(dtype)
+    num_heads, num_kv_heads, head_dim, block_size, prefix_len, softcap = 8, 2, 64, 16, 50, 1.5
+    seq_lens = [prefix_len + s for s in (3, 20, 1)] + [0]
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    block_tables = _shared_prefix_tables(block_tables, seq_lens, prefix_len, block_size)
+    q = (2 * torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)).to(dtype).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    shared = shared_prefix_len(block_tables, lens, block_size)
+    assert shared.item() == 48
+    args = (q, k_cache, v_cache, block_tables, lens, head_dim**-0.5)
+
+    out = attention_triton.decode_attention(*args, softcap=softcap, num_splits=2, shared_prefix_len=shared,
+                                            num_prefix_splits=2)
+    expected = attention_torch.decode_attention(*args, softcap=softcap)
+    assert_close(out, expected)
+    assert not torch.allclose(expected.float(), attention_torch.decode_attention(*args).float(), atol=5e-2)
+
+
 def test_cascade_reads_the_prefix_through_row_zero() -> None:
     """The prefix kernel, not each row's own loop, covers [0, shared_len): with the shared length forced past the
     blocks that really are shared, rows other than 0 read row 0's K/V there and stop matching the reference."""

@@ -1,5 +1,5 @@
-"""The Triton RMSNorm (+ residual add) and SiluAndMul kernels against the torch ops they replace, and the layers'
-switch to them.
+"""The Triton RMSNorm (+ residual add; Llama's and Gemma's) and SiluAndMul kernels against the torch ops they replace,
+and the layers' switch to them.
 
 Runs on CUDA; without a GPU,
 `TRITON_INTERPRET=1 pytest tests/layers/test_elementwise_triton.py` runs the kernels through
@@ -17,7 +17,14 @@ pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU bu
 
 from batchgen.layers import elementwise_triton  # noqa: E402
 from batchgen.layers.activation import SiluAndMul, silu_and_mul  # noqa: E402
-from batchgen.layers.norms import RMSNorm, add_rms_norm, rms_norm  # noqa: E402
+from batchgen.layers.norms import (  # noqa: E402
+    GemmaRMSNorm,
+    RMSNorm,
+    add_gemma_rms_norm,
+    add_rms_norm,
+    gemma_rms_norm,
+    rms_norm,
+)
 from batchgen.layers.triton_layers import use_triton_layers  # noqa: E402
 from tests.helpers.triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 
@@ -58,6 +65,27 @@ def test_add_rms_norm_matches_reference(case: tuple, with_residual: bool) -> Non
     assert torch.equal(summed, expected_summed)  # one rounded add: exact
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_gemma_add_rms_norm_matches_reference(case: tuple, with_residual: bool) -> None:
+    """Gemma's norm: (1 + weight) in fp32, rounded once; the output in x's dtype."""
+    rows, dim, dtype = case
+    _skip_bf16_on_cpu(dtype)
+    x = _random((rows, dim), dtype, case, "gemma x")
+    weight = _random((dim,), dtype, case, "gemma w", scale=0.5)  # zero-centred
+    residual = _random((rows, dim), dtype, case, "gemma r") if with_residual else None
+    out, summed = elementwise_triton.add_rms_norm(x, residual, weight, 1e-6, gemma_style=True)
+    if residual is None:
+        expected, expected_summed = gemma_rms_norm(x, weight, 1e-6), x
+    else:
+        expected, expected_summed = add_gemma_rms_norm(x, residual, weight, 1e-6)
+    rtol, atol = TOLERANCE[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
+    assert torch.equal(summed, expected_summed)
+    assert not torch.allclose(out.float(), elementwise_triton.add_rms_norm(x, residual, weight, 1e-6)[0].float())
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_silu_and_mul_matches_reference(case: tuple) -> None:
     rows, dim, dtype = case
@@ -83,15 +111,17 @@ def test_layers_switch_to_the_kernels_on_their_device(monkeypatch: pytest.Monkey
     for name in ("add_rms_norm", "silu_and_mul"):
         original = getattr(elementwise_triton, name)
         monkeypatch.setattr(elementwise_triton, name,
-                            lambda *args, _f=original, _n=name: calls.append(_n) or _f(*args))
-    norm, act = RMSNorm(64, 1e-6).to(DEVICE), SiluAndMul()
+                            lambda *args, _f=original, _n=name, **kwargs: calls.append(_n) or _f(*args, **kwargs))
+    norm, gemma_norm, act = RMSNorm(64, 1e-6).to(DEVICE), GemmaRMSNorm(64, 1e-6).to(DEVICE), SiluAndMul()
+    with torch.no_grad():
+        gemma_norm.weight.copy_(_random((64,), f32, "layers", "gemma w", scale=0.5))
     x, residual, gate_up = (_random((5, 64), f32, "layers", salt) for salt in ("x", "r", "gu"))
-    expected = (norm(x), norm(x, residual), act(gate_up))
-    norm.use_triton(DEVICE)
-    act.use_triton(DEVICE)
-    actual = (norm(x), norm(x, residual), act(gate_up))
+    expected = (norm(x), norm(x, residual), gemma_norm(x), gemma_norm(x, residual), act(gate_up))
+    for layer in (norm, gemma_norm, act):
+        layer.use_triton(DEVICE)
+    actual = (norm(x), norm(x, residual), gemma_norm(x), gemma_norm(x, residual), act(gate_up))
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    assert calls == ["add_rms_norm", "add_rms_norm", "silu_and_mul"]
+    assert calls == ["add_rms_norm"] * 4 + ["silu_and_mul"]
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the CPU fallback")

@@ -29,7 +29,7 @@ from batchgen.layers.linear_triton import (
     small_m_linear,
     warp_split_config,
 )
-from batchgen.layers.norms import rms_norm
+from batchgen.layers.norms import gemma_rms_norm, rms_norm
 from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model
 from tests.helpers.triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
@@ -258,18 +258,19 @@ def _prologue_atol(x: torch.Tensor, weight: torch.Tensor) -> float:
 
 
 def _check_add_rms_norm(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, with_residual: bool,
-                        config: LinearConfig | None = None, with_silu: bool = False) -> None:
+                        config: LinearConfig | None = None, with_silu: bool = False, gemma_style: bool = False) -> None:
     """Against the unfused ops: F.linear of rms_norm(x + residual) (then SiluAndMul, with_silu: 2n weight rows),
-    and the new residual x + residual."""
+    and the new residual x + residual. gemma_style: Gemma's norm (a zero-centred weight), gemma_rms_norm."""
     seed = ("norm", m, n, k, dtype, bias, with_residual, config, with_silu)
     x, weight, b = _inputs(m, 2 * n if with_silu else n, k, dtype, bias, seed)
     gen = torch.Generator().manual_seed(m * k)
     residual = (torch.randn(m, k, generator=gen) * 4).to(dtype).to(DEVICE) if with_residual else None
-    norm_weight = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(DEVICE)
+    norm_weight = (int(not gemma_style) + torch.randn(k, generator=gen) / 4).to(dtype).to(DEVICE)
     eps = 1e-6
-    out, new_residual = add_rms_norm_linear(x, residual, norm_weight, eps, weight, b, config, silu_and_mul=with_silu)
+    out, new_residual = add_rms_norm_linear(x, residual, norm_weight, eps, weight, b, config, silu_and_mul=with_silu,
+                                            gemma_style=gemma_style)
     summed = x if residual is None else x + residual
-    normed = rms_norm(summed, norm_weight, eps)
+    normed = (gemma_rms_norm if gemma_style else rms_norm)(summed, norm_weight, eps)
     if with_silu:
         expected = silu_and_mul(_reference(normed, weight, b).to(dtype)).float()
         _assert_close_activated(out, expected, dtype, _prologue_atol(normed, weight))
@@ -292,6 +293,7 @@ def test_fused_every_m(m: int, dtype: torch.dtype) -> None:
     _check_silu_and_mul(m, n, 100, dtype, bias=m % 2 == 0)
     _check_add_rms_norm(m, n, 100, dtype, bias=m % 2 == 1, with_residual=m != 3)
     _check_add_rms_norm(m, n, 100, dtype, bias=m % 2 == 0, with_residual=m != 4, with_silu=True)
+    _check_add_rms_norm(m, n, 100, dtype, bias=False, with_residual=m != 5, gemma_style=True)
 
 
 # (N, K): N of 1, a prime and non-multiples of BLOCK_N; K of 1, uneven and powers of two; with a small BLOCK_K, K in
@@ -308,6 +310,7 @@ def test_fused_shapes(n: int, k: int, config: LinearConfig | None, dtype: torch.
     _check_add_rms_norm(m, n, k, dtype, bias=False, with_residual=True, config=config)
     _check_add_rms_norm(m, n, k, dtype, bias=True, with_residual=False, config=config)
     _check_add_rms_norm(m, n, k, dtype, bias=False, with_residual=True, config=config, with_silu=True)
+    _check_add_rms_norm(m, n, k, dtype, bias=False, with_residual=True, config=config, gemma_style=True)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA-graph capture needs a GPU")
@@ -337,24 +340,25 @@ def test_fused_kernels_replay_in_cuda_graph() -> None:
 
 
 def _counting(calls: dict[str, int], kernel: Callable[..., object]) -> Callable[..., object]:
-    """kernel, counting its calls by whether they fuse SiLU-and-mul."""
-    def spy(*args: object, silu_and_mul: bool = False) -> object:
-        calls["with SiLU" if silu_and_mul else "norm only"] += 1
-        return kernel(*args, silu_and_mul=silu_and_mul)
+    """kernel, counting its calls by whether they fuse SiLU-and-mul, and Gemma's norm."""
+    def spy(*args: object, silu_and_mul: bool = False, gemma_style: bool = False) -> object:
+        calls["with SiLU" if silu_and_mul else "Gemma norm" if gemma_style else "norm only"] += 1
+        return kernel(*args, silu_and_mul=silu_and_mul, gemma_style=gemma_style)
 
     return spy
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
-@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "LlamaForCausalLM", "Gemma2ForCausalLM"])
 def test_model_with_fused_linears(architecture: str, fuse: bool, tiny_model_dir: Callable[..., Path],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """With every Linear on the kernel (prefill and decode steps of at most MAX_M rows), the model's logits match
     F.linear's; with the fusions switched on, the layers' RMSNorms and SiluAndMul run inside the GEMV (per layer and
-    step: the qkv projection with its norm, gate/up with its norm and SiLU), switched off, never."""
+    step: the qkv projection with its norm, gate/up with its norm and SiLU; Gemma's GeGLU stays outside), switched
+    off, never."""
     monkeypatch.setattr(fused, "FUSE_SILU_AND_MUL", fuse)
     monkeypatch.setattr(fused, "FUSE_ADD_RMS_NORM", fuse)
-    calls = {"norm only": 0, "with SiLU": 0}
+    calls = {"norm only": 0, "with SiLU": 0, "Gemma norm": 0}
     monkeypatch.setattr(linear_triton, "add_rms_norm_linear", _counting(calls, linear_triton.add_rms_norm_linear))
     model_config = ModelConfig(path=str(tiny_model_dir(architecture)))
     model = load_model(model_config, load_hf_config(model_config), f32, torch.device(DEVICE))
@@ -374,5 +378,8 @@ def test_model_with_fused_linears(architecture: str, fuse: bool, tiny_model_dir:
         assert_close(logits(), expected, f32)
     steps = 1 + len(tokens[5:])
     layers = model.config.num_hidden_layers
-    expected_calls = layers * steps if fuse else 0
-    assert calls == {"norm only": expected_calls, "with SiLU": expected_calls}
+    fused_calls = layers * steps if fuse else 0
+    if architecture.startswith("Gemma"):
+        assert calls == {"norm only": 0, "with SiLU": 0, "Gemma norm": 2 * fused_calls}
+    else:
+        assert calls == {"norm only": fused_calls, "with SiLU": fused_calls, "Gemma norm": 0}

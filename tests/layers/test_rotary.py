@@ -172,5 +172,5 @@ def test_rope_parameters_read_the_original_length_as_transformers() -> None:
 
 
 def test_unsupported_rope_type_is_named() -> None:
-    with pytest.raises(ValueError, match="rope type 'linear' is not supported; supported: default, llama3, yarn"):
-        rope_parameters(llama_config(64, rope_type="linear", factor=2.0))
+    with pytest.raises(ValueError, match="rope type 'mrope' is not supported; supported: default, linear, llama3"):
+        rope_parameters(llama_config(64, rope_type="mrope", factor=2.0))

@@ -16,6 +16,7 @@ pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU bu
 from batchgen.layers import attention_torch
 from batchgen.layers.rotary import RotaryEmbedding
 from batchgen.layers.rotary_triton import rotate_and_store
+from batchgen.models.gemma import gemma_norm_and_rotate
 from batchgen.models.llama import norm_and_rotate
 from tests.helpers.paged import KV_CACHE_DTYPES, cache_dtype
 from tests.helpers.triton_support import DEVICE, TRITON_MARKS  # noqa: E402
@@ -47,12 +48,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("gemma_style", [False, True], ids=["qwen3_norm", "gemma_norm"])
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_rotate_and_store_matches_reference(case: tuple, kv_cache_dtype: str) -> None:
+def test_rotate_and_store_matches_reference(case: tuple, kv_cache_dtype: str, gemma_style: bool) -> None:
+    """gemma_style: the q/k norms as Gemma 3 computes them (a zero-centred weight, scaled by 1 + weight)."""
     num_tokens, num_heads, num_kv_heads, head_dim, rotary_dim, qk_norm, dtype = case
     if DEVICE == "cpu" and dtype == bf16:
         pytest.skip("bf16 runs on CUDA only")
+    if gemma_style and (not qk_norm or rotary_dim != head_dim):
+        pytest.skip("Gemma's q/k norms come with full rotary only")
     skip_fp8_store_in_interpreter(kv_cache_dtype)
     gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
     block_size, num_blocks, max_positions = 16, 64, 4096
@@ -63,8 +68,9 @@ def test_rotate_and_store_matches_reference(case: tuple, kv_cache_dtype: str) ->
     slots[::3] = -1
     norms = None
     if qk_norm:
-        norms = (torch.rand(head_dim, generator=gen).add(0.5).to(dtype).to(DEVICE),
-                 torch.rand(head_dim, generator=gen).add(0.5).to(dtype).to(DEVICE), 1e-6)
+        offset = -0.5 if gemma_style else 0.5
+        norms = (torch.rand(head_dim, generator=gen).add(offset).to(dtype).to(DEVICE),
+                 torch.rand(head_dim, generator=gen).add(offset).to(dtype).to(DEVICE), 1e-6)
     qkv, positions, slots = qkv.to(DEVICE), positions.to(DEVICE), slots.to(DEVICE)
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache, v_cache = (torch.randn(cache_shape, generator=gen).to(cache_dtype(kv_cache_dtype, dtype)).to(DEVICE)
@@ -72,11 +78,12 @@ def test_rotate_and_store_matches_reference(case: tuple, kv_cache_dtype: str) ->
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
 
     q = rotate_and_store(qkv, positions, rotary.cos, rotary.sin, norms, k_cache, v_cache, slots, num_heads,
-                         num_kv_heads)
+                         num_kv_heads, gemma_style=gemma_style)
 
     q_ref, k_ref, v_ref = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
-    q_ref, k_ref = norm_and_rotate(positions, q_ref.view(num_tokens, num_heads, head_dim),
-                                   k_ref.view(num_tokens, num_kv_heads, head_dim), norms, rotary.cos, rotary.sin)
+    reference = gemma_norm_and_rotate if gemma_style else norm_and_rotate
+    q_ref, k_ref = reference(positions, q_ref.view(num_tokens, num_heads, head_dim),
+                             k_ref.view(num_tokens, num_kv_heads, head_dim), norms, rotary.cos, rotary.sin)
     attention_torch.store_kv(k_ref, v_ref.view(num_tokens, num_kv_heads, head_dim), expected_k, expected_v, slots)
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(q.float(), q_ref.float(), atol=atol, rtol=rtol)

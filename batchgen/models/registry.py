@@ -6,6 +6,7 @@ from batchgen.models.base import CausalLM
 from batchgen.models.gpt2 import GPT2LMHeadModel
 from batchgen.models.hf_config import HFConfig, architecture_of
 from batchgen.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from batchgen.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 # Keyed by hf_config.ARCHITECTURES' values, which check_checkpoint reads without importing the models (torch).
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
@@ -14,6 +15,9 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
 
 

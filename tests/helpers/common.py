@@ -17,15 +17,20 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from batchgen.config import ModelConfig
 from batchgen.models.loader import load_hf_config, load_model
 
-ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel"]
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
+                 "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
+MOE_ARCHITECTURES = ["MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"]
 
 
 LLAMA_LIKE = dict(
@@ -42,8 +47,10 @@ LLAMA_LIKE = dict(
 
 def tiny_hf_config(architecture: str) -> PretrainedConfig:
     """A tiny config per architecture, covering the features each one adds: Llama 3 rope scaling (Llama),
-    sliding_window set (Mistral), qkv bias (Qwen2), head_dim != hidden / heads and q/k norms (Qwen3);
-    Qwen2, Qwen3 and GPT-2 tie lm_head to the embeddings, Llama and Mistral do not."""
+    sliding_window set (Mistral), qkv bias (Qwen2), head_dim != hidden / heads and q/k norms (Qwen3); mixtures of
+    experts: 4 experts, 2 a token, renormalized (Mixtral), 8 experts, 2 a token, renormalized, with Qwen3's head_dim
+    and q/k norms (Qwen3-MoE), a shared expert and unrenormalized top-2 (Qwen2-MoE);
+    Qwen2, Qwen3 and GPT-2 tie lm_head to the embeddings, the others do not."""
     if architecture == "LlamaForCausalLM":
         config = LlamaConfig(
             **LLAMA_LIKE,
@@ -58,6 +65,15 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
         config = Qwen2Config(**LLAMA_LIKE, rope_theta=1000000.0, tie_word_embeddings=True)
     elif architecture == "Qwen3ForCausalLM":
         config = Qwen3Config(**LLAMA_LIKE, head_dim=32, tie_word_embeddings=True)
+    elif architecture == "MixtralForCausalLM":
+        config = MixtralConfig(**{**LLAMA_LIKE, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+                               tie_word_embeddings=False)
+    elif architecture == "Qwen3MoeForCausalLM":
+        config = Qwen3MoeConfig(**LLAMA_LIKE, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)
+    elif architecture == "Qwen2MoeForCausalLM":
+        config = Qwen2MoeConfig(**LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=False)
     elif architecture == "GPT2LMHeadModel":
         config = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=255,
                             eos_token_id=255)
@@ -68,7 +84,7 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
 
 
 def with_sliding_window(config: PretrainedConfig, window: int) -> PretrainedConfig:
-    """The same tiny config with a small sliding window: on every layer (Mistral), or on the layers from
+    """The same tiny config with a small sliding window: on every layer (Mistral, Mixtral), or on the layers from
     max_window_layers=1 on (Qwen2: layer 0 full, layer 1 sliding), as transformers reads these keys."""
     config.sliding_window = window
     if isinstance(config, Qwen2Config):

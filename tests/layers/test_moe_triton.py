@@ -16,6 +16,8 @@ pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU bu
 
 from batchgen.layers import moe_triton  # noqa: E402
 from batchgen.layers.moe import StackedExperts, experts_reference, route  # noqa: E402
+from tests.helpers.common import load_ours, random_tokens  # noqa: E402
+from tests.helpers.paged import PagedTestCache  # noqa: E402
 from tests.helpers.triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 
 pytestmark = TRITON_MARKS
@@ -115,6 +117,19 @@ def test_stacked_experts_take_the_kernel_on_their_device(monkeypatch: pytest.Mon
     experts.use_kernel_on(DEVICE)
     torch.testing.assert_close(experts(hidden, logits), expected, rtol=1e-4, atol=1e-4)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+def test_model_logits_with_the_kernel_equal_the_reference(architecture: str, tiny_model_dir) -> None:
+    model = load_ours(tiny_model_dir(architecture)).to(DEVICE)
+    for module in model.modules():
+        if isinstance(module, StackedExperts):
+            module.use_kernel_on(DEVICE)
+    tokens = random_tokens(9, seed=11)
+    (kernel_logits,) = PagedTestCache(model).run(model, [(0, tokens)])
+    reference = load_ours(tiny_model_dir(architecture))
+    (expected,) = PagedTestCache(reference).run(reference, [(0, tokens)])
+    torch.testing.assert_close(kernel_logits.cpu(), expected, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA-graph capture needs a GPU")

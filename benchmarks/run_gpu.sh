@@ -60,6 +60,9 @@ step main_job 120 "$PY" -m benchmarks.main_job
 step profile_prefill_host 90 "$PY" -m benchmarks.profile_prefill_host
 step startup 90 "$PY" -m benchmarks.startup
 step bench_fused 60 "$PY" -m benchmarks.bench_fused
+# Qwen3-30B-A3B's shape (a mixture of experts, 57 GiB of bf16 weights: one 80 GB GPU); each engine loads it anew.
+step b1_latency_qwen3_30b_a3b 400 "$PY" -m benchmarks.b1_latency --model qwen3_30b_a3b --repeats 1 --batches 8 64 256
+step nanovllm_bench_qwen3_30b_a3b 400 "$PY" -m benchmarks.nanovllm_bench --model qwen3_30b_a3b
 
 echo
 echo "# Results ($OUT)"

@@ -43,3 +43,32 @@ def test_pytest_gpu_deals_every_file_once_into_balanced_groups():
     assert sorted(f for group in groups for f in group) == sorted(counts)
     assert sorted(sum(counts[f] for f in group) for group in groups) == [50, 55, 150]
     assert deal(Counter({"a.py": 1}), 3) == [["a.py"]]
+
+
+def test_weight_read_floor_counts_the_active_weights_only():
+    """A dense model with tied embeddings reads all its weights each decode step; a mixture of experts with untied
+    embeddings reads its top_k experts a layer at one row (more at more rows, all of them at many) and one embedding
+    row a token."""
+    import torch
+
+    from batchgen.layers.moe import StackedExperts
+    from batchgen.models.loader import load_hf_config, load_model
+    from benchmarks.common import benchmark_model_config, decode_read_bytes, expected_active_experts, weight_bytes
+
+    def tiny(name):
+        config = benchmark_model_config(name, tiny=True)
+        config.hf_config = {**config.hf_config, "vocab_size": 512}
+        return load_model(config, load_hf_config(config), torch.float32, torch.device("cpu"))
+
+    dense = tiny("qwen3_0_6b")
+    assert decode_read_bytes(dense, 1) == decode_read_bytes(dense, 64) == weight_bytes(dense)
+    moe = tiny("qwen3_30b_a3b")
+    layers = [m for m in moe.modules() if isinstance(m, StackedExperts)]
+    assert len(layers) == 2 and layers[0].num_experts == 8 and layers[0].top_k == 2
+    expert_bytes = (layers[0].gate_up_proj.nbytes + layers[0].down_proj.nbytes) / 8
+    embedding = moe.model.embed_tokens.weight
+    unread_embedding = embedding.nbytes - embedding[0].nbytes
+    assert decode_read_bytes(moe, 1) == weight_bytes(moe) - unread_embedding - 2 * 6 * expert_bytes
+    assert expected_active_experts(8, 2, 1) == 2 and expected_active_experts(8, 2, 2) == 8 * (1 - 0.75**2)
+    assert decode_read_bytes(moe, 1) < decode_read_bytes(moe, 4) < decode_read_bytes(moe, 256)
+    assert abs(decode_read_bytes(moe, 256) - (weight_bytes(moe) - embedding.nbytes + 256 * embedding[0].nbytes)) < 1

@@ -2,11 +2,13 @@
 
 One request (128 prompt tokens, random ids < 10000, seed 0; 256 new tokens, greedy, ignore_eos), eager, graph
 without async scheduling (graph_sync) and graph; then the graph engine at batch 2, 4, 8, 64 and 256 (each 128 + 256).
-The weight-read floor of a decode step is weight bytes / measured device-to-device copy bandwidth: no step can read
-all weights faster.
+The weight-read floor of a decode step is the bytes of the weights it reads / measured device-to-device copy
+bandwidth: no step can read them faster. Those are its active parameters (`common.decode_read_bytes`): all weights for
+a dense model with tied embeddings; for a mixture of experts (--model qwen3_30b_a3b) the experts its rows route to,
+so the floor grows with the batch.
 
-Usage: python -m benchmarks.b1_latency [--repeats 3] [--batches 2 4 8 64 256] [--tiny] [--unfused | --unfused-silu]
-                                       [--no-pdl] [--kv-cache-dtype fp8] [--out DIR]
+Usage: python -m benchmarks.b1_latency [--model qwen3_0_6b] [--repeats 3] [--batches 2 4 8 64 256] [--tiny]
+                                       [--unfused | --unfused-silu] [--no-pdl] [--kv-cache-dtype fp8] [--out DIR]
 (--unfused turns off the norm and SiLU fusions into the GEMV and --unfused-silu only the SiLU one,
 batchgen/layers/fused.py; --no-pdl turns off the programmatic dependent launches, batchgen/layers/pdl.py.)
 """
@@ -21,17 +23,20 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.layers import fused, pdl
 from batchgen.sample.params import SamplingParams
 from benchmarks.common import (
+    QWEN3,
     Request,
     add_kv_cache_dtype_argument,
+    add_model_argument,
     add_out_argument,
+    benchmark_model_config,
     build_engine,
     copy_bandwidth_gbs,
     cuda_available,
     decode_medians,
+    decode_read_bytes,
     environment,
     markdown_table,
     median,
-    qwen3_model_config,
     random_prompt,
     run_engine,
     save_json,
@@ -66,8 +71,9 @@ def run_mode(model_config: ModelConfig, mode: str, batches: list[int], args: arg
         for batch in batches:
             results.append({"mode": mode, **measure(engine, batch, args.prompt_len, args.new_tokens, args.repeats)})
             print(f"{mode} batch {batch}: decode step {results[-1]['decode_step_ms']:.3f} ms", flush=True)
-        return {"results": results, "engine_info": dict(engine.info),
-                "weight_bytes": weight_bytes(engine.runner.model)}
+        model = engine.runner.model
+        return {"results": results, "engine_info": dict(engine.info), "weight_bytes": weight_bytes(model),
+                "read_bytes": {batch: decode_read_bytes(model, batch) for batch in batches}}
     finally:
         engine.close()
 
@@ -81,11 +87,12 @@ def main() -> None:
                         help="graph-mode batch sizes after batch 1")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth-test copy")
-    parser.add_argument("--tiny", action="store_true", help="a two-layer Qwen3 instead of the 0.6B shape (CPU test)")
+    parser.add_argument("--tiny", action="store_true", help="a two-layer model of --model's family (CPU test)")
     parser.add_argument("--unfused", action="store_true", help="no add+RMSNorm / SiLU-and-mul fusion into the GEMV")
     parser.add_argument("--no-pdl", action="store_true", help="launch every kernel without PDL")
     parser.add_argument("--unfused-silu", action="store_true",
                         help="SiLU-and-mul as a kernel of its own, not in the gate/up projection's GEMV")
+    add_model_argument(parser)
     add_kv_cache_dtype_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
@@ -94,7 +101,7 @@ def main() -> None:
     fused.FUSE_SILU_AND_MUL = not (args.unfused or args.unfused_silu)
     pdl.ENABLED = not args.no_pdl
 
-    model_config = qwen3_model_config(args.tiny)
+    model_config = benchmark_model_config(args.model, args.tiny)
     bandwidth = copy_bandwidth_gbs(args.copy_mib * 2**20)
     modes = {"eager": [1], "graph_sync": [1], "graph": [1, *args.batches]}
     if not cuda_available():
@@ -104,12 +111,16 @@ def main() -> None:
 
     weights = runs["eager"]["weight_bytes"]
     kv_cache_dtype = runs["eager"]["engine_info"]["kv_cache_dtype"]
-    floor_ms = weights / (bandwidth * 1e9) * 1000
+    read_bytes = {batch: read for run in runs.values() for batch, read in run["read_bytes"].items()}
+    floors_ms = {batch: read / (bandwidth * 1e9) * 1000 for batch, read in read_bytes.items()}
+    floor_ms = floors_ms[1]
     results = [r for run in runs.values() for r in run["results"]]
     for r in results:
-        r["floor_fraction"] = floor_ms / r["decode_forward_ms"] if r["decode_forward_ms"] else None
-    variants = {"_tiny": args.tiny, "_unfused": args.unfused, "_no_pdl": args.no_pdl,
-                "_unfused_silu": args.unfused_silu, "_fp8": args.kv_cache_dtype == "fp8"}
+        r["read_gib"] = read_bytes[r["batch"]] / 2**30
+        r["weight_floor_ms"] = floors_ms[r["batch"]]
+        r["floor_fraction"] = r["weight_floor_ms"] / r["decode_forward_ms"] if r["decode_forward_ms"] else None
+    variants = {f"_{args.model}": args.model != QWEN3, "_tiny": args.tiny, "_unfused": args.unfused,
+                "_no_pdl": args.no_pdl, "_unfused_silu": args.unfused_silu, "_fp8": args.kv_cache_dtype == "fp8"}
     suffix = "".join(name for name, on in variants.items() if on)
     save_json(args.out, "b1_latency" + suffix, {
         "environment": environment(), "gemv_fusions": not args.unfused, "pdl": not args.no_pdl,
@@ -117,17 +128,20 @@ def main() -> None:
         "model": model_config.hf_config,
         "dtype": model_config.dtype,
         "kv_cache_dtype": kv_cache_dtype,
-        "weight_bytes": weights, "copy_bandwidth_gbs": bandwidth, "copy_bytes": args.copy_mib * 2**20,
-        "weight_floor_ms": floor_ms, "results": results,
+        "weight_bytes": weights, "read_bytes_batch_1": read_bytes[1], "copy_bandwidth_gbs": bandwidth,
+        "copy_bytes": args.copy_mib * 2**20, "weight_floor_ms": floor_ms, "results": results,
         "engine_info": {mode: run["engine_info"] for mode, run in runs.items()},
         "notes": "decode_step_ms: median engine step (host + device) over decode steps = ms per token at batch 1; "
                  "decode_forward_ms: CUDA-event time of the forward (graph replay or eager); floor_fraction = "
-                 "weight_floor_ms / decode_forward_ms; copy bandwidth counts bytes read + written",
+                 "weight_floor_ms / decode_forward_ms, weight_floor_ms = the bytes of the active weights a step "
+                 "of that batch reads (read_gib; mixtures of experts: the experts expected under uniform routing) "
+                 "/ copy bandwidth; copy bandwidth counts bytes read + written",
     })
-    headers = ["mode", "batch", "decode_step_ms", "decode_forward_ms", "e2e_ms_per_token", "decode_tok_s",
-               "floor_fraction"]
-    print(f"\n## b1_latency ({environment()['device']}; weights {weights / 2**30:.3f} GiB, copy {bandwidth:.0f} GB/s, "
-          f"weight-read floor {floor_ms:.3f} ms; KV cache {kv_cache_dtype}; {args.prompt_len} prompt + "
+    headers = ["mode", "batch", "decode_step_ms", "decode_forward_ms", "e2e_ms_per_token", "decode_tok_s", "read_gib",
+               "weight_floor_ms", "floor_fraction"]
+    print(f"\n## b1_latency ({args.model}{' tiny' if args.tiny else ''}; {environment()['device']}; weights "
+          f"{weights / 2**30:.3f} GiB, {read_bytes[1] / 2**30:.3f} GiB active at batch 1, copy {bandwidth:.0f} GB/s, "
+          f"weight-read floor {floor_ms:.3f} ms at batch 1; KV cache {kv_cache_dtype}; {args.prompt_len} prompt + "
           f"{args.new_tokens} new tokens, median of {args.repeats})\n")
     print(markdown_table(headers, [[r[h] for h in headers] for r in results]))
 

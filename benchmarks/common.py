@@ -26,6 +26,7 @@ from batchgen.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig, validate
 from batchgen.engine.llm_engine import LLMEngine, StepRecord
 from batchgen.engine.outputs import RequestOutput
 from batchgen.job.summary import TIME_COLUMNS
+from batchgen.layers.moe import StackedExperts
 from batchgen.sample.params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,6 +37,7 @@ SHAKESPEARE = "shakespeare"  # the main job's model
 TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=10240, max_position_embeddings=4096,
                   bos_token_id=10238, eos_token_id=10239)
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)  # --tiny's experts, on TINY_QWEN3
 NANOVLLM_NUM_SEQS = 256
 
 
@@ -67,12 +69,25 @@ def load_model_config(name: str) -> ModelConfig:
     return ModelConfig(**data)
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=QWEN3,
+                        help=f"conf/model/<name>.yaml: a shape with dummy weights (default {QWEN3}, or e.g. "
+                             "qwen3_30b_a3b)")
+
+
+def benchmark_model_config(name: str, tiny: bool = False) -> ModelConfig:
+    """conf/model/<name>.yaml, or with --tiny a two-layer model of its family (a mixture of experts keeps a few
+    small experts)."""
+    config = load_model_config(name)
+    if tiny:
+        moe = TINY_MOE if "num_experts" in config.hf_config else {}
+        config.hf_config = {**config.hf_config, **TINY_QWEN3, **moe}
+    return config
+
+
 def qwen3_model_config(tiny: bool = False) -> ModelConfig:
     """The Qwen3-0.6B shape with dummy bf16 weights, or with --tiny a two-layer model of the same family."""
-    config = load_model_config(QWEN3)
-    if tiny:
-        config.hf_config = {**config.hf_config, **TINY_QWEN3}
-    return config
+    return benchmark_model_config(QWEN3, tiny)
 
 
 def random_prompt(length: int, seed: int = 0) -> list[int]:
@@ -269,6 +284,28 @@ def hf_generate_ms_per_token(model: nn.Module, prompt_ids: list[int], new_tokens
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters; tied weights count once (nn.Module.parameters() deduplicates them)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def expected_active_experts(num_experts: int, top_k: int, rows: int) -> float:
+    """How many of a layer's experts `rows` tokens route to, expected under uniform routing: each expert is missed
+    by a token with probability 1 - top_k / num_experts. Exactly top_k for one row."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** rows)
+
+
+def decode_read_bytes(model: nn.Module, rows: int) -> float:
+    """The weight bytes a decode step of `rows` tokens must read, from its active parameters: every parameter, but
+    of an input embedding that the lm_head does not share only the rows' own rows, and of a mixture of experts only
+    the experts the rows route to (`expected_active_experts`). For a dense model with tied embeddings: all of them."""
+    total = float(weight_bytes(model))
+    lm_head = getattr(model, "lm_head", None)
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and (lm_head is None or module.weight is not lm_head.weight):
+            total -= module.weight.nbytes - min(rows, module.weight.shape[0]) * module.weight[0].nbytes
+        elif isinstance(module, StackedExperts):
+            expert_bytes = (module.gate_up_proj.nbytes + module.down_proj.nbytes) / module.num_experts
+            active = expected_active_experts(module.num_experts, module.top_k, rows)
+            total -= (module.num_experts - active) * expert_bytes
+    return total
 
 
 def save_json(out_dir: Path, name: str, obj: Any) -> Path:

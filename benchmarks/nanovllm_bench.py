@@ -4,8 +4,12 @@ Requests exactly as nano-vllm draws them (random.seed(0); prompt ids randint(0, 
 randint(100, 1024); temperature 0.6, ignore_eos), max_model_len 4096. --num-seqs N takes the first N of those 256,
 so a run with N = 64 matches the transformers peer in peers.py. Warm-up: the first 16 requests cut to 8 new tokens.
 
-Usage: python -m benchmarks.nanovllm_bench [--num-seqs 256] [--mixed] [--greedy] [--sync] [--kv-cache-dtype fp8]
-                                           [--tiny] [--out DIR]
+Beside the throughput: the decode steps' weight-read floor, the sum over decode steps of the bytes of the active
+weights each reads (`common.decode_read_bytes`: a mixture of experts, --model qwen3_30b_a3b, reads only the experts its
+rows route to) / measured copy bandwidth, against their measured forward time.
+
+Usage: python -m benchmarks.nanovllm_bench [--model qwen3_0_6b] [--num-seqs 256] [--mixed] [--greedy] [--sync]
+                                           [--kv-cache-dtype fp8] [--tiny] [--out DIR]
 """
 
 from __future__ import annotations
@@ -13,16 +17,21 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from batchgen.engine.llm_engine import StepRecord
 from benchmarks.common import (
     NANOVLLM_NUM_SEQS,
+    QWEN3,
     add_kv_cache_dtype_argument,
+    add_model_argument,
     add_out_argument,
+    benchmark_model_config,
     breakdown_table,
     build_engine,
+    copy_bandwidth_gbs,
     cuda_available,
+    decode_read_bytes,
     environment,
     nanovllm_requests,
-    qwen3_model_config,
     records_as_dicts,
     run_engine,
     save_json,
@@ -33,12 +42,23 @@ from benchmarks.common import (
 
 def result_name(args: argparse.Namespace) -> str:
     parts = ["nanovllm_bench"]
+    if args.model != QWEN3:
+        parts.append(args.model)
     if args.num_seqs != NANOVLLM_NUM_SEQS:
         parts.append(f"n{args.num_seqs}")
     parts += [flag for flag in ("mixed", "greedy", "eager", "sync", "tiny") if getattr(args, flag)]
     if args.kv_cache_dtype != "auto":
         parts.append(args.kv_cache_dtype)
     return "_".join(parts)
+
+
+def decode_floor(records: list[StepRecord], read_bytes: dict[int, float], bandwidth_gbs: float) -> dict[str, float]:
+    """The decode steps' measured forward seconds and their weight-read floor (read_bytes: by the step's rows)."""
+    decode = [r for r in records if r.kind == "decode"]
+    forward_s = sum(r.forward_ms for r in decode) / 1000
+    floor_s = sum(read_bytes[r.num_seqs] for r in decode) / (bandwidth_gbs * 1e9)
+    return {"decode_forward_s": forward_s, "decode_weight_floor_s": floor_s,
+            "decode_floor_fraction": floor_s / forward_s if forward_s else 0.0}
 
 
 def main() -> None:
@@ -51,7 +71,9 @@ def main() -> None:
     parser.add_argument("--greedy", action="store_true", help="temperature 0 instead of 0.6")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--sync", action="store_true", help="no async scheduling: each step waits for the last")
-    parser.add_argument("--tiny", action="store_true", help="a two-layer Qwen3 instead of the 0.6B shape (CPU test)")
+    parser.add_argument("--tiny", action="store_true", help="a two-layer model of --model's family (CPU test)")
+    parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth-test copy")
+    add_model_argument(parser)
     add_kv_cache_dtype_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
@@ -59,7 +81,9 @@ def main() -> None:
     requests = nanovllm_requests(args.num_seqs)
     if args.greedy:
         requests = [(ids, replace(params, temperature=0.0)) for ids, params in requests]
-    engine = build_engine(qwen3_model_config(args.tiny), enforce_eager=args.eager or not cuda_available(),
+    bandwidth = copy_bandwidth_gbs(args.copy_mib * 2**20)
+    model_config = benchmark_model_config(args.model, args.tiny)
+    engine = build_engine(model_config, enforce_eager=args.eager or not cuda_available(),
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, mixed_prefill_decode=args.mixed,
                           async_scheduling=not args.sync, kv_cache_dtype=args.kv_cache_dtype)
@@ -67,6 +91,8 @@ def main() -> None:
         run_engine(engine, [(ids, replace(params, max_tokens=8)) for ids, params in requests[:16]])
         outputs, records, wall = run_engine(engine, requests)
         info = dict(engine.info)
+        model = engine.runner.model
+        read_bytes = {rows: decode_read_bytes(model, rows) for rows in {r.num_seqs for r in records}}
     finally:
         engine.close()
 
@@ -81,6 +107,7 @@ def main() -> None:
         "requests_preempted": sum(o.num_preemptions > 0 for o in outputs),
         "cuda_graph_steps": sum(r.cuda_graph for r in records),
         "kv_cache_dtype": info["kv_cache_dtype"], "kv_blocks": info["kv_blocks"],
+        "copy_bandwidth_gbs": bandwidth, **decode_floor(records, read_bytes, bandwidth),
     }
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     name = result_name(args)
@@ -91,7 +118,10 @@ def main() -> None:
     print(f"output tokens {output_tokens}, prompt tokens {prompt_tokens}, wall {wall:.2f} s, "
           f"output {summary['output_tok_s']:.1f} tok/s, prompt {summary['prompt_tok_s']:.1f} tok/s, "
           f"steps {summary['steps_by_kind']}, preemptions {summary['preemptions']}, "
-          f"KV cache {summary['kv_cache_dtype']} ({summary['kv_blocks']} blocks)\n")
+          f"KV cache {summary['kv_cache_dtype']} ({summary['kv_blocks']} blocks); decode forward "
+          f"{summary['decode_forward_s']:.2f} s against a weight-read floor of "
+          f"{summary['decode_weight_floor_s']:.2f} s (active weights / copy {bandwidth:.0f} GB/s: "
+          f"{summary['decode_floor_fraction']:.0%} of it)\n")
     print(breakdown_table(breakdown))
 
 

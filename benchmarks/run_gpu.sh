@@ -67,6 +67,9 @@ step real_jobs_classify 120 "$PY" -m benchmarks.real_jobs classify --timeout 100
 step real_jobs_many_rows 200 "$PY" -m benchmarks.real_jobs many_rows --timeout 180
 step real_jobs_scoring 120 "$PY" -m benchmarks.real_jobs scoring --timeout 100
 step real_jobs_cold_start 180 "$PY" -m benchmarks.real_jobs cold_start --timeout 160
+# Qwen3-30B-A3B's shape (a mixture of experts, 57 GiB of bf16 weights: one 80 GB GPU); each engine loads it anew.
+step b1_latency_qwen3_30b_a3b 400 "$PY" -m benchmarks.b1_latency --model qwen3_30b_a3b --repeats 1 --batches 8 64 256
+step nanovllm_bench_qwen3_30b_a3b 400 "$PY" -m benchmarks.nanovllm_bench --model qwen3_30b_a3b
 
 echo
 echo "# Results ($OUT)"

@@ -7,7 +7,8 @@ passed to each layer's Attention; the KV cache keeps every position, so no block
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 
 import torch
 from torch import nn
@@ -101,10 +102,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: HFConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, mlp: nn.Module | None = None) -> None:
+        """mlp: the feed-forward block, called as LlamaMLP is (default: a LlamaMLP)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, qkv_bias, qk_norm, sliding_window)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -118,13 +120,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: HFConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: HFConfig, qkv_bias: bool, qk_norm: bool,
+                 layer_mlp: Callable[[int], nn.Module] | None = None) -> None:
+        """layer_mlp(layer index): that layer's feed-forward block (default: a LlamaMLP each)."""
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by all layers: at 128k positions it is tens of MB.
         rotary = rotary_embedding(config, head_dim_of(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm, window) for window in layer_sliding_windows(config)
+            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm, window, layer_mlp(i) if layer_mlp else None)
+            for i, window in enumerate(layer_sliding_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -161,18 +166,27 @@ class LlamaForCausalLM(CausalLM):
     qk_norm = False  # Qwen3 RMS-normalizes each head of q and k before RoPE
 
     def __init__(self, config: HFConfig) -> None:
-        qkv_bias = self.qkv_bias_always or getattr(config, "attention_bias", False)
-        decoder = LlamaModel(config, qkv_bias, self.qk_norm)
+        # qkv_bias: Qwen2-MoE's name for it
+        qkv_bias = (self.qkv_bias_always or getattr(config, "attention_bias", False)
+                    or getattr(config, "qkv_bias", False))
+        decoder = LlamaModel(config, qkv_bias, self.qk_norm, partial(self.layer_mlp, config))
         super().__init__(config, decoder, decoder.embed_tokens if config.tie_word_embeddings else None)
 
+    @classmethod
+    def layer_mlp(cls, config: HFConfig, layer_index: int) -> nn.Module:
+        """The feed-forward block of layer `layer_index`: forward(norm, hidden, residual) ->
+        (output, hidden + residual), as LlamaMLP's."""
+        return LlamaMLP(config)
+
+    def weight_targets(self) -> dict[str, WeightTarget]:
+        return llama_weight_targets(self)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_llama_weights(self, weights, tied_lm_head=self.config.tie_word_embeddings)
+        load_llama_weights(self.weight_targets(), weights, tied_lm_head=self.config.tie_word_embeddings)
 
 
-def load_llama_weights(network: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied_lm_head: bool,
-                       skipped_heads: tuple[str, ...] = ()) -> None:
-    """Loads Hugging Face-named tensors, packing q/k/v and gate/up into the fused projections. skipped_heads: the
-    checkpoint's head tensors the network has no use for."""
+def llama_weight_targets(network: nn.Module) -> dict[str, WeightTarget]:
+    """Where each Hugging Face-named checkpoint tensor goes, q/k/v and gate/up packed into the fused projections."""
     targets: dict[str, WeightTarget] = {}
     for name, param in network.named_parameters():  # a tied lm_head is listed once, as embed_tokens
         if ".qkv_proj." in name:
@@ -186,6 +200,13 @@ def load_llama_weights(network: nn.Module, weights: Iterable[tuple[str, torch.Te
                 targets[name.replace("gate_up_proj", shard)] = WeightTarget(param, shard_rows)
         else:
             targets[name] = WeightTarget(param)
+    return targets
+
+
+def load_llama_weights(targets: dict[str, WeightTarget], weights: Iterable[tuple[str, torch.Tensor]],
+                       tied_lm_head: bool, skipped_heads: tuple[str, ...] = ()) -> None:
+    """Loads Hugging Face-named tensors into their targets. skipped_heads: the checkpoint's head tensors the network
+    has no use for."""
 
     def ignored(name: str) -> bool:
         return (name.endswith("rotary_emb.inv_freq") or (tied_lm_head and name == "lm_head.weight")
@@ -239,7 +260,7 @@ class LlamaForSequenceClassification(nn.Module):
         return self.score(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_llama_weights(self, weights, tied_lm_head=False)
+        load_llama_weights(llama_weight_targets(self), weights, tied_lm_head=False)
 
 
 class MistralForSequenceClassification(LlamaForSequenceClassification):
@@ -272,7 +293,8 @@ class LlamaForEmbedding(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_llama_weights(self, weights, tied_lm_head=False, skipped_heads=("lm_head.weight", "score.weight"))
+        load_llama_weights(llama_weight_targets(self), weights, tied_lm_head=False,
+                           skipped_heads=("lm_head.weight", "score.weight"))
 
 
 class MistralForEmbedding(LlamaForEmbedding):

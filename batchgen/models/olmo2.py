@@ -133,4 +133,5 @@ class Olmo2ForCausalLM(CausalLM):
         super().__init__(config, decoder, decoder.embed_tokens if config.tie_word_embeddings else None)
 
     # The checkpoint names are Llama's: q/k/v and gate/up packed into the fused projections alike.
+    weight_targets = LlamaForCausalLM.weight_targets
     load_weights = LlamaForCausalLM.load_weights

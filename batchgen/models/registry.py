@@ -20,6 +20,7 @@ from batchgen.models.llama import (
     Qwen3ForEmbedding,
     Qwen3ForSequenceClassification,
 )
+from batchgen.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from batchgen.models.olmo2 import Olmo2ForCausalLM
 from batchgen.models.phi3 import Phi3ForCausalLM
 
@@ -37,6 +38,9 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its language model: the loader reads its text_config
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
 # Classifiers and reward models (job.task=classify): the decoder with a `score` head in place of the LM head.
 CLASSIFIER_REGISTRY: dict[str, type] = {

@@ -16,6 +16,7 @@ class WeightTarget:
     param: nn.Parameter
     rows: slice | None = None  # the rows of a fused parameter (q/k/v, gate/up) this tensor fills
     transpose: bool = False  # GPT-2's Conv1D stores (in, out); nn.Linear wants (out, in)
+    expert: int | None = None  # the expert of a stacked (experts, ...) parameter this tensor fills, before `rows`
 
 
 def fused_rows(sizes: list[int]) -> list[slice]:
@@ -49,7 +50,9 @@ def load_into(
             if target is None:
                 unexpected.append(raw_name)
                 continue
-            destination = target.param if target.rows is None else target.param[target.rows]
+            destination = target.param if target.expert is None else target.param[target.expert]
+            if target.rows is not None:
+                destination = destination[target.rows]
             source = tensor.t() if target.transpose else tensor
             if destination.shape != source.shape:
                 raise ValueError(

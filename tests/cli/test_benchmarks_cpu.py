@@ -68,3 +68,32 @@ def test_real_jobs_reports_a_failed_workload_with_its_exit_status_and_last_line(
     assert result["failed"].startswith("exit status 2: ")  # a configuration error's exit status
     assert "engine.max_num_seqs=0 is invalid" in result["failed"]
     assert "process_s" not in result
+
+
+def test_weight_read_floor_counts_the_active_weights_only():
+    """A dense model with tied embeddings reads all its weights each decode step; a mixture of experts with untied
+    embeddings reads its top_k experts a layer at one row (more at more rows, all of them at many) and one embedding
+    row a token."""
+    import torch
+
+    from batchgen.layers.moe import StackedExperts
+    from batchgen.models.loader import load_hf_config, load_model
+    from benchmarks.common import benchmark_model_config, decode_read_bytes, expected_active_experts, weight_bytes
+
+    def tiny(name):
+        config = benchmark_model_config(name, tiny=True)
+        config.hf_config = {**config.hf_config, "vocab_size": 512}
+        return load_model(config, load_hf_config(config), torch.float32, torch.device("cpu"))
+
+    dense = tiny("qwen3_0_6b")
+    assert decode_read_bytes(dense, 1) == decode_read_bytes(dense, 64) == weight_bytes(dense)
+    moe = tiny("qwen3_30b_a3b")
+    layers = [m for m in moe.modules() if isinstance(m, StackedExperts)]
+    assert len(layers) == 2 and layers[0].num_experts == 8 and layers[0].top_k == 2
+    expert_bytes = (layers[0].gate_up_proj.nbytes + layers[0].down_proj.nbytes) / 8
+    embedding = moe.model.embed_tokens.weight
+    unread_embedding = embedding.nbytes - embedding[0].nbytes
+    assert decode_read_bytes(moe, 1) == weight_bytes(moe) - unread_embedding - 2 * 6 * expert_bytes
+    assert expected_active_experts(8, 2, 1) == 2 and expected_active_experts(8, 2, 2) == 8 * (1 - 0.75**2)
+    assert decode_read_bytes(moe, 1) < decode_read_bytes(moe, 4) < decode_read_bytes(moe, 256)
+    assert abs(decode_read_bytes(moe, 256) - (weight_bytes(moe) - embedding.nbytes + 256 * embedding[0].nbytes)) < 1

@@ -1,4 +1,4 @@
-"""Sliding-window attention (Mistral, Qwen2, Phi-3; Gemma 2 and 3 alternating with global layers) against
+"""Sliding-window attention (Mistral, Qwen2, Phi-3, Mixtral; Gemma 2 and 3 alternating with global layers) against
 transformers, prompts and generations past the window."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from tests.helpers.paged import PagedTestCache
 
 WINDOW = 8
 MAX_TOKENS = 20
-SLIDING_ARCHITECTURES = ["MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                         "Gemma3ForCausalLM"]
+SLIDING_ARCHITECTURES = ["MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+                         "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
 ENGINE_SETUPS = {
     "plain": dict(),
     "chunked_prefill": dict(max_num_batched_tokens=5),  # chunks of 5 cross the window's edge mid-chunk

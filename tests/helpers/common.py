@@ -21,18 +21,23 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from batchgen.config import ModelConfig
 from batchgen.models.loader import load_hf_config, load_model
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
-                 "Phi3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+                 "Phi3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                 "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
+MOE_ARCHITECTURES = ["MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"]
 
 
 LLAMA_LIKE = dict(
@@ -55,8 +60,10 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
     """A tiny config per architecture, covering the features each one adds: Llama 3 rope scaling (Llama),
     sliding_window set (Mistral), qkv bias (Qwen2), head_dim != hidden / heads and q/k norms (Qwen3), partial rotary
     and LongRoPE (Phi-3), norms after the sublayers and q/k norms over whole projections (OLMo 2), soft caps and
-    query_pre_attn_scalar (Gemma 2), a RoPE per layer type and q/k norms (Gemma 3); Qwen2, Qwen3, GPT-2, Phi-3 and
-    Gemma tie lm_head to the embeddings, Llama, Mistral and OLMo 2 do not."""
+    query_pre_attn_scalar (Gemma 2), a RoPE per layer type and q/k norms (Gemma 3); mixtures of experts: 4 experts,
+    2 a token, renormalized (Mixtral), 8 experts, 2 a token, renormalized, with Qwen3's head_dim and q/k norms
+    (Qwen3-MoE), a shared expert and unrenormalized top-2 (Qwen2-MoE); Qwen2, Qwen3, GPT-2, Phi-3 and Gemma tie
+    lm_head to the embeddings, the others do not."""
     if architecture == "LlamaForCausalLM":
         config = LlamaConfig(
             **LLAMA_LIKE,
@@ -86,6 +93,15 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
         )
+    elif architecture == "MixtralForCausalLM":
+        config = MixtralConfig(**{**LLAMA_LIKE, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+                               tie_word_embeddings=False)
+    elif architecture == "Qwen3MoeForCausalLM":
+        config = Qwen3MoeConfig(**LLAMA_LIKE, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)
+    elif architecture == "Qwen2MoeForCausalLM":
+        config = Qwen2MoeConfig(**LLAMA_LIKE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=False)
     elif architecture == "GPT2LMHeadModel":
         config = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=255,
                             eos_token_id=255)
@@ -106,7 +122,7 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
 
 
 def with_sliding_window(config: PretrainedConfig, window: int) -> PretrainedConfig:
-    """The same tiny config with a small sliding window: on every layer (Mistral), on the layers from
+    """The same tiny config with a small sliding window: on every layer (Mistral, Mixtral), on the layers from
     max_window_layers=1 on (Qwen2: layer 0 full, layer 1 sliding), or on those layer_types already names (Gemma:
     layer 0), as transformers reads these keys."""
     config.sliding_window = window

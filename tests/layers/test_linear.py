@@ -18,7 +18,7 @@ from batchgen.config import ModelConfig
 from batchgen.layers.linear import Linear
 from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model
-from tests.helpers.common import ARCHITECTURES
+from tests.helpers.common import ARCHITECTURES, MOE_ARCHITECTURES
 from tests.helpers.paged import PagedTestCache
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -107,7 +107,9 @@ def test_models_build_their_projections_from_linear(
     model = load_model(model_config, load_hf_config(model_config), torch.float32, torch.device("cpu"))
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(isinstance(m, Linear) for m in linears)
-    assert len(linears) == 4 * model.config.num_hidden_layers + 1
+    # qkv, o, gate/up and down a layer, or with experts (stacked parameters) the router instead of gate/up and down
+    per_layer = 3 if architecture in MOE_ARCHITECTURES else 4
+    assert len(linears) == per_layer * model.config.num_hidden_layers + 1
     embedding = model.get_submodule("transformer.wte" if architecture == "GPT2LMHeadModel" else "model.embed_tokens")
     assert (model.lm_head.weight is embedding.weight) == model.config.tie_word_embeddings
     tokens = [3, 1, 4, 1, 5]

@@ -31,7 +31,8 @@ def test_greedy_tokens_equal_transformers_on_gpu(tiny_model_dir, architecture):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "GPT2LMHeadModel", "Phi3ForCausalLM", "Olmo2ForCausalLM"])
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "GPT2LMHeadModel", "Phi3ForCausalLM", "Olmo2ForCausalLM",
+                                          "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"])
 def test_graph_replay_equals_eager_for_every_bucket(tiny_model_dir, architecture, kv_cache_dtype):
     llm = LLM(str(tiny_model_dir(architecture)), dtype="float32", max_num_seqs=16,
               cuda_graph_capture_sizes=CAPTURE_SIZES, kv_cache_dtype=kv_cache_dtype)

@@ -1,0 +1,101 @@
+"""Mixture-of-experts feed-forward: a router scores E experts per token, the top_k of them run, and their outputs are
+summed weighted by the router's probabilities.
+
+Routing (`route`) is a softmax over all experts in float32, then the top_k probabilities, renormalized to sum to one
+where the checkpoint asks for it (Mixtral always; Qwen2-MoE and Qwen3-MoE when `norm_topk_prob`).
+
+Each layer's experts are stacked into two parameters, gate/up (E, 2 * I, H) with the gate rows first, and down
+(E, H, I), which checkpoints fill one expert at a time. On CUDA, `moe_triton` runs routing and experts as one grouped
+GEMM per projection (no host sync, so also inside CUDA graphs); elsewhere `experts_reference` runs each expert's tokens
+in torch.
+
+Both paths round at the same points: the projections' outputs and silu(gate) * up in the model's dtype, each
+expert's output times its float32 routing weight once more, a token's top_k contributions summed in float32 and
+rounded. transformers adds the contributions in the model's dtype instead (and Qwen's blocks round the weights to it
+first): the same in float32, within a rounding in bf16.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.layers.activation import silu_and_mul
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # (T, top_k) float32: each chosen expert's probability, renormalized or not
+    expert_ids: torch.Tensor  # (T, top_k) int64: the chosen experts, most probable first
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """(T, E) router logits -> each token's top_k experts and their weights."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(weights, expert_ids)
+
+
+def experts_reference(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                      routing: Routing) -> torch.Tensor:
+    """sum_j weight_j * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e = expert_ids[:, j]:
+    (T, H) -> (T, H), computed expert by expert over the (token, j) pairs routed to each (host syncs: CPU only)."""
+    num_tokens, top_k = routing.expert_ids.shape
+    hidden_size = hidden.shape[1]
+    flat_experts = routing.expert_ids.flatten()  # (T * top_k,): pair p is token p // top_k's j = p % top_k
+    flat_weights = routing.weights.flatten()
+    order = torch.argsort(flat_experts, stable=True)
+    counts = torch.bincount(flat_experts, minlength=gate_up.shape[0]).tolist()
+    contributions = hidden.new_empty(num_tokens * top_k, hidden_size)
+    for expert, pairs in enumerate(order.split(counts)):
+        if not len(pairs):
+            continue
+        activated = silu_and_mul(F.linear(hidden[pairs // top_k], gate_up[expert]))
+        out = F.linear(activated, down[expert])
+        contributions[pairs] = (out.float() * flat_weights[pairs, None]).to(hidden.dtype)
+    return contributions.view(num_tokens, top_k, hidden_size).float().sum(dim=1).to(hidden.dtype)
+
+
+class StackedExperts(nn.Module):
+    """E experts' gate/up and down projections as two stacked parameters (the names transformers 5 uses in memory),
+    and the routing of each token to top_k of them.
+
+    Inputs on CUDA take the fused Triton kernels (routing included); `use_kernel_on("cpu")` sends CPU inputs there
+    too, for tests under TRITON_INTERPRET=1.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int,
+                 renormalize: bool) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {num_experts}] (the number of experts)")
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self._kernel_device_type = "cuda"
+        self._kernels: ModuleType | None = None  # batchgen.layers.moe_triton, imported at the first kernel input
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def use_kernel_on(self, device_type: str) -> None:
+        self._kernel_device_type = device_type
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """(T, H) hidden states and their (T, E) router logits -> (T, H)."""
+        if hidden.device.type == self._kernel_device_type:
+            if self._kernels is None:
+                from batchgen.layers import moe_triton  # Triton only where the kernels run
+
+                self._kernels = moe_triton
+            return self._kernels.sparse_moe(hidden, router_logits, self.gate_up_proj, self.down_proj, self.top_k,
+                                            self.renormalize)
+        routing = route(router_logits, self.top_k, self.renormalize)
+        return experts_reference(hidden, self.gate_up_proj, self.down_proj, routing)

@@ -43,3 +43,28 @@ def test_pytest_gpu_deals_every_file_once_into_balanced_groups():
     assert sorted(f for group in groups for f in group) == sorted(counts)
     assert sorted(sum(counts[f] for f in group) for group in groups) == [50, 55, 150]
     assert deal(Counter({"a.py": 1}), 3) == [["a.py"]]
+
+
+def test_real_jobs_tiny_fills_every_column_and_its_floor_is_below_the_process_time(tmp_path):
+    completed = subprocess.run([sys.executable, "-m", "benchmarks.real_jobs", "--tiny", "classify", "--rows", "16",
+                                "--out", str(tmp_path)], cwd=REPO, check=True, capture_output=True, text=True)
+    header, rule, row = completed.stdout.strip().splitlines()[-3:]  # the table is printed last
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    cells = dict(zip(columns, (cell.strip() for cell in row.strip("|").split("|")), strict=True))
+    assert cells.pop("failed") == "-" and cells.pop("workload") == "classify"
+    assert all(value not in ("", "-") for value in cells.values()), cells
+    result = json.loads((tmp_path / "real_jobs_tiny_classify.json").read_text())["results"][0]
+    assert result["prompt_tokens"] == 16 * 200 and result["output_tokens"] == 16
+    assert result["prefill_rate_from"] == "3 steps of 1024 tokens"
+    assert 0 < result["floor_s"] <= result["process_s"]
+    assert 0 < result["device_busy"] <= 1
+
+
+def test_real_jobs_reports_a_failed_workload_with_its_exit_status_and_last_line(tmp_path):
+    from benchmarks.real_jobs import TokenRows, Workload, run_workload
+
+    broken = Workload("broken", TokenRows(2, (4, 4), (1, 1)), ("engine.max_num_seqs=0",))
+    result = run_workload(broken, tmp_path / "broken", tiny=True, timeout=120)
+    assert result["failed"].startswith("exit status 2: ")  # a configuration error's exit status
+    assert "engine.max_num_seqs=0 is invalid" in result["failed"]
+    assert "process_s" not in result

@@ -1,0 +1,302 @@
+"""Whole jobs shaped like real ones, each through `python -m batchgen` in a subprocess as a user runs it.
+
+Workloads (names select them; default: all, in this order):
+- chat_mix: 20,000 rows, prompts of 50-400 random token ids, max_tokens 20-200 per row, temperature 0.6,
+  max_num_seqs 512.
+- classify: 4,000 rows of 1,000 prompt tokens, max_tokens 1.
+- many_rows: 200,000 Shakespeare rows (`job=shakespeare`: the character-level GPT-2 and its tokenizer, so rows are
+  text), windows of 8-32 characters of the play text, max_tokens 16, max_num_seqs 512.
+- scoring: 64 rows of 4,000 prompt tokens, max_tokens 0, sampling.prompt_logprobs=1, engine.max_model_len=8192.
+- cold_start: the chat mix on its first 1,000 rows with empty Triton and Inductor caches (TRITON_CACHE_DIR and
+  TORCHINDUCTOR_CACHE_DIR point at new directories, as `main_job --fresh-caches` does): a fresh machine.
+
+Every workload but many_rows runs `model=qwen3_0_6b` (the Qwen3-0.6B shape, dummy bf16 weights, no tokenizer), so
+its prompts are token ids (< 10,000, seed 0) in a JSONL file with per-row max_tokens; rows ignore EOS, so each
+generates exactly its max_tokens. `--tiny` shrinks every workload (fewer, shorter rows, a smaller token budget) and
+runs it on CPU, the Qwen3 ones on a two-layer Qwen3: a smoke test of the benchmark and a host-path profile, not a
+measurement of the GPU.
+
+Each workload reports, from the process's wall clock and the run's summary.json and steps.parquet:
+- process_s: spawn to exit of the whole command (imports, reading, engine start, the engine loop, writing);
+  output_tok_s and prompt_tok_s over it. engine_start_s (model load, KV cache, CUDA graphs) and engine_loop_s (the
+  summary's engine loop: its steps' step_ms plus the loop's time outside every step).
+- device_busy: the device time of the steps over engine_loop_s. A step's device time is forward_ms + sample_ms, the
+  two device-timed columns (CUDA events around the forward and around the sampling; wait_ms is the host waiting and
+  schedule_ms / prepare_ms are host work). An event span includes any gap in which the device waited for the host to
+  launch the next kernel, so a launch-bound eager step counts as busy for its whole span: this share is an upper
+  bound on the device's real occupancy. On CPU the columns are host time.
+- prefill_s, decode_s, mixed_s: the step_ms of the steps of each kind.
+- floor_s: what the job's device work takes at the speeds this run measured, with the host and the scheduling policy
+  free: its prefill tokens (those of mixed steps included, decode tokens of mixed steps too, since they run in the
+  same eager forward) at the full-chunk prefill rate, plus each decode step at the median graph forward time of its
+  batch. The full-chunk prefill rate is engine.max_num_batched_tokens over the median forward_ms of the prefill
+  steps of exactly that many tokens (eager forwards are launch-bound, so a full chunk is the fastest per token);
+  where no step filled the budget, the prefill steps with the most tokens stand in (`prefill_rate_from` says which).
+  A decode step's time is the median forward_ms of the decode steps that replayed the same CUDA-graph bucket
+  (padded_size), or, for eager decode steps (CPU, or rows a graph cannot run), of those with the same number of rows.
+  Sampling is not in the floor. floor_ratio = process_s / floor_s.
+
+A workload that fails (a non-zero exit, or no result within --timeout) is reported as failed with its exit status and
+the last line of its output, and the next one runs. The table is printed last; the JSON goes to --out as
+real_jobs[_tiny][_<names>].json (names only when not every workload ran).
+
+Usage: python -m benchmarks.real_jobs [NAME ...] [--tiny] [--rows N] [--timeout S] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from benchmarks.common import QWEN3, REPO, TINY_QWEN3, add_out_argument, environment, markdown_table, save_json
+from benchmarks.process_timing import run_process
+
+SHAKESPEARE_TEXT = REPO / "jobs" / "shakespeare" / "tinyshakespeare.txt"
+PROMPT_ID_LIMIT = 10_000  # prompt token ids are drawn below this, as in the other Qwen3 benchmarks
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """Rows of random prompt token ids; lengths and max_tokens uniform over inclusive ranges."""
+
+    rows: int
+    prompt_tokens: tuple[int, int]
+    max_tokens: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class TextRows:
+    """Windows of the Shakespeare text, lengths uniform over an inclusive range of characters."""
+
+    rows: int
+    chars: tuple[int, int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    rows: TokenRows | TextRows
+    overrides: tuple[str, ...]  # Hydra overrides besides the model, the input and the run directory
+    fresh_caches: bool = False
+
+
+CHAT_MIX = TokenRows(20_000, (50, 400), (20, 200))
+WORKLOADS = {w.name: w for w in (
+    Workload("chat_mix", CHAT_MIX, ("sampling.temperature=0.6", "engine.max_num_seqs=512")),
+    Workload("classify", TokenRows(4_000, (1_000, 1_000), (1, 1)), ()),
+    Workload("many_rows", TextRows(200_000, (8, 32), 16), ("engine.max_num_seqs=512",)),
+    Workload("scoring", TokenRows(64, (4_000, 4_000), (0, 0)),
+             ("sampling.prompt_logprobs=1", "engine.max_model_len=8192")),
+    Workload("cold_start", replace(CHAT_MIX, rows=1_000), ("sampling.temperature=0.6", "engine.max_num_seqs=512"),
+             fresh_caches=True),
+)}
+# The same shapes scaled down for a CPU and a two-layer Qwen3: a smaller token budget keeps full prefill chunks.
+TINY_CHAT_MIX = TokenRows(64, (10, 80), (4, 24))
+TINY_WORKLOADS = {w.name: w for w in (
+    Workload("chat_mix", TINY_CHAT_MIX, ("sampling.temperature=0.6", "engine.max_num_seqs=32",
+                                         "engine.max_num_batched_tokens=512")),
+    Workload("classify", TokenRows(64, (200, 200), (1, 1)), ("engine.max_num_batched_tokens=1024",)),
+    Workload("many_rows", TextRows(1_500, (8, 32), 16), ("engine.max_num_seqs=512",)),
+    Workload("scoring", TokenRows(4, (700, 1_200), (0, 0)),
+             ("sampling.prompt_logprobs=1", "engine.max_model_len=2048", "engine.max_num_batched_tokens=256")),
+    Workload("cold_start", replace(TINY_CHAT_MIX, rows=32),
+             ("sampling.temperature=0.6", "engine.max_num_seqs=32", "engine.max_num_batched_tokens=512"),
+             fresh_caches=True),
+)}
+TINY_ENGINE = ("engine.device=cpu",)
+TINY_QWEN3_OVERRIDES = (*(f"model.hf_config.{key}={value}" for key, value in TINY_QWEN3.items()), "model.dtype=float32")
+
+
+def write_token_rows(path: Path, spec: TokenRows, seed: int = 0) -> None:
+    """JSONL rows {id, prompt_token_ids[, max_tokens]}; max_tokens is per row unless the range is one value (then the
+    job's sampling.max_tokens carries it: 0 is valid only there, with prompt_logprobs)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(spec.prompt_tokens[0], spec.prompt_tokens[1] + 1, spec.rows)
+    max_tokens = rng.integers(spec.max_tokens[0], spec.max_tokens[1] + 1, spec.rows)
+    per_row = spec.max_tokens[0] != spec.max_tokens[1]
+    with path.open("w") as file:
+        for index, length in enumerate(lengths):
+            record: dict[str, Any] = {"id": f"r{index:06d}",
+                                      "prompt_token_ids": rng.integers(0, PROMPT_ID_LIMIT, length).tolist()}
+            if per_row:
+                record["max_tokens"] = int(max_tokens[index])
+            file.write(json.dumps(record) + "\n")
+
+
+def write_text_rows(path: Path, spec: TextRows, seed: int = 0) -> None:
+    """JSONL rows {id, prompt}: windows starting anywhere in the text."""
+    text = SHAKESPEARE_TEXT.read_text()
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(spec.chars[0], spec.chars[1] + 1, spec.rows)
+    starts = rng.integers(0, len(text) - spec.chars[1], spec.rows)
+    with path.open("w") as file:
+        for index, (start, length) in enumerate(zip(starts, lengths, strict=True)):
+            file.write(json.dumps({"id": f"s{index:06d}", "prompt": text[start:start + length]}) + "\n")
+
+
+def job_arguments(workload: Workload, input_path: Path, run_dir: Path, tiny: bool) -> list[str]:
+    spec = workload.rows
+    if isinstance(spec, TextRows):
+        model = ["job=shakespeare", f"sampling.max_tokens={spec.max_tokens}"]
+    else:
+        model = [f"model={QWEN3}", "sampling.ignore_eos=true", *(TINY_QWEN3_OVERRIDES if tiny else ())]
+        if spec.max_tokens[0] == spec.max_tokens[1]:
+            model.append(f"sampling.max_tokens={spec.max_tokens[0]}")
+    return ["-m", "batchgen", *model, f"data.path={input_path}", "data.id_field=id", *workload.overrides,
+            *(TINY_ENGINE if tiny else ()), f"job.name=real_jobs_{workload.name}", "job.progress=false",
+            f"hydra.run.dir={run_dir}"]
+
+
+def last_line(output: str) -> str:
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float) -> dict[str, Any]:
+    """Writes the input, runs the job; its figures, or {"failed": ...} with the exit status and last output line."""
+    directory.mkdir(parents=True)
+    input_path = directory / "input.jsonl"
+    if isinstance(workload.rows, TextRows):
+        write_text_rows(input_path, workload.rows)
+    else:
+        write_token_rows(input_path, workload.rows)
+    run_dir = directory / "run"
+    env = {}
+    if workload.fresh_caches:
+        env = {"TRITON_CACHE_DIR": str(directory / "triton_cache"),
+               "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor_cache")}
+    result: dict[str, Any] = {"workload": workload.name, "rows": workload.rows.rows}
+    try:
+        run = run_process(job_arguments(workload, input_path, run_dir, tiny), env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**result, "failed": f"timed out after {timeout:g} s"}
+    if run.returncode != 0:
+        return {**result, "failed": f"exit status {run.returncode}: {last_line(run.output)}"}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = pq.read_table(run_dir / "steps.parquet").to_pylist()
+    return {**result, **job_figures(run.seconds, summary, steps)}
+
+
+def job_figures(process_s: float, summary: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
+    attempt = summary["this_attempt"]
+    times = attempt["time_seconds"]
+    engine = summary["engine"]
+    loop_s = times["steps"] + times["outside_steps"]
+    device_s = sum(step["forward_ms"] + step["sample_ms"] for step in steps) / 1000
+    seconds_by_kind: dict[str, float] = defaultdict(float)
+    steps_by_kind: dict[str, int] = defaultdict(int)
+    for step in steps:
+        seconds_by_kind[step["kind"]] += step["step_ms"] / 1000
+        steps_by_kind[step["kind"]] += 1
+    floor = workload_floor(steps, summary["config"]["engine"]["max_num_batched_tokens"])
+    return {
+        "process_s": process_s,
+        "output_tokens": attempt["output_tokens"],
+        "prompt_tokens": attempt["prompt_tokens"],
+        "output_tok_s": attempt["output_tokens"] / process_s,
+        "prompt_tok_s": attempt["prompt_tokens"] / process_s,
+        "read_input_s": times["read_input"],
+        "engine_start_s": times["engine_start"],
+        "capture_s": engine.get("cuda_graph_capture_seconds"),
+        "engine_loop_s": loop_s,
+        "finish_s": times["finish"],
+        "device_s": device_s,
+        "device_busy": device_s / loop_s if loop_s > 0 else None,
+        "prefill_s": seconds_by_kind["prefill"],
+        "decode_s": seconds_by_kind["decode"],
+        "mixed_s": seconds_by_kind["mixed"],
+        "steps": dict(steps_by_kind),
+        **floor,
+        "floor_ratio": process_s / floor["floor_s"] if floor["floor_s"] else None,
+        "error_rows": summary["job"]["error_rows"],
+        "step_medians": summary["step_medians"],
+    }
+
+
+def workload_floor(steps: Sequence[dict[str, Any]], chunk_budget: int) -> dict[str, Any]:
+    """floor_s and what it is made of (see the module docstring)."""
+    prefill_steps = [s for s in steps if s["kind"] == "prefill"]
+    full = [s for s in prefill_steps if s["num_tokens"] == chunk_budget]
+    if not full and prefill_steps:
+        largest = max(s["num_tokens"] for s in prefill_steps)
+        full = [s for s in prefill_steps if s["num_tokens"] == largest]
+    chunk_tokens = full[0]["num_tokens"] if full else 0
+    rate = chunk_tokens / (statistics.median(s["forward_ms"] for s in full) / 1000) if full else None
+    eager_tokens = sum(s["num_tokens"] for s in steps if s["kind"] != "decode")
+    decode_ms_by_batch: dict[tuple[bool, int], list[float]] = defaultdict(list)
+    for step in steps:
+        if step["kind"] == "decode":
+            decode_ms_by_batch[decode_batch(step)].append(step["forward_ms"])
+    decode_median = {batch: statistics.median(ms) for batch, ms in decode_ms_by_batch.items()}
+    decode_floor_s = sum(decode_median[batch] * len(ms) for batch, ms in decode_ms_by_batch.items()) / 1000
+    prefill_floor_s = eager_tokens / rate if rate else 0.0
+    return {
+        "prefill_rate_tok_s": rate,
+        "prefill_rate_from": f"{len(full)} steps of {chunk_tokens} tokens" if full else None,
+        "prefill_floor_s": prefill_floor_s,
+        "decode_floor_s": decode_floor_s,
+        "decode_forward_ms": {f"{'graph' if graph else 'eager'}_{size}": ms
+                              for (graph, size), ms in sorted(decode_median.items())},
+        "floor_s": prefill_floor_s + decode_floor_s,
+    }
+
+
+def decode_batch(step: dict[str, Any]) -> tuple[bool, int]:
+    """(replayed a graph, its bucket) or (eager, its rows): decode steps whose forwards cost the same."""
+    if step["cuda_graph"]:
+        return True, step["padded_size"]
+    return False, step["num_seqs"]
+
+
+TABLE = ("workload", "process_s", "output_tok_s", "prompt_tok_s", "engine_start_s", "engine_loop_s", "device_busy",
+         "prefill_s", "decode_s", "mixed_s", "floor_s", "floor_ratio", "failed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"workloads to run (default: all): {', '.join(WORKLOADS)}")
+    parser.add_argument("--tiny", action="store_true", help="every workload shrunk, on CPU (a smoke test)")
+    parser.add_argument("--rows", type=int, help="run this many rows of each workload instead of its own number")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds a workload may run before it fails")
+    add_out_argument(parser)
+    args = parser.parse_args()
+    unknown = [name for name in args.names if name not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {', '.join(unknown)}: choose from {', '.join(WORKLOADS)}")
+    catalogue = TINY_WORKLOADS if args.tiny else WORKLOADS
+    names = args.names or list(catalogue)
+    workloads = [catalogue[name] for name in names]
+    if args.rows is not None:
+        workloads = [replace(w, rows=replace(w.rows, rows=args.rows)) for w in workloads]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="batchgen_real_jobs_") as tmp:
+        for workload in workloads:
+            result = run_workload(workload, Path(tmp) / workload.name, args.tiny, args.timeout)
+            outcome = result.get("failed") or f"{result['process_s']:.1f} s"
+            print(f"{workload.name}: {outcome}", flush=True)
+            results.append(result)
+    suffix = ("_tiny" if args.tiny else "") + ("" if names == list(catalogue) else "_" + "_".join(names))
+    settings = {"tiny": args.tiny, "rows": args.rows, "timeout": args.timeout,
+                "workloads": [asdict(w) for w in workloads]}
+    env = environment()
+    save_json(args.out, f"real_jobs{suffix}", {"environment": env, "settings": settings, "results": results})
+    device = "CPU, --tiny" if args.tiny else env["device"]
+    print(f"\n## real_jobs ({device}; {env['git_commit']})\n")
+    print(markdown_table(TABLE, [[r.get(column) for column in TABLE] for r in results]))
+
+
+if __name__ == "__main__":
+    main()

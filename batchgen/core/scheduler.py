@@ -219,11 +219,13 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if samples:
                 request.output_token_ids.append(PENDING_TOKEN)
-        prefilling, first_chunk = self._prefilling, output.num_decode_tokens  # the prefill chunks follow the decodes
+        # The prefill chunks follow the decodes. A request whose KV now lacks only its last token decodes from here on:
+        # one that samples, or a recompute whose chunk stopped one token short of its sequence.
+        prefilling, first_chunk = self._prefilling, output.num_decode_tokens
         if prefilling:
             for request, samples in zip(output.requests[first_chunk:], output.samples[first_chunk:], strict=True):
-                if samples or request.is_decoding:  # only its last token's KV is missing now (a recompute may end
-                    prefilling.pop(id(request), None)  # there too)
+                if samples or request.is_decoding:
+                    prefilling.pop(id(request), None)
 
     def commit(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
         """The step's sampled ids arrived: fills the pending slots; returns the requests that finished.

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from itertools import islice
 
 from batchgen.config import EngineConfig
@@ -59,13 +59,18 @@ class SchedulerOutput:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_cached_tokens: int = 0  # tokens of the requests admitted in this step found in the prefix cache
+    # (computed_ends, output_slots, samples) as the scheduler found them while building the step; None: computed here
+    rows: InitVar[tuple[list[int], list[int], list[bool]] | None] = None
     # Parallel to requests: this step completes the request's sequence, so a token is sampled for it, into
     # output_token_ids[output_slots[i]]. Fixed when the step is built, because `Scheduler.advance` moves requests on.
     samples: list[bool] = field(init=False)
     output_slots: list[int] = field(init=False)
     computed_ends: list[int] = field(init=False)  # each request's num_computed_tokens once the step has run
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, rows: tuple[list[int], list[int], list[bool]] | None) -> None:
+        if rows is not None:
+            self.computed_ends, self.output_slots, self.samples = rows
+            return
         self.computed_ends = [request.num_computed_tokens + num_tokens
                               for request, num_tokens in zip(self.requests, self.num_scheduled_tokens, strict=True)]
         self.output_slots = [len(request.output_token_ids) for request in self.requests]
@@ -97,27 +102,45 @@ class SchedulerOutput:
 
 @dataclass
 class _StepBuilder:
+    """A step as it is scheduled. A decode (a request that is_decoding and was not admitted in this step; an
+    admission is prefill even when the cache holds all but its last token) takes one token and samples, so its
+    entries are kept as the step's rows need them; the few prefill chunks are worked out in `build`."""
+
     budget: int
-    decodes: list[tuple[Request, int]] = field(default_factory=list)  # (request, scheduled tokens)
-    prefills: list[tuple[Request, int]] = field(default_factory=list)
+    decodes: list[Request] = field(default_factory=list)
+    decode_ends: list[int] = field(default_factory=list)  # num_computed_tokens + 1
+    decode_slots: list[int] = field(default_factory=list)  # len(output_token_ids): the slot its token fills
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, scheduled tokens)
     preempted: list[Request] = field(default_factory=list)
     num_cached_tokens: int = 0
 
-    def add(self, request: Request, num_tokens: int, decode: bool) -> None:
-        """decode: the request is_decoding and was not admitted in this step (an admission is prefill even when
-        the cache holds all but its last token)."""
-        (self.decodes if decode else self.prefills).append((request, num_tokens))
+    def add_decode(self, request: Request) -> None:
+        self.decodes.append(request)
+        self.decode_ends.append(request.num_computed_tokens + 1)
+        self.decode_slots.append(len(request.output_token_ids))
+        self.budget -= 1
+
+    def add_prefill(self, request: Request, num_tokens: int) -> None:
+        self.prefills.append((request, num_tokens))
         self.budget -= num_tokens
 
     def build(self) -> SchedulerOutput:
-        entries = self.decodes + self.prefills
+        prefill_requests = [request for request, _ in self.prefills]
+        prefill_tokens = [num_tokens for _, num_tokens in self.prefills]
+        prefill_ends = [request.num_computed_tokens + num_tokens for request, num_tokens in self.prefills]
+        prefill_slots = [len(request.output_token_ids) for request in prefill_requests]
+        prefill_samples = [end == len(request.prompt_token_ids) + slot  # the chunk reaches request.num_tokens
+                           for request, end, slot in zip(prefill_requests, prefill_ends, prefill_slots, strict=True)]
+        num_decodes = len(self.decodes)
         return SchedulerOutput(
-            requests=[request for request, _ in entries],
-            num_scheduled_tokens=[num_tokens for _, num_tokens in entries],
+            requests=self.decodes + prefill_requests,
+            num_scheduled_tokens=[1] * num_decodes + prefill_tokens,
             preempted=self.preempted,
-            num_prefill_tokens=sum(num_tokens for _, num_tokens in self.prefills),
-            num_decode_tokens=sum(num_tokens for _, num_tokens in self.decodes),
+            num_prefill_tokens=sum(prefill_tokens),
+            num_decode_tokens=num_decodes,
             num_cached_tokens=self.num_cached_tokens,
+            rows=(self.decode_ends + prefill_ends, self.decode_slots + prefill_slots,
+                  [True] * num_decodes + prefill_samples),
         )
 
 
@@ -129,6 +152,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
+        # The running requests that miss more than their last token's KV (admitted, mid-prefill): exactly those whose
+        # `is_decoding` is false, kept here (by id, in admission order) so that a step need not ask every running
+        # request. A request joins at admission and leaves once a launched chunk leaves only its last token to compute.
+        self._prefilling: dict[int, Request] = {}
         self._siblings: dict[int, list[Request]] = {}  # id(first sample) -> later samples waiting for its prompt
 
     @property
@@ -196,63 +223,70 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if samples:
                 request.output_token_ids.append(PENDING_TOKEN)
+        # The prefill chunks follow the decodes. A request whose KV now lacks only its last token decodes from here on:
+        # one that samples, or a recompute whose chunk stopped one token short of its sequence.
+        prefilling, first_chunk = self._prefilling, output.num_decode_tokens
+        if prefilling:
+            for request, samples in zip(output.requests[first_chunk:], output.samples[first_chunk:], strict=True):
+                if samples or request.is_decoding:
+                    prefilling.pop(id(request), None)
 
     def commit(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """The step's sampled ids arrived: fills the pending slots; returns the requests that finished."""
+        """The step's sampled ids arrived: fills the pending slots; returns the requests that finished.
+
+        Runs for every request of every step, so its checks are inlined, and a request's blocks are offered to the
+        prefix cache only when one of them has filled."""
         now = time.perf_counter()
         finished = []
-        cache_full_blocks = self.block_manager.cache_full_blocks
+        block_manager = self.block_manager
+        caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
+        max_model_len, finished_status = self.config.max_model_len, RequestStatus.FINISHED
         for request, samples, slot, computed_end, token_id in zip(
             output.requests, output.samples, output.output_slots, output.computed_ends, sampled_token_ids, strict=True
         ):
-            if request.is_finished:  # it ended at an earlier step: this token is discarded
+            if request.status is finished_status:  # it ended at an earlier step: this token is discarded
                 continue
-            scoring = samples and request.sampling_params.max_tokens == 0  # prompt logprobs are the result
-            if samples and not scoring:
-                request.output_token_ids[slot] = token_id
-            # A request preempted since this step was launched has no blocks and num_computed_tokens 0.
-            cache_full_blocks(request, min(computed_end, request.num_computed_tokens))
+            if caching and computed_end // block_size > request.num_hashed_blocks:
+                # A request preempted since this step was launched has no blocks and num_computed_tokens 0.
+                block_manager.cache_full_blocks(request, min(computed_end, request.num_computed_tokens))
             if not samples:
                 continue
-            if scoring:  # its prompt is computed: no token is kept
+            params = request.sampling_params
+            if params.max_tokens == 0:  # scoring: its prompt is computed, the prompt logprobs are the result
                 self._mark_finished(request, "length", now)
                 finished.append(request)
                 if self._siblings:
                     self._release_siblings(request)
                 continue
+            request.output_token_ids[slot] = token_id
             if request.first_token_time is None:
                 request.first_token_time = now
                 if self._siblings:
                     self._release_siblings(request)
-            reason = self._stop_reason(request, token_id, slot + 1)
-            if reason is not None:
-                self._mark_finished(request, reason, now)
-                finished.append(request)
+            num_outputs = slot + 1
+            if (token_id == request.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+                reason = "stop"
+            elif (num_outputs >= params.max_tokens
+                  or len(request.prompt_token_ids) + num_outputs >= max_model_len):
+                reason = "length"
+            else:
+                continue
+            self._mark_finished(request, reason, now)
+            finished.append(request)
         if finished:
-            self.running = [request for request in self.running if not request.is_finished]
+            self.running = [request for request in self.running if request.status is not finished_status]
         return finished
 
     def finish_request(self, request: Request, reason: str) -> None:
         """Ends a request the engine decided to stop (a stop string in its detokenized text)."""
-        if request in self.running:
-            self.running.remove(request)
+        if request.status == RequestStatus.RUNNING:
+            _remove_identical(self.running, request)
         self._mark_finished(request, reason, time.perf_counter())
-
-    def _stop_reason(self, request: Request, token_id: int, num_output_tokens: int) -> str | None:
-        params = request.sampling_params
-        if (token_id == request.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
-            return "stop"
-        if self._reaches_length(request, num_output_tokens):
-            return "length"
-        return None
-
-    def _reaches_length(self, request: Request, num_output_tokens: int) -> bool:
-        return (num_output_tokens >= request.sampling_params.max_tokens
-                or request.num_prompt_tokens + num_output_tokens >= self.config.max_model_len)
 
     def _mark_finished(self, request: Request, reason: str, now: float) -> None:
         if request.status == RequestStatus.WAITING:  # preempted while its last token was still pending
-            self.waiting.remove(request)
+            _remove_identical(self.waiting, request)
+        self._prefilling.pop(id(request), None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = now
@@ -264,7 +298,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(self._siblings.pop(id(first_sample), [])))
 
     def _wants_prefill_step(self) -> bool:
-        if any(not request.is_decoding for request in self.running):
+        if self._prefilling:
             return True
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
@@ -293,24 +327,41 @@ class Scheduler:
         return min(request.num_tokens - len(cached_blocks) * self.block_manager.block_size, budget)
 
     def _schedule_running(self, step: _StepBuilder, decodes: bool, prefills: bool) -> None:
-        index = 0
-        while index < len(self.running) and step.budget > 0:
-            request = self.running[index]
-            index += 1
-            decoding = request.is_decoding
+        """Schedules running requests in admission order: decodes (1 token each), prefills (a chunk each), or both.
+
+        A decode step asks this of every running request, so the checks are inlined; a prefill step without decodes
+        goes through the prefilling requests alone."""
+        prefilling, running_status = self._prefilling, RequestStatus.RUNNING
+        # Preemption pops the latest admitted requests off `running`: iterating it directly they are never reached;
+        # in the copy of the prefilling ones their status says they left.
+        candidates = self.running if decodes else list(prefilling.values())
+        block_size, max_model_len = self.block_manager.block_size, self.config.max_model_len
+        for request in candidates:
+            if step.budget <= 0:
+                return
+            if request.status is not running_status:
+                continue
+            decoding = not prefilling or id(request) not in prefilling
             if not (decodes if decoding else prefills):
                 continue
-            if request.output_token_ids and self._reaches_length(request, request.num_output_tokens):
+            outputs = request.output_token_ids
+            num_prompt_tokens = len(request.prompt_token_ids)
+            if outputs and (len(outputs) >= request.sampling_params.max_tokens
+                            or num_prompt_tokens + len(outputs) >= max_model_len):
                 continue  # its pending token ends it, whatever the token is
-            num_new = 1 if decoding else min(request.num_tokens - request.num_computed_tokens, step.budget)
-            if not self._allocate_or_preempt(request, num_new, step):
+            num_computed = request.num_computed_tokens
+            num_new = 1 if decoding else min(num_prompt_tokens + len(outputs) - num_computed, step.budget)
+            # Most decodes: the token fits the request's last block.
+            if (num_computed + num_new > len(request.block_ids) * block_size
+                    and not self._allocate_or_preempt(request, num_new, step)):
                 return  # it preempted itself: it was the last running request
-            step.add(request, num_new, decode=decoding)
+            if decoding:
+                step.add_decode(request)
+            else:
+                step.add_prefill(request, num_new)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
         """Allocates blocks for the request's next tokens, preempting the latest admitted requests until they fit."""
-        if self.block_manager.holds(request, num_new):
-            return True  # most decode steps: the token fits the request's last block
         while not self.block_manager.try_allocate(request, num_new):
             victim = self.running.pop()
             self._preempt(victim)
@@ -320,6 +371,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self._prefilling.pop(id(request), None)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -352,7 +404,8 @@ class Scheduler:
             step.num_cached_tokens += request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            step.add(request, num_new, decode=False)
+            self._prefilling[id(request)] = request
+            step.add_prefill(request, num_new)
         self.waiting.extendleft(reversed(deferred))
 
     def _prompt_blocks_in_flight(self) -> set[bytes]:
@@ -362,3 +415,11 @@ class Scheduler:
             if request.first_token_time is None:
                 in_flight |= self.block_manager.uncached_prompt_blocks(request)
         return in_flight
+
+
+def _remove_identical(requests: list[Request] | deque[Request], request: Request) -> None:
+    """Removes this very request: list.remove would compare the dataclass field by field with every one before it."""
+    for index, other in enumerate(requests):
+        if other is request:
+            del requests[index]
+            return

@@ -22,8 +22,9 @@ class BlockTables:
     def rows(self, requests: list[Request]) -> np.ndarray:
         """The table row of each request, its new blocks written first."""
         rows = []
+        held = self._rows.held  # bound once: this runs for every row of every step
         for request in requests:
-            entry = self._rows.held(request) or self._rows.entry(request, self._grow)[0]
+            entry = held(request) or self._rows.entry(request, self._grow)[0]
             if entry.preemptions != request.num_preemptions:  # recomputed into new blocks: rewrite the row
                 entry.written, entry.preemptions = 0, request.num_preemptions
             blocks = request.block_ids

@@ -54,26 +54,34 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
     Per-request quantities are computed in Python from the step's lists, per-token ones in as few numpy calls as
     possible: on a host whose caches the forward has just flushed, each numpy call costs microseconds."""
     requests, counts, ends = step.requests, step.num_scheduled_tokens, step.computed_ends
+    num_rows = len(requests)
     width = block_table_width or max(len(r.block_ids) for r in requests)
     rows = tables.rows(requests)  # before reading tables.table: it may grow
     block_tables = tables.table[rows, :width]
-    query_ends = list(accumulate(counts))
-    if query_ends[-1] == len(counts):  # one token each: the decode shape
-        tokens = _one_token_each(requests, ends, pending)
-    else:
-        tokens = _chunks(requests, counts, ends, query_ends, pending)
-    blocks = block_tables[tokens.rows, tokens.positions // block_size]
+    seq_lens = np.array(ends, dtype=np.int64)
     sample_rows = [row for row, samples in enumerate(step.samples) if samples]
+    if sum(counts) == num_rows:  # one token each: the decode shape, whose token i is query i
+        tokens = _one_token_each(requests, ends, seq_lens, pending)
+        query_start_loc = np.arange(num_rows + 1, dtype=np.int32)
+        sample_token_index = np.array(sample_rows, dtype=np.int64)
+        max_query_len = 1
+    else:
+        query_ends = list(accumulate(counts))
+        tokens = _chunks(requests, counts, ends, query_ends, pending)
+        query_start_loc = np.array([0, *query_ends], dtype=np.int32)
+        sample_token_index = np.array([query_ends[row] - 1 for row in sample_rows], dtype=np.int64)
+        max_query_len = max(counts)
+    blocks = block_tables[tokens.rows, tokens.positions // block_size]
     return StepInputs(
         input_ids=tokens.input_ids,
         positions=tokens.positions,
         slot_mapping=blocks.astype(np.int64) * block_size + tokens.positions % block_size,
-        seq_lens=np.array(ends, dtype=np.int64),
-        query_start_loc=np.array([0, *query_ends], dtype=np.int32),
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
         block_tables=block_tables,
         sample_rows=sample_rows,
-        sample_token_index=np.array([query_ends[row] - 1 for row in sample_rows], dtype=np.int64),
-        max_query_len=max(counts),
+        sample_token_index=sample_token_index,
+        max_query_len=max_query_len,
         max_seq_len=max(ends),
         pending_rows=tokens.pending_rows,
     )
@@ -88,13 +96,16 @@ class _Tokens(NamedTuple):
     pending_rows: np.ndarray | None  # as StepInputs.pending_rows
 
 
-def _one_token_each(requests: list[Request], ends: list[int], pending: PendingTokens | None) -> _Tokens:
-    """The decode-shaped step: each request's token at position end - 1."""
-    token_ids = [request.token_id(end - 1) for request, end in zip(requests, ends, strict=True)]
+def _one_token_each(requests: list[Request], ends: list[int], seq_lens: np.ndarray,
+                    pending: PendingTokens | None) -> _Tokens:
+    """The decode-shaped step: each request's token at position end - 1 (Request.token_id, inlined: this runs for
+    every row of every decode step)."""
+    token_ids = [request.output_token_ids[end - 1 - len(request.prompt_token_ids)]
+                 if end > len(request.prompt_token_ids) else request.prompt_token_ids[end - 1]
+                 for request, end in zip(requests, ends, strict=True)]
     # Only the previous step's tokens can still be pending: earlier ones are committed.
     pending_rows = pending.rows(requests, token_ids) if PENDING_TOKEN in token_ids else None
-    return _Tokens(np.array(token_ids, dtype=np.int64), np.array(ends, dtype=np.int64) - 1, np.arange(len(ends)),
-                   pending_rows)
+    return _Tokens(np.array(token_ids, dtype=np.int64), seq_lens - 1, np.arange(len(ends)), pending_rows)
 
 
 def _chunks(requests: list[Request], counts: list[int], ends: list[int], query_ends: list[int],

@@ -207,6 +207,21 @@ def test_recompute_after_preemption_is_prefill_of_prompt_and_outputs():
     assert second.num_output_tokens == 2
 
 
+def test_a_recompute_whose_chunk_leaves_only_its_last_token_decodes_next():
+    """Its last token is an output the cache lacks, as a decoding request's is: the next step is a decode."""
+    scheduler = make_scheduler(max_num_batched_tokens=4, num_blocks=2, block_size=4)
+    first, second = add_requests(scheduler, [4, 4], max_tokens=4)
+    while not second.num_preemptions:
+        run_step(scheduler)
+    while not first.is_finished:
+        run_step(scheduler)
+    assert second.num_output_tokens == 1
+    output, _ = run_step(scheduler)
+    assert scheduled(output) == {1: 4} and output.kind == "prefill" and output.samples == [False]
+    output, _ = run_step(scheduler)
+    assert scheduled(output) == {1: 1} and output.kind == "decode" and output.samples == [True]
+
+
 def test_separate_mode_falls_back_to_decode_when_prefill_preempts_itself():
     scheduler = make_scheduler(max_num_batched_tokens=4, num_blocks=3, block_size=4)
     (decoder,) = add_requests(scheduler, [4], max_tokens=4)

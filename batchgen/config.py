@@ -17,6 +17,7 @@ DATA_FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf_disk", "hf", "openai_ba
 OUTPUT_FORMATS = ("auto", "parquet", "openai_batch")
 ERROR_POLICIES = ("fail", "skip")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+MODEL_IMPLS = ("auto", "native", "transformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -40,6 +41,9 @@ class ModelConfig:
     hf_config: dict[str, Any] | None = None  # config.json values, for dummy weights without a checkpoint
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
     served_model_name: str | None = None  # the name OpenAI Batch responses carry; None: the checkpoint dir's name
+    # native: batchgen's own modules | transformers: transformers' modules with batchgen's paged KV cache and attention
+    # | auto: native where batchgen implements the architecture, else transformers
+    impl: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,7 @@ def _positive(key: str, value: int | None, optional: bool = False) -> None:
 def validate_model(model: ModelConfig) -> None:
     _one_of("model.load_format", model.load_format, LOAD_FORMATS)
     _one_of("model.dtype", model.dtype, DTYPES)
+    _one_of("model.impl", model.impl, MODEL_IMPLS)
     if model.load_format == "dummy":
         _require(model.path is not None or model.hf_config is not None, "model.hf_config", None,
                  "dummy weights need model.path (a config.json) or model.hf_config")
@@ -178,6 +183,8 @@ def validate_model(model: ModelConfig) -> None:
         _require(os.path.isdir(model.path) or (os.path.isfile(model.path) and model.path.endswith(GGUF_SUFFIX)),
                  "model.path", model.path, "no such directory or GGUF file")
     if is_gguf_path(model.path):
+        _require(model.impl != "transformers", "model.impl", model.impl,
+                 "a GGUF file runs on batchgen's native modules only (model.impl=auto or native)")
         try:
             validate_gguf(model.path, own_tokenizer=model.tokenizer is None)
         except UnsupportedGGUF as error:

@@ -18,17 +18,17 @@ Prompt = str | list[int]
 
 class LLM:
     """Engine options use vLLM's names: max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
-    enforce_eager, dtype, gpu_memory_utilization, seed, num_gpu_blocks_override, ..."""
+    enforce_eager, dtype, gpu_memory_utilization, seed, num_gpu_blocks_override, ...; model_impl is model.impl."""
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto",
-                 hf_config: dict[str, Any] | None = None, dtype: str = "auto",
+                 hf_config: dict[str, Any] | None = None, dtype: str = "auto", model_impl: str = "auto",
                  cuda_graph_capture_sizes: list[int] | None = None, **engine_options: Any):
         known = {f.name for f in fields(EngineConfig)} - {"cuda_graph"}
         unknown = set(engine_options) - known
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {', '.join(sorted(known))}")
         model_config = ModelConfig(path=model, tokenizer=tokenizer, load_format=load_format, hf_config=hf_config,
-                                   dtype=dtype)
+                                   dtype=dtype, impl=model_impl)
         engine_config = EngineConfig(cuda_graph=CudaGraphConfig(capture_sizes=cuda_graph_capture_sizes),
                                      **engine_options)
         validate_model(model_config)

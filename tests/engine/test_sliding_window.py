@@ -1,4 +1,5 @@
-"""Sliding-window attention (Mistral, Qwen2) against transformers, prompts and generations past the window."""
+"""Sliding-window attention (Mistral, Qwen2; Starcoder2 on the generic path) against transformers, prompts and
+generations past the window."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tests.helpers.paged import PagedTestCache
 
 WINDOW = 8
 MAX_TOKENS = 20
-SLIDING_ARCHITECTURES = ["MistralForCausalLM", "Qwen2ForCausalLM"]
+SLIDING_ARCHITECTURES = ["MistralForCausalLM", "Qwen2ForCausalLM", "Starcoder2ForCausalLM"]
 ENGINE_SETUPS = {
     "plain": dict(),
     "chunked_prefill": dict(max_num_batched_tokens=5),  # chunks of 5 cross the window's edge mid-chunk

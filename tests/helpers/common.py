@@ -15,17 +15,24 @@ from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
+    GPTNeoXConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Starcoder2Config,
 )
 
 from batchgen.config import ModelConfig
 from batchgen.models.loader import load_hf_config, load_model
 
-ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel"]
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
+                 "GPTNeoXForCausalLM", "Starcoder2ForCausalLM"]
+# Architectures without a native implementation: they run on transformers' modules (the generic path).
+GENERIC_ARCHITECTURES = ["GPTNeoXForCausalLM", "Starcoder2ForCausalLM", "GraniteForCausalLM"]
+NATIVE_ARCHITECTURES = [a for a in ARCHITECTURES if a not in GENERIC_ARCHITECTURES]
 
 
 LLAMA_LIKE = dict(
@@ -61,6 +68,15 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
     elif architecture == "GPT2LMHeadModel":
         config = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=255,
                             eos_token_id=255)
+    elif architecture == "GPTNeoXForCausalLM":  # partial rotary (a quarter of each head), parallel residual
+        config = GPTNeoXConfig(**{k: v for k, v in LLAMA_LIKE.items() if k not in ("num_key_value_heads",
+                                                                                     "rms_norm_eps")})
+    elif architecture == "Starcoder2ForCausalLM":  # LayerNorm, biases, a GELU MLP, a window where one is set
+        config = Starcoder2Config(**{k: v for k, v in LLAMA_LIKE.items() if k != "rms_norm_eps"}, bos_token_id=1,
+                                  eos_token_id=2)
+    elif architecture == "GraniteForCausalLM":  # multipliers on the embeddings, residuals, attention and logits
+        config = GraniteConfig(**LLAMA_LIKE, embedding_multiplier=2.0, residual_multiplier=0.5,
+                               attention_multiplier=0.2, logits_scaling=4.0, bos_token_id=1, eos_token_id=2)
     else:
         raise ValueError(f"no tiny config for {architecture}")
     config.architectures = [architecture]

@@ -14,7 +14,7 @@ from batchgen.layers.rotary import rope_parameters
 from batchgen.models.hf_config import HFConfig, hf_config_from_dict
 from batchgen.models.llama import head_dim_of, layer_sliding_windows
 from batchgen.models.loader import load_hf_config
-from tests.helpers.common import ARCHITECTURES
+from tests.helpers.common import NATIVE_ARCHITECTURES
 
 LLAMA_FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
@@ -45,7 +45,7 @@ def assert_same_fields(ours: Any, expected: Any) -> None:
 
 
 @pytest.mark.parametrize("sliding_window", [None, 8])
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", NATIVE_ARCHITECTURES)
 def test_checkpoint_config_reads_as_transformers_does(architecture: str, sliding_window: int | None,
                                                       tiny_model_dir: Callable[..., Path]) -> None:
     if sliding_window is not None and architecture not in ("MistralForCausalLM", "Qwen2ForCausalLM"):

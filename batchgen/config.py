@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.models.gguf_file import GGUF_SUFFIX, UnsupportedGGUF, is_gguf_path, validate_gguf
+from batchgen.models.hub import is_hub_id
 from batchgen.sample.params import SamplingParams
 
 DATA_FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf_disk", "hf", "openai_batch")
@@ -35,12 +36,13 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # a Hugging Face checkpoint directory, or a GGUF file (or a directory holding one)
+    # a Hugging Face checkpoint directory, a GGUF file (or a directory holding one), or a Hub id (org/name[@revision])
+    path: str | None = None
     tokenizer: str | None = None  # defaults to `path`; None with dummy weights means token-id prompts only
     load_format: str = "auto"  # auto | safetensors | dummy (random weights from hf_config)
     hf_config: dict[str, Any] | None = None  # config.json values, for dummy weights without a checkpoint
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
-    served_model_name: str | None = None  # the name OpenAI Batch responses carry; None: the checkpoint dir's name
+    served_model_name: str | None = None  # the name OpenAI Batch responses carry; None: the Hub id or the dir's name
     # native: batchgen's own modules | transformers: transformers' modules with batchgen's paged KV cache and attention
     # | auto: native where batchgen implements the architecture, else transformers
     impl: str = "auto"
@@ -180,8 +182,9 @@ def validate_model(model: ModelConfig) -> None:
     else:
         _require(bool(model.path), "model.path", model.path,
                  "set it to a Hugging Face checkpoint directory or a GGUF file")
-        _require(os.path.isdir(model.path) or (os.path.isfile(model.path) and model.path.endswith(GGUF_SUFFIX)),
-                 "model.path", model.path, "no such directory or GGUF file")
+        _require(os.path.isdir(model.path) or (os.path.isfile(model.path) and model.path.endswith(GGUF_SUFFIX))
+                 or is_hub_id(model.path), "model.path", model.path,
+                 "no such directory or GGUF file, nor a Hugging Face Hub id (org/name or org/name@revision)")
     if is_gguf_path(model.path):
         _require(model.impl != "transformers", "model.impl", model.impl,
                  "a GGUF file runs on batchgen's native modules only (model.impl=auto or native)")
@@ -190,7 +193,8 @@ def validate_model(model: ModelConfig) -> None:
         except UnsupportedGGUF as error:
             raise ConfigError(f"model.path: {error}") from None
     if model.tokenizer is not None:
-        _require(os.path.isdir(model.tokenizer), "model.tokenizer", model.tokenizer, "no such directory")
+        _require(os.path.isdir(model.tokenizer) or is_hub_id(model.tokenizer), "model.tokenizer", model.tokenizer,
+                 "no such directory, nor a Hugging Face Hub id")
 
 
 def validate_engine(engine: EngineConfig) -> None:

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from batchgen.config import CudaGraphConfig, EngineConfig, ModelConfig, validate_engine, validate_model
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.outputs import RequestOutput
+from batchgen.models.hub import resolve_model
 from batchgen.sample.params import SamplingParams
 
 Prompt = str | list[int]
@@ -33,7 +34,7 @@ class LLM:
                                      **engine_options)
         validate_model(model_config)
         validate_engine(engine_config)
-        self.engine = LLMEngine(model_config, engine_config)
+        self.engine = LLMEngine(resolve_model(model_config), engine_config)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

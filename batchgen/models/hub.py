@@ -97,7 +97,9 @@ def _download(hub_id: HubId, patterns: list[str], where: str) -> str:
     )
 
     try:
-        return snapshot_download(hub_id.repo_id, revision=hub_id.revision, allow_patterns=patterns)
+        # Offline, the cache alone answers: some huggingface_hub versions still list a commit's files online.
+        return snapshot_download(hub_id.repo_id, revision=hub_id.revision, allow_patterns=patterns,
+                                 local_files_only=constants.HF_HUB_OFFLINE)
     except GatedRepoError:
         reason = f"{hub_id.repo_id} is gated on the Hugging Face Hub: accept its terms there and set HF_TOKEN"
     except RepositoryNotFoundError:

@@ -99,7 +99,8 @@ def test_downloads_only_what_the_loader_reads(tmp_path: Path, monkeypatch: pytes
     (snapshot / WEIGHT_INDEX).write_text(json.dumps({"weight_map": {"a": shards[0], "b": shards[1], "c": shards[0]}}))
     calls = []
 
-    def snapshot_download(repo_id: str, revision: str | None, allow_patterns: list[str]) -> str:
+    def snapshot_download(repo_id: str, revision: str | None, allow_patterns: list[str],
+                          local_files_only: bool) -> str:
         calls.append((repo_id, revision, allow_patterns))
         return str(snapshot)
 

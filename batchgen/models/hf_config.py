@@ -173,9 +173,9 @@ def causal_lm_classes() -> dict[str, str]:
 
 
 def model_implementation(config: Any, impl: str) -> str:
-    """"native" (our modules) or "transformers" (transformers' own causal LM with our paged attention) for `config`
-    (an HFConfig, a transformers config or config.json's values) under model.impl=`impl` (auto | native |
-    transformers). Raises ValueError, one line naming the architecture and each path tried."""
+    """The modules that run `config` (an HFConfig, a transformers config or config.json's values) under
+    model.impl=`impl` (auto | native | transformers): "native" (ours) or "transformers" (transformers' own causal LM
+    with our paged attention). Raises ValueError, one line naming the architecture and each path tried."""
     if impl != "transformers":
         try:
             architecture_of(config)

@@ -124,8 +124,8 @@ def init_dummy_weights(model: nn.Module) -> None:
                     param.zero_()
 
 
-def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               ) -> CausalLM | TransformersCausalLM:
+def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype,
+               device: torch.device) -> CausalLM | TransformersCausalLM:
     """Builds the model for hf_config's architecture on `device` in `dtype` and fills its weights: batchgen's own
     modules, or transformers' (model.impl; hf_config.model_implementation decides)."""
     if model_implementation(hf_config, model.impl) == "transformers":

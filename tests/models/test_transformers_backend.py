@@ -141,6 +141,12 @@ def test_what_the_paged_attention_cannot_run_is_refused_in_one_line(hf_config: d
     assert "\n" not in str(error.value)
 
 
+def test_logits_computed_otherwise_than_the_models_forward_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TransformersCausalLM, "compute_logits", lambda self, hidden: self.lm_head(hidden))
+    with pytest.raises(ValueError, match="GraniteForCausalLM computes its logits in a way batchgen's generic path"):
+        dummy(dict(model_type="granite", logits_scaling=4.0, **TINY))
+
+
 def test_layers_that_keep_their_own_state_are_refused() -> None:
     """LFM2's short-convolution layers carry state from step to step that only transformers' own cache holds."""
     lfm2 = dict(model_type="lfm2", **TINY, layer_types=["conv", "full_attention"])

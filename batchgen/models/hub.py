@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # config.py imports this module to accept ids: it cannot be i
     from batchgen.config import ModelConfig
 
 # A Hub repository id, as huggingface_hub validates it: an optional namespace, a name of word characters, "-" and
-# ".", no "--" or "..", then an optional "@revision" (a branch, tag or commit).
+# ".", no "--" or ".." (parse_hub_id checks those, and splits off an "@revision": a branch, tag or commit).
 _REPO_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
 TOKENIZER_PATTERNS = ["tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json", "added_tokens.json",
                       "chat_template*", "spiece.model"]
@@ -61,8 +61,9 @@ def resolve_model(model: ModelConfig) -> ModelConfig:
     Raises ConfigError, one line naming the key, when an id cannot be resolved."""
     path, tokenizer, served = model.path, model.tokenizer, model.served_model_name
     if is_hub_id(model.path):
-        hub_id = parse_hub_id(model.path)
-        path = _download_checkpoint(hub_id, f"model.path={model.path}")
+        hub_id, where = parse_hub_id(model.path), f"model.path={model.path}"
+        dummy = model.load_format == "dummy"  # random weights: config.json and the tokenizer are all it reads
+        path = _download(hub_id, METADATA_PATTERNS, where) if dummy else _download_checkpoint(hub_id, where)
         served = served or hub_id.repo_id
     if is_hub_id(model.tokenizer):
         tokenizer = _download(parse_hub_id(model.tokenizer), METADATA_PATTERNS, f"model.tokenizer={model.tokenizer}")

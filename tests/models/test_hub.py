@@ -115,6 +115,9 @@ def test_downloads_only_what_the_loader_reads(tmp_path: Path, monkeypatch: pytes
     first = set(filter_repo_objects(repo_files, allow_patterns=calls[0][2]))
     assert first == {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                      "special_tokens_map.json", "chat_template.jinja", "model.safetensors", WEIGHT_INDEX}
+    calls.clear()
+    resolve_model(ModelConfig(path="org/sharded", load_format="dummy"))  # random weights: no weights downloaded
+    assert calls == [("org/sharded", None, METADATA_PATTERNS)]
 
 
 def test_job_by_hub_id_offline_runs_resumes_and_names_a_miss(tmp_path: Path, tiny_model_dir: Callable[..., Path],

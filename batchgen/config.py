@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.models.gguf_file import GGUF_SUFFIX, UnsupportedGGUF, is_gguf_path, validate_gguf
+from batchgen.models.hub import is_hub_id
 from batchgen.sample.params import SamplingParams
 
 DATA_FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf_disk", "hf", "openai_batch")
 OUTPUT_FORMATS = ("auto", "parquet", "openai_batch")
 ERROR_POLICIES = ("fail", "skip")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+MODEL_IMPLS = ("auto", "native", "transformers")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -36,12 +38,16 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # a Hugging Face checkpoint directory, or a GGUF file (or a directory holding one)
+    # a Hugging Face checkpoint directory, a GGUF file (or a directory holding one), or a Hub id (org/name[@revision])
+    path: str | None = None
     tokenizer: str | None = None  # defaults to `path`; None with dummy weights means token-id prompts only
     load_format: str = "auto"  # auto | safetensors | dummy (random weights from hf_config)
     hf_config: dict[str, Any] | None = None  # config.json values, for dummy weights without a checkpoint
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
-    served_model_name: str | None = None  # the name OpenAI Batch responses carry; None: the checkpoint dir's name
+    served_model_name: str | None = None  # the name OpenAI Batch responses carry; None: the Hub id or the dir's name
+    # native: batchgen's own modules | transformers: transformers' modules with batchgen's paged KV cache and attention
+    # | auto: native where batchgen implements the architecture, else transformers
+    impl: str = "auto"
     # job.task=embed: how a prompt's final hidden states become one vector: last | mean | cls. None: the checkpoint's
     # sentence-transformers pooling (1_Pooling/config.json) when it has one, else last.
     pooling: str | None = None
@@ -189,21 +195,26 @@ def validate_model(model: ModelConfig) -> None:
     if model.pooling is not None:
         _one_of("model.pooling", model.pooling, POOLING_METHODS)
     _require(isinstance(model.normalize, bool), "model.normalize", model.normalize, "must be true or false")
+    _one_of("model.impl", model.impl, MODEL_IMPLS)
     if model.load_format == "dummy":
         _require(model.path is not None or model.hf_config is not None, "model.hf_config", None,
                  "dummy weights need model.path (a config.json) or model.hf_config")
     else:
         _require(bool(model.path), "model.path", model.path,
                  "set it to a Hugging Face checkpoint directory or a GGUF file")
-        _require(os.path.isdir(model.path) or (os.path.isfile(model.path) and model.path.endswith(GGUF_SUFFIX)),
-                 "model.path", model.path, "no such directory or GGUF file")
+        _require(os.path.isdir(model.path) or (os.path.isfile(model.path) and model.path.endswith(GGUF_SUFFIX))
+                 or is_hub_id(model.path), "model.path", model.path,
+                 "no such directory or GGUF file, nor a Hugging Face Hub id (org/name or org/name@revision)")
     if is_gguf_path(model.path):
+        _require(model.impl != "transformers", "model.impl", model.impl,
+                 "a GGUF file runs on batchgen's native modules only (model.impl=auto or native)")
         try:
             validate_gguf(model.path, own_tokenizer=model.tokenizer is None)
         except UnsupportedGGUF as error:
             raise ConfigError(f"model.path: {error}") from None
     if model.tokenizer is not None:
-        _require(os.path.isdir(model.tokenizer), "model.tokenizer", model.tokenizer, "no such directory")
+        _require(os.path.isdir(model.tokenizer) or is_hub_id(model.tokenizer), "model.tokenizer", model.tokenizer,
+                 "no such directory, nor a Hugging Face Hub id")
 
 
 def validate_engine(engine: EngineConfig) -> None:

@@ -12,6 +12,7 @@ from batchgen.config import TASKS, CudaGraphConfig, EngineConfig, ModelConfig, v
 from batchgen.engine.continuation import encode_pair
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.outputs import RequestOutput
+from batchgen.models.hub import resolve_model
 from batchgen.sample.params import SamplingParams
 
 Prompt = str | list[int]
@@ -20,7 +21,7 @@ Text = str | list[int]  # a text, or its token ids
 
 class LLM:
     """Engine options use vLLM's names: max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
-    enforce_eager, dtype, gpu_memory_utilization, seed, num_gpu_blocks_override, ...
+    enforce_eager, dtype, gpu_memory_utilization, seed, num_gpu_blocks_override, ...; model_impl is model.impl.
 
     task: generate (`generate`, and `loglikelihood`) | score (`loglikelihood`) | embed (`embed`, with `pooling`:
     last | mean | cls, default the checkpoint's sentence-transformers pooling or last, and `normalize`) | classify
@@ -28,7 +29,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, task: str = "generate", pooling: str | None = None,
                  normalize: bool = True, tokenizer: str | None = None, load_format: str = "auto",
-                 hf_config: dict[str, Any] | None = None, dtype: str = "auto",
+                 hf_config: dict[str, Any] | None = None, dtype: str = "auto", model_impl: str = "auto",
                  cuda_graph_capture_sizes: list[int] | None = None, **engine_options: Any):
         if task not in TASKS:
             raise ValueError(f"task={task!r} is invalid: allowed values are {', '.join(TASKS)}")
@@ -37,13 +38,13 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {', '.join(sorted(known))}")
         model_config = ModelConfig(path=model, tokenizer=tokenizer, load_format=load_format, hf_config=hf_config,
-                                   dtype=dtype, pooling=pooling, normalize=normalize)
+                                   dtype=dtype, impl=model_impl, pooling=pooling, normalize=normalize)
         engine_config = EngineConfig(cuda_graph=CudaGraphConfig(capture_sizes=cuda_graph_capture_sizes),
                                      **engine_options)
         validate_model(model_config)
         validate_engine(engine_config)
         self.task = task
-        self.engine = LLMEngine(model_config, engine_config, task=task)
+        self.engine = LLMEngine(resolve_model(model_config), engine_config, task=task)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

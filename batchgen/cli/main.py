@@ -7,6 +7,7 @@ import gc
 import logging
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from batchgen.job.exits import (
 )
 from batchgen.job.stop_signals import JobStopped, resume_command
 from batchgen.models.hf_config import check_checkpoint
+from batchgen.models.hub import resolve_model
 from batchgen.report.answers import exact_match
 from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
@@ -77,6 +79,7 @@ def to_config(cfg: DictConfig) -> Config:
             message = f"{exc.full_key}: {message}"
         raise ConfigError(message) from None
     validate(config)
+    config = replace(config, model=resolve_model(config.model))  # a Hub id becomes its local snapshot directory
     check_checkpoint(config.model, config.engine.max_model_len)
     return config
 

@@ -108,6 +108,9 @@ def resolve_engine_config(config: EngineConfig, hf_config: Any, device: torch.de
         raise ValueError("engine.attention_backend='triton' needs a CUDA device; allowed on CPU: torch, auto")
     limit = max_positions(hf_config)
     max_model_len = config.max_model_len or limit
+    if max_model_len is None:
+        raise ValueError("engine.max_model_len is not set and the model's config names no max_position_embeddings: "
+                         "set engine.max_model_len")
     if limit is not None and max_model_len > limit:
         raise ValueError(f"engine.max_model_len={max_model_len} is invalid: the model supports at most {limit} "
                          "positions")
@@ -164,6 +167,10 @@ class LLMEngine:
 
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, self.device, task)
+        if not model.cuda_graphs and not engine_config.enforce_eager:
+            engine_config = replace(engine_config, enforce_eager=True)
+            if self.device.type == "cuda":
+                log.info("CUDA graphs off: transformers' modules run eagerly (model.impl=%s)", model.impl)
         self.config = resolve_engine_config(engine_config, hf_config, self.device)
         backend = self.config.attention_backend
         compile_layers = self.device.type == "cuda" and engine_config.torch_compile
@@ -173,7 +180,8 @@ class LLMEngine:
         check_kv_cache_dtype_supported(kv_cache_dtype, backend, self.device)
         if backend == "triton":
             use_triton_layers(model, gemv=not engine_config.enforce_eager, elementwise=not compile_layers)
-        self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start, "task": task}
+        self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start, "task": task,
+                                     "model_impl": model.impl}
         self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
         self.runner = ModelRunner(self.config, model, self.device, kv_cache_dtype, self._bitmask)
         self.pooler = self._pooler(model_config, model) if task in POOLING_TASKS else None

@@ -115,7 +115,7 @@ class FastTokenizer:
 def _auto_tokenizer(name_or_path: str) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name_or_path)
+    return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
 
 
 def load_tokenizer(name_or_path: str) -> Any:

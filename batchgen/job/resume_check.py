@@ -42,6 +42,7 @@ OUTPUT_NEUTRAL_KEYS = (
     "engine.cpu_threads",
     "engine.torch_compile",
     "engine.attention_backend",
+    "model.impl",  # the same model on other modules and kernels, as engine.attention_backend (docs/models.md)
     "engine.enable_prefix_caching",
     "engine.cascade_attention",
     "engine.data_parallel_size",

@@ -15,6 +15,8 @@ from batchgen.models.hf_config import HFConfig
 
 class CausalLM(nn.Module):
     decoder_name: ClassVar[str]  # the decoder's Hugging Face name, so that checkpoint names are parameter names
+    impl: ClassVar[str] = "native"  # model.impl's two paths: native | transformers (models/transformers_backend.py)
+    cuda_graphs: ClassVar[bool] = True  # decode steps may replay CUDA graphs of the forward
 
     def __init__(self, config: HFConfig, decoder: nn.Module, tied_embedding: nn.Embedding | None) -> None:
         """tied_embedding: the input embedding whose weight the lm_head shares; None for an lm_head of its own."""

@@ -8,11 +8,17 @@ against transformers' own config classes. Other model types return None: the loa
 
 check_checkpoint checks a checkpoint directory from its files alone (config.json, the safetensors files present),
 so that a directory the loader would fail on is a configuration error before the job writes anything.
+model_implementation decides which modules run a config (model.impl): ours where we implement its architecture,
+else transformers' own causal LM, which it learns from transformers' model mapping without importing transformers.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import json
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +28,7 @@ from batchgen.models.gguf_file import is_gguf_path
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 # The architecture (config.json's "architectures") our model class of each model type implements; registry.py maps
 # each to its class. A config built from a model_type alone (dummy weights) names no architecture: its type's is used.
 ARCHITECTURES = {
@@ -173,6 +180,54 @@ def _rope_scaling(config: Any) -> dict[str, Any]:
     return params if isinstance(params, dict) else {}
 
 
+@functools.cache
+def causal_lm_classes() -> dict[str, str]:
+    """{model type: the class transformers' AutoModelForCausalLM builds for it}. Read from the mapping's source, a
+    literal: importing it imports torch and most of transformers (seconds), parsing it takes a tenth of that."""
+    source = Path(importlib.util.find_spec("transformers").submodule_search_locations[0], "models", "auto",
+                  "modeling_auto.py")
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and node.value.args
+                and any(getattr(t, "id", None) == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES" for t in node.targets)):
+            return dict(ast.literal_eval(node.value.args[0]))
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # written otherwise
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def model_implementation(config: Any, impl: str) -> str:
+    """The modules that run `config` (an HFConfig, a transformers config or config.json's values) under
+    model.impl=`impl` (auto | native | transformers): "native" (ours) or "transformers" (transformers' own causal LM
+    with our paged attention). Raises ValueError, one line naming the architecture and each path tried."""
+    if impl != "transformers":
+        try:
+            architecture_of(config)
+            return "native"
+        except ValueError as error:
+            if impl == "native":
+                raise ValueError(f"{error} (model.impl=native; model.impl=auto also tries transformers' "
+                                 "implementation)") from None
+    named = _field(config, "architectures") or []
+    model_type = _field(config, "model_type")
+    causal = causal_lm_classes().get(model_type)
+    decoder = causal is not None and causal.endswith("ForCausalLM")  # not an encoder's or a multimodal model's head
+    if decoder and (not named or causal in named):
+        return "transformers"
+    listed = ", ".join(named) or f"(none; model_type {model_type!r})"
+    if causal is None:
+        why = f"have no causal LM for model_type {model_type!r} in transformers {version('transformers')}"
+    elif not decoder:
+        why = f"build {causal} for model_type {model_type!r}, not a *ForCausalLM decoder"
+    else:
+        why = f"build {causal} for model_type {model_type!r}, which config.json's architectures do not name"
+    if _field(config, "auto_map"):
+        why += "; the checkpoint's own code (auto_map) is never run"
+    if impl == "auto":
+        raise ValueError(f"architecture {listed} is not supported by either path (model.impl=auto): batchgen's native "
+                         f"modules run {', '.join(ARCHITECTURES.values())}; transformers' modules {why}")
+    raise ValueError(f"architecture {listed} is not supported (model.impl=transformers): transformers' modules {why}")
+
+
 def max_positions(config: Any) -> int | None:
     """The most positions the model supports; None if it names none.
 
@@ -214,13 +269,17 @@ def _check_weights(directory: Path, where: str) -> None:
         if missing:
             raise ConfigError(f"{where}: {SAFETENSORS_INDEX} names weight files that are missing: {', '.join(missing)}")
     elif not (directory / SAFETENSORS_FILE).is_file():
+        if any((directory / name).is_file() for name in PICKLE_WEIGHTS):
+            raise ConfigError(f"{where}: holds only PyTorch pickles (pytorch_model.bin), which batchgen never loads "
+                              "(unpickling runs code): convert them to safetensors")
         raise ConfigError(f"{where}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} (batchgen reads safetensors "
                           "weights; model.load_format=dummy runs random weights from config.json)")
 
 
 def check_checkpoint(model: ModelConfig, max_model_len: int | None) -> None:
     """What loading the model needs, checked from its files alone (no weights read, no torch): config.json, the
-    safetensors files, an architecture batchgen implements, and engine.max_model_len within the model's positions.
+    safetensors files, an architecture batchgen runs (model.impl), and engine.max_model_len within the model's
+    positions.
     Raises ConfigError naming the directory or key; model and max_model_len are validated values (config.py)."""
     if model.path is not None and is_gguf_path(model.path):
         return  # a GGUF file holds its own config, checked by config.validate_model
@@ -240,7 +299,7 @@ def check_checkpoint(model: ModelConfig, max_model_len: int | None) -> None:
         if model.load_format != "dummy":
             _check_weights(directory, where)
     try:
-        architecture_of(values)
+        model_implementation(values, model.impl)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     limit = max_positions(hf_config_from_dict(values) or values)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -242,6 +243,8 @@ class LlamaForSequenceClassification(nn.Module):
     """The decoder with transformers' `score` head (hidden -> num_labels, no bias) in place of the LM head: a
     classifier, or a reward model with one label. job.task=classify scores the last non-pad token's hidden state."""
 
+    impl: ClassVar[str] = "native"  # as CausalLM's
+    cuda_graphs: ClassVar[bool] = True
     qkv_bias_always = False
     qk_norm = False
 
@@ -279,6 +282,8 @@ class LlamaForEmbedding(nn.Module):
     """The decoder alone, for job.task=embed, whose final hidden states are pooled: from a causal LM's or a
     classifier's checkpoint (its head is not loaded) or a bare decoder's."""
 
+    impl: ClassVar[str] = "native"  # as CausalLM's
+    cuda_graphs: ClassVar[bool] = True
     qkv_bias_always = False
     qk_norm = False
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -18,9 +19,21 @@ from batchgen.models.base import CausalLM
 from batchgen.models.gemma import language_model_config
 from batchgen.models.gguf import gguf_hf_config, iter_gguf_weights
 from batchgen.models.gguf_file import is_gguf_path
-from batchgen.models.hf_config import SAFETENSORS_FILE, SAFETENSORS_INDEX, hf_config_from_dict, read_hf_config
+from batchgen.models.hf_config import (
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    architecture_of,
+    hf_config_from_dict,
+    model_implementation,
+    read_hf_config,
+)
 from batchgen.models.olmo2 import Olmo2RMSNorm
 from batchgen.models.registry import model_class
+
+if TYPE_CHECKING:
+    from batchgen.models.transformers_backend import TransformersCausalLM
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,25 +42,26 @@ def load_hf_config(model: ModelConfig) -> Any:
     """config.json from model.path with model.hf_config applied on top, or a config built from model.hf_config alone.
 
     An HFConfig for the model types batchgen implements (read without importing transformers), else transformers'
-    config (whose architecture the registry then names as unsupported).
+    config: always with model.impl=transformers, whose modules read transformers' config classes.
     """
     overrides = dict(model.hf_config or {})
     if is_gguf_path(model.path):
         config = gguf_hf_config(model.path)
         config.update(overrides)
         return config
+    ours = model.impl != "transformers"
     if model.path is not None:
-        config = read_hf_config(model.path)
+        config = read_hf_config(model.path) if ours else None
         if config is None:
             from transformers import AutoConfig
 
-            config = language_model_config(AutoConfig.from_pretrained(model.path))
+            config = language_model_config(AutoConfig.from_pretrained(model.path, trust_remote_code=False))
         overrides.pop("model_type", None)  # the config class is fixed by config.json
         config.update(overrides)  # after the derived values, as transformers' PretrainedConfig.update does
         return config
     if "model_type" not in overrides:
         raise ValueError("model.hf_config needs a model_type (e.g. llama) when model.path is not set")
-    config = hf_config_from_dict(overrides)
+    config = hf_config_from_dict(overrides) if ours else None
     if config is None:
         from transformers import AutoConfig
 
@@ -114,10 +128,22 @@ def init_dummy_weights(model: nn.Module) -> None:
 
 
 def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               task: str = "generate") -> CausalLM:
+               task: str = "generate") -> CausalLM | TransformersCausalLM:
     """Builds the model for hf_config's architecture and job.task `task` on `device` in `dtype` and fills its
-    weights."""
+    weights: batchgen's own modules, or transformers' (model.impl; hf_config.model_implementation decides)."""
+    if model_implementation(hf_config, model.impl) == "transformers":
+        if task not in ("generate", "score"):
+            raise ValueError(f"job.task={task} runs on batchgen's native modules only; transformers' modules "
+                             "(model.impl) run causal language models (job.task=generate or score)")
+        from batchgen.models.transformers_backend import build_transformers_model  # imports transformers' modeling
+
+        network = build_transformers_model(model, hf_config, dtype, device)
+        log.info("Model: %s runs on transformers' modules with batchgen's paged KV cache and attention "
+                 "(model.impl=%s%s)", network.architecture, model.impl,
+                 ": no native implementation" if model.impl == "auto" else "")
+        return network
     cls = model_class(hf_config, task)
+    log.info("Model: %s runs on batchgen's native modules (model.impl=%s)", architecture_of(hf_config), model.impl)
     gguf = is_gguf_path(model.path)
     files = [] if model.load_format == "dummy" or gguf else safetensors_files(model.path)
     with _default_dtype(dtype), torch.device(device):

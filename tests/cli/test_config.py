@@ -52,6 +52,10 @@ def test_engine_config_is_resolved_for_the_model_and_device():
         resolve_engine_config(EngineConfig(max_model_len=256), model, cpu)
     with pytest.raises(ValueError, match="engine.attention_backend='triton' needs a CUDA device"):
         resolve_engine_config(EngineConfig(attention_backend="triton"), model, cpu)
+    # A config that names no positions (some architectures on the generic path) needs engine.max_model_len.
+    with pytest.raises(ValueError, match="engine.max_model_len is not set and the model's config names no"):
+        resolve_engine_config(EngineConfig(), SimpleNamespace(), cpu)
+    assert resolve_engine_config(EngineConfig(max_model_len=32), SimpleNamespace(), cpu).max_model_len == 32
 
 
 def test_default_job_asks_for_data_and_model():

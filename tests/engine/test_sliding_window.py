@@ -1,5 +1,5 @@
-"""Sliding-window attention (Mistral, Qwen2, Phi-3, Mixtral; Gemma 2 and 3 alternating with global layers) against
-transformers, prompts and generations past the window."""
+"""Sliding-window attention (Mistral, Qwen2, Phi-3, Mixtral; Gemma 2 and 3 alternating with global layers;
+Starcoder2 on the generic path) against transformers, prompts and generations past the window."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from tests.helpers.paged import PagedTestCache
 WINDOW = 8
 MAX_TOKENS = 20
 SLIDING_ARCHITECTURES = ["MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
-                         "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+                         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Starcoder2ForCausalLM"]
 ENGINE_SETUPS = {
     "plain": dict(),
     "chunked_prefill": dict(max_num_batched_tokens=5),  # chunks of 5 cross the window's edge mid-chunk

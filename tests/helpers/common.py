@@ -19,6 +19,8 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GPT2Config,
+    GPTNeoXConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -29,6 +31,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Starcoder2Config,
 )
 
 from batchgen.config import ModelConfig
@@ -36,8 +39,11 @@ from batchgen.models.loader import load_hf_config, load_model
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel",
                  "Phi3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                 "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
+                 "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GPTNeoXForCausalLM", "Starcoder2ForCausalLM"]
 MOE_ARCHITECTURES = ["MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"]
+# Architectures without a native implementation: they run on transformers' modules (the generic path).
+GENERIC_ARCHITECTURES = ["GPTNeoXForCausalLM", "Starcoder2ForCausalLM", "GraniteForCausalLM"]
+NATIVE_ARCHITECTURES = [a for a in ARCHITECTURES if a not in GENERIC_ARCHITECTURES]
 
 
 LLAMA_LIKE = dict(
@@ -115,6 +121,15 @@ def tiny_hf_config(architecture: str) -> PretrainedConfig:
                             pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     elif architecture == "Olmo2ForCausalLM":
         config = Olmo2Config(**LLAMA_LIKE, pad_token_id=0, eos_token_id=2, tie_word_embeddings=False)
+    elif architecture == "GPTNeoXForCausalLM":  # partial rotary (a quarter of each head), parallel residual
+        config = GPTNeoXConfig(**{k: v for k, v in LLAMA_LIKE.items() if k not in ("num_key_value_heads",
+                                                                                     "rms_norm_eps")})
+    elif architecture == "Starcoder2ForCausalLM":  # LayerNorm, biases, a GELU MLP, a window where one is set
+        config = Starcoder2Config(**{k: v for k, v in LLAMA_LIKE.items() if k != "rms_norm_eps"}, bos_token_id=1,
+                                  eos_token_id=2)
+    elif architecture == "GraniteForCausalLM":  # multipliers on the embeddings, residuals, attention and logits
+        config = GraniteConfig(**LLAMA_LIKE, embedding_multiplier=2.0, residual_multiplier=0.5,
+                               attention_multiplier=0.2, logits_scaling=4.0, bos_token_id=1, eos_token_id=2)
     else:
         raise ValueError(f"no tiny config for {architecture}")
     config.architectures = [architecture]

@@ -28,6 +28,13 @@ def test_output_altering_keys_differ_and_throughput_knobs_do_not():
                                                                                             ["max_tokens"], 32)}
 
 
+def test_a_run_started_before_model_impl_existed_resumes():
+    started = config_dict()
+    del started["model"]["impl"]
+    assert output_differences(started, config_dict()) == {}
+    assert output_differences(config_dict(), config_dict(model={"impl": "transformers"})) == {}
+
+
 def test_a_key_the_list_does_not_know_alters_outputs():
     assert alters_outputs("engine.some_future_knob") and alters_outputs("data.limit")
     assert not alters_outputs("engine.cuda_graph.max_capture_size")

@@ -18,7 +18,7 @@ from batchgen.config import ModelConfig
 from batchgen.layers.linear import Linear
 from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model
-from tests.helpers.common import ARCHITECTURES, MOE_ARCHITECTURES
+from tests.helpers.common import MOE_ARCHITECTURES, NATIVE_ARCHITECTURES
 from tests.helpers.paged import PagedTestCache
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -97,7 +97,7 @@ def test_switched_linear_falls_back_on_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture", NATIVE_ARCHITECTURES)
 def test_models_build_their_projections_from_linear(
     architecture: str, tiny_model_dir: Callable[..., Path]
 ) -> None:

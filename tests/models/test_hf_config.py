@@ -15,7 +15,7 @@ from batchgen.models.hf_config import ARCHITECTURES as ARCHITECTURE_OF_TYPE
 from batchgen.models.hf_config import DEFAULTS, HFConfig, hf_config_from_dict
 from batchgen.models.llama import head_dim_of, layer_sliding_windows
 from batchgen.models.loader import load_hf_config
-from tests.helpers.common import ARCHITECTURES
+from tests.helpers.common import NATIVE_ARCHITECTURES
 
 LLAMA_FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
@@ -27,7 +27,7 @@ GPT2_FIELDS = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                "add_cross_attention", "tie_word_embeddings", "bos_token_id", "eos_token_id", "architectures"]
 MISSING = object()
 # The architectures whose config.json batchgen reads itself; transformers reads the others' (Gemma's).
-READ_WITHOUT_TRANSFORMERS = [a for a in ARCHITECTURES if a in {ARCHITECTURE_OF_TYPE[t] for t in DEFAULTS}]
+READ_WITHOUT_TRANSFORMERS = [a for a in NATIVE_ARCHITECTURES if a in {ARCHITECTURE_OF_TYPE[t] for t in DEFAULTS}]
 
 
 def fields_of(config: Any) -> dict[str, Any]:

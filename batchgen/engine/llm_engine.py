@@ -158,7 +158,7 @@ class LLMEngine:
         if (threads := intra_op_threads(engine_config.cpu_threads, self.device)) is not None:
             torch.set_num_threads(threads)
         hf_config = load_hf_config(model_config)
-        check_task(task, hf_config)
+        check_task(task, hf_config, model_config.impl)
         self.hf_config = hf_config
         self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
         self.detokenizer = detokenizer or Detokenizer.load(model_config)

@@ -131,10 +131,7 @@ def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: t
                task: str = "generate") -> CausalLM | TransformersCausalLM:
     """Builds the model for hf_config's architecture and job.task `task` on `device` in `dtype` and fills its
     weights: batchgen's own modules, or transformers' (model.impl; hf_config.model_implementation decides)."""
-    if model_implementation(hf_config, model.impl) == "transformers":
-        if task not in ("generate", "score"):
-            raise ValueError(f"job.task={task} runs on batchgen's native modules only; transformers' modules "
-                             "(model.impl) run causal language models (job.task=generate or score)")
+    if model_implementation(hf_config, model.impl) == "transformers":  # registry.check_task vetted the task
         from batchgen.models.transformers_backend import build_transformers_model  # imports transformers' modeling
 
         network = build_transformers_model(model, hf_config, dtype, device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from batchgen.models.base import CausalLM
 from batchgen.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from batchgen.models.gpt2 import GPT2LMHeadModel
-from batchgen.models.hf_config import HFConfig, architecture_of
+from batchgen.models.hf_config import HFConfig, architecture_of, model_implementation
 from batchgen.models.llama import (
     LlamaForCausalLM,
     LlamaForEmbedding,
@@ -76,9 +76,15 @@ def _architecture_class(hf_config: HFConfig) -> type:
     return MODEL_REGISTRY.get(architecture) or CLASSIFIER_REGISTRY.get(architecture) or DECODER_REGISTRY[architecture]
 
 
-def check_task(task: str, hf_config: HFConfig) -> None:
+def check_task(task: str, hf_config: HFConfig, impl: str) -> None:
     """Raises naming job.task when the checkpoint's architecture cannot do the task: classify needs a
-    *ForSequenceClassification checkpoint; generate and score need a causal LM; embed takes any."""
+    *ForSequenceClassification checkpoint; generate and score need a causal LM; embed takes any native one.
+    impl: model.impl; transformers' modules (the generic path) run causal LMs only."""
+    if model_implementation(hf_config, impl) == "transformers":
+        if task not in ("generate", "score"):
+            raise ValueError(f"job.task={task} runs on batchgen's native modules only; transformers' modules "
+                             "(model.impl) run causal language models (job.task=generate or score)")
+        return
     architecture = architecture_of(hf_config)
     if task != "embed" and architecture in DECODER_REGISTRY:
         raise ValueError(f"job.task={task} needs a model with a head; {architecture} is a bare decoder: use "

@@ -11,6 +11,7 @@ from batchgen import LLM, SamplingParams
 from batchgen.layers.attention import Attention
 from batchgen.models.llama import layer_sliding_windows
 from tests.helpers.common import (
+    assert_greedy_under_transformers,
     assert_logits_close,
     hf_greedy_on,
     load_ours,
@@ -102,18 +103,22 @@ def test_greedy_tokens_equal_transformers_past_the_window(references, architectu
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("architecture", SLIDING_ARCHITECTURES)
+# Phi-3's generations here cross its LongRoPE switch at position 64, which the GPU machine's transformers makes one
+# position later than transformers 5.24: tests/models/test_phi3.py runs it on the GPU against our CPU engine.
+@pytest.mark.parametrize("architecture", [a for a in SLIDING_ARCHITECTURES if a != "Phi3ForCausalLM"])
 def test_triton_eager_and_graph_decode_equal_transformers_on_gpu(tiny_model_dir, architecture: str) -> None:
+    """Eager and graph decode give the same tokens, each a greedy choice of transformers' logits on the GPU."""
     model_dir = tiny_model_dir(architecture, sliding_window=WINDOW)
     prompts = [p + p for p in random_prompts(256, count=8, seed=5)]
-    expected = hf_greedy_on(model_dir, prompts, MAX_TOKENS, device="cuda")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    results = []
     for setup in (dict(enforce_eager=True), dict(cuda_graph_capture_sizes=[1, 2, 4, 8]),
                   dict(cuda_graph_capture_sizes=[1, 2, 4, 8], max_num_batched_tokens=5, block_size=4)):
         llm = LLM(str(model_dir), dtype="float32", max_num_seqs=8, max_model_len=128, **setup)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert [o.token_ids for o in outputs] == expected, setup
+        results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         llm.close()
+    assert results[1] == results[0] and results[2] == results[0]
+    assert_greedy_under_transformers(model_dir, prompts, results[0], device="cuda")
 
 
 @pytest.mark.parametrize("architecture", SLIDING_ARCHITECTURES)

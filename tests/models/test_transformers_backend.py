@@ -237,3 +237,13 @@ def test_generic_path_runs_eagerly_on_gpu_and_equals_transformers(tiny_model_dir
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.token_ids for o in outputs] == expected, setup
         llm.close()
+
+
+def test_pooling_tasks_need_native_modules():
+    from batchgen.models.registry import check_task
+
+    config = {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}
+    check_task("generate", config, "auto")  # the generic path runs it
+    check_task("score", config, "auto")
+    with pytest.raises(ValueError, match="job.task=embed runs on batchgen's native modules only"):
+        check_task("embed", config, "auto")

@@ -46,6 +46,13 @@ class Detokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """The ids encode() gives each text, in one batched call: a transformers tokenizer's __call__ on a list adds
+        special tokens as its encode() does."""
+        if isinstance(self.tokenizer, FastTokenizer):
+            return self.tokenizer.encode_batch(texts)
+        return self.tokenizer(texts)["input_ids"] if texts else []  # transformers fails on an empty list
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 

@@ -272,12 +272,12 @@ class LLMEngine:
         """Queue a prompt's `params.n` samples (or only `sample_indices`, for a resumed row), each a request with
         the same id; one that can never run finishes at once as an error (returned by the next step)."""
         if params.seed is None:
-            params = replace(params, seed=request_seed(self.config.seed, request_id))
+            params = params.with_seed(request_seed(self.config.seed, request_id))
         eos = self.eos_token_ids
         if len(eos) > 1:
             params = replace(params, stop_token_ids=[*params.stop_token_ids, *eos[1:]])
         indices = range(params.n) if sample_indices is None else sample_indices
-        samples = [Request(request_id, [], replace(params, seed=sample_seed(params.seed, i)),
+        samples = [Request(request_id, [], params.with_seed(sample_seed(params.seed, i)),
                            eos_token_id=eos[0] if eos else None, sample_index=i) for i in indices]
         for sample in samples:
             self._prompts[sample.key] = prompt
@@ -369,8 +369,8 @@ class LLMEngine:
         """Token ids in the sampling options must be in the model's vocabulary."""
         vocab = self.runner.vocab_size
         for key, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
-            outside = [t for t in ids if t >= vocab]
-            if outside:
+            if ids and max(ids) >= vocab:
+                outside = [t for t in ids if t >= vocab]
                 raise ValueError(f"sampling.{key} has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
 
     def _prompt_token_ids(self, prompt: str | None, token_ids: list[int] | None, params: SamplingParams) -> list[int]:
@@ -381,7 +381,7 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.hf_config.vocab_size
-        if not all(0 <= t < vocab for t in token_ids):
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]

@@ -56,6 +56,7 @@ class PartedParquetWriter:
         self.sort_key = sort_key
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
+        self._names = frozenset(schema.names)  # schema.names builds a new list on every access
         self._required = [field.name for field in schema if not field.nullable]
         self._buffer: list[dict[str, Any]] = []
         self._last_flush = time.monotonic()
@@ -92,7 +93,7 @@ class PartedParquetWriter:
         flush_seconds have passed since the last flush (checked here, on write)."""
         if self._closed:
             raise RuntimeError(f"{self.final_path}: the writer is closed")
-        unknown = record.keys() - set(self.schema.names)
+        unknown = record.keys() - self._names
         if unknown:
             raise ValueError(
                 f"{self.final_path}: unknown fields {sorted(unknown)}; the schema has {self.schema.names}"

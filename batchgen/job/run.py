@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KERNELS_FILE = "kernels.parquet"
+TOKENIZE_CHUNK_ROWS = 1024  # rows per batched tokenizer call: few calls, a bounded batch of encodings
 
 
 TASK_COLUMNS = ("continuation_logprob", "continuation_num_tokens", "continuation_is_greedy", "embedding", "logits",
@@ -100,7 +101,7 @@ class Job:
         self.outputs = RunOutputs(self.config, self.run_dir, forced)
         written = self.outputs.written
         # A row is done when all its samples are; a resumed row generates only the samples it lacks.
-        self.num_samples = {row.index: self._num_samples(row) for row in self.rows}
+        self.num_samples = {row.index: 1 if row.error is not None else self.params[row.index].n for row in self.rows}
         self.missing_samples = {row.index: [i for i in range(self.num_samples[row.index])
                                             if i not in written.get(row.index, ())] for row in self.rows}
         self.pending = [row for row in self.rows if self.missing_samples[row.index]]
@@ -111,34 +112,41 @@ class Job:
 
     def _read_shard(self, rows: Iterable[PromptRow]) -> list[PromptRow]:
         """This run's rows: all of them, or its shard's (data.num_shards), keeping no other row. Sets
-        num_input_rows and split_digest, which the shard marker records."""
+        num_input_rows and split_digest, which the shard marker records, and `params`: each own row's sampling
+        parameters, computed once (a row whose overrides are invalid becomes an error row instead)."""
         data = self.config.data
         split = ShardSplit(data.num_shards, data.shard_by)
         weigh = data.num_shards > 1 and data.shard_by == "work"
         own = []
+        self.params: dict[int, SamplingParams] = {}
         self.num_input_rows = 0
         for row in rows:
             self.num_input_rows += 1
-            if split.shard_of(row.index, self._estimated_work(row) if weigh else 0) == data.shard_index:
+            params = self._row_params(row) if weigh else None
+            if split.shard_of(row.index, self._estimated_work(row, params) if weigh else 0) == data.shard_index:
                 own.append(row)
+                if not weigh:
+                    params = self._row_params(row)
+                if params is not None:
+                    self.params[row.index] = params
         self.split_digest = split.digest
         return own
 
     def _row_params(self, row: PromptRow) -> SamplingParams | None:
-        """The row's sampling parameters; None for a row that is an error or whose overrides are invalid (it becomes
-        an error row when it is added)."""
+        """The row's sampling parameters; None for a row that is an error, or whose overrides are invalid: that
+        sets its error, so it becomes an error row naming the row and the option."""
         if row.error is not None:
             return None
         if self.task != "generate":
             return PREFILL_ONLY  # nothing is generated; sampling options mean nothing
         try:
             return row_params(self.config.sampling, row.overrides, row.index)
-        except ValueError:
+        except ValueError as exc:
+            row.error = str(exc)
             return None
 
-    def _estimated_work(self, row: PromptRow) -> int:
+    def _estimated_work(self, row: PromptRow, params: SamplingParams | None) -> int:
         """What the row can cost: its prompt tokens plus max_tokens for each sample (0 for a row that fails)."""
-        params = self._row_params(row)
         if params is None:
             return 0
         return self._num_prompt_tokens(row, params) + params.n * params.max_tokens
@@ -164,11 +172,6 @@ class Job:
             row.prompt_token_ids, row.continuation_token_ids = encode_pair(self.detokenizer.tokenizer, row.prompt,
                                                                            row.continuation)
         return row.prompt_token_ids, row.continuation_token_ids
-
-    def _num_samples(self, row: PromptRow) -> int:
-        """Completion rows the input row yields: sampling.n, or 1 for a row that is an error."""
-        params = self._row_params(row)
-        return 1 if params is None else params.n
 
     def _rows_done(self) -> int:
         return len(self.outputs.completions.finished_indices(self.num_samples.__getitem__))
@@ -276,14 +279,24 @@ class Job:
 
     def _kv_demand(self, rows: list[PromptRow]) -> KVDemand:
         """The rows' prompt lengths and max_tokens, so that the KV cache is sized to the job."""
+        self._tokenize(rows)
         demand = []
         for row in rows:
-            params = self._row_params(row)
-            if params is None:
-                continue  # the row fails when it is added
+            params = self.params[row.index]
             num_prompt_tokens = self._num_prompt_tokens(row, params)
             demand.extend([(num_prompt_tokens, params.max_tokens)] * params.n)  # each sample holds its own blocks
         return KVDemand(demand)
+
+    def _tokenize(self, rows: list[PromptRow]) -> None:
+        """Tokenizes the text prompts of rows without token ids, in chunks of batched calls (the ids one call per
+        row would give); a score row's pair is tokenized on its own (_score_token_ids)."""
+        if self.detokenizer is None or self.task == "score":
+            return
+        untokenized = [row for row in rows if row.prompt_token_ids is None]
+        for start in range(0, len(untokenized), TOKENIZE_CHUNK_ROWS):
+            chunk = untokenized[start:start + TOKENIZE_CHUNK_ROWS]
+            for row, token_ids in zip(chunk, self.detokenizer.encode_batch([row.prompt for row in chunk]), strict=True):
+                row.prompt_token_ids = token_ids
 
     def _lap(self, phase: str, since: float) -> float:
         now = time.perf_counter()
@@ -312,14 +325,8 @@ class Job:
             if self.task != "generate":
                 engine.add_pooling_request(row.index, row.prompt, row.prompt_token_ids)
                 continue
-            try:
-                params = row_params(self.config.sampling, row.overrides, row.index)
-            except ValueError as exc:
-                row.error = str(exc)
-                self._write_error_row(row)
-            else:
-                engine.add_request(row.index, row.prompt, row.prompt_token_ids, params,
-                                   self.missing_samples[row.index])
+            engine.add_request(row.index, row.prompt, row.prompt_token_ids, self.params[row.index],
+                               self.missing_samples[row.index])
         return True
 
     def _add_score_request(self, engine: LLMEngine, row: PromptRow) -> None:

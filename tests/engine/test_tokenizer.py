@@ -9,6 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer
 
+from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.tokenizer import FastTokenizer, load_tokenizer
 
 SHAKESPEARE_MODEL = Path(__file__).resolve().parents[2] / "jobs" / "shakespeare" / "model"
@@ -67,3 +68,24 @@ def test_configs_that_rewrite_tokenizer_json_load_through_transformers(byte_leve
     (tmp_path / "tokenizer.json").write_bytes((byte_level_bpe_dir / "tokenizer.json").read_bytes())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "add_eos_token": True}))
     assert not isinstance(load_tokenizer(str(tmp_path)), FastTokenizer)
+
+
+@pytest.mark.parametrize("which", ["shakespeare", "byte_level_bpe"])
+@pytest.mark.parametrize("through", ["tokenizers", "transformers"])
+def test_batched_encode_gives_the_ids_of_one_at_a_time(which: str, through: str, byte_level_bpe_dir: Path) -> None:
+    path = SHAKESPEARE_MODEL if which == "shakespeare" else byte_level_bpe_dir
+    tokenizer = load_tokenizer(str(path)) if through == "tokenizers" else AutoTokenizer.from_pretrained(path)
+    assert isinstance(tokenizer, FastTokenizer) == (through == "tokenizers")
+    detokenizer = Detokenizer(tokenizer)
+    shakespeare = (SHAKESPEARE_MODEL.parent / "tinyshakespeare.txt").read_text()[:4000]
+    texts = [*TEXTS, "the lazy dog</s><s>", *(shakespeare[i:i + 8 + i % 25] for i in range(0, 3900, 37))]
+    assert detokenizer.encode_batch(texts) == [detokenizer.encode(text) for text in texts]
+    assert detokenizer.encode_batch([]) == []
+
+
+def test_batched_encode_keeps_a_rewriting_config(byte_level_bpe_dir: Path, tmp_path: Path) -> None:
+    """A config that adds EOS loads through transformers; its batched ids add it too."""
+    (tmp_path / "tokenizer.json").write_bytes((byte_level_bpe_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "add_eos_token": True}))
+    detokenizer = Detokenizer(load_tokenizer(str(tmp_path)))
+    assert detokenizer.encode_batch(TEXTS) == [detokenizer.encode(text) for text in TEXTS]

@@ -140,6 +140,21 @@ def test_malformed_rows_are_recorded_under_skip(tmp_path):
     assert rows[4]["finish_reason"] == "error" and "max_model_len" in rows[4]["error"]
 
 
+def test_a_row_whose_overrides_conflict_with_the_job_becomes_an_error_row(tmp_path):
+    """Each value is valid alone (the reader's check); together with the job's max_tokens it is not."""
+    prompts = write_lines(tmp_path / "prompts.jsonl", [
+        '{"prompt": "ROMEO:"}', '{"prompt": "KING:", "min_tokens": 9}', '{"prompt": "JULIET:", "n": 2}'])
+    result = batchgen(tmp_path, "job=shakespeare", f"data.path={prompts}", "data.id_field=null",
+                      "sampling.max_tokens=5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = pq.read_table(tmp_path / "completions.parquet").to_pylist()
+    assert [(r["index"], r["sample_index"], r["finish_reason"]) for r in rows] == [
+        (0, 0, "length"), (1, 0, "error"), (2, 0, "length"), (2, 1, "length")]
+    assert rows[1]["error"] == "row 1: sampling.min_tokens=9 is invalid: must be <= max_tokens (5)"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rows"] == 4 and summary["job"]["error_rows"] == 1
+
+
 def test_the_summary_counts_the_prompt_tokens_that_ran(tmp_path):
     """An over-long prompt becomes an error row before it runs: its length stays in its row, not in the totals."""
     prompts = write_lines(tmp_path / "prompts.jsonl", [

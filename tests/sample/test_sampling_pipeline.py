@@ -4,6 +4,7 @@ one, the bitmask hook, and the penalties' arithmetic."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -158,6 +159,20 @@ def test_greedy_rows_see_penalties():
 def test_invalid_values_name_the_key(key, value):
     with pytest.raises(ValueError, match=f"row 4: sampling.{key}="):
         row_params(SamplingParams(), {key: value}, 4)
+
+
+def test_rows_without_overrides_share_the_defaults():
+    defaults = SamplingParams(temperature=0.5, stop=["\n"])
+    assert row_params(defaults, {}, 3) is defaults
+    overridden = row_params(defaults, {"top_k": 5}, 3)
+    assert overridden is not defaults and overridden.top_k == 5 and overridden.stop == ["\n"]
+
+
+def test_with_seed_copies_every_other_field():
+    params = SamplingParams(temperature=0.7, top_k=40, stop=["x"], logit_bias={3: 1.0}, seed=None)
+    seeded = params.with_seed(123)
+    assert seeded.seed == 123 and params.seed is None
+    assert seeded == replace(params, seed=123)
 
 
 def test_scoring_request_allows_max_tokens_zero():

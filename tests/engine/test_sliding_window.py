@@ -11,7 +11,6 @@ from batchgen import LLM, SamplingParams
 from batchgen.layers.attention import Attention
 from batchgen.models.llama import layer_sliding_windows
 from tests.helpers.common import (
-    assert_greedy_under_transformers,
     assert_logits_close,
     hf_greedy_on,
     load_ours,
@@ -101,24 +100,31 @@ def test_greedy_tokens_equal_transformers_past_the_window(references, architectu
     llm.close()
 
 
+# The GPU machine's transformers (5.17) is not the reference for two of these: it switches Phi-3's LongRoPE one
+# position later than transformers 5.24 (CI's) and Phi-3's reference code, and its Gemma 2 logits past a window of 8
+# differ from 5.24's by up to 7e-3. Their reference is our engine on the CPU, which the CPU tests hold equal to 5.24.
+CPU_REFERENCE = ("Phi3ForCausalLM", "Gemma2ForCausalLM")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-# Phi-3's generations here cross its LongRoPE switch at position 64, which the GPU machine's transformers makes one
-# position later than transformers 5.24: tests/models/test_phi3.py runs it on the GPU against our CPU engine.
-@pytest.mark.parametrize("architecture", [a for a in SLIDING_ARCHITECTURES if a != "Phi3ForCausalLM"])
+@pytest.mark.parametrize("architecture", SLIDING_ARCHITECTURES)
 def test_triton_eager_and_graph_decode_equal_transformers_on_gpu(tiny_model_dir, architecture: str) -> None:
-    """Eager and graph decode give the same tokens, each a greedy choice of transformers' logits on the GPU."""
     model_dir = tiny_model_dir(architecture, sliding_window=WINDOW)
     prompts = [p + p for p in random_prompts(256, count=8, seed=5)]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    results = []
+    if architecture in CPU_REFERENCE:
+        cpu = LLM(str(model_dir), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=128)
+        expected = [o.token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+        cpu.close()
+    else:
+        expected = hf_greedy_on(model_dir, prompts, MAX_TOKENS, device="cuda")
     for setup in (dict(enforce_eager=True), dict(cuda_graph_capture_sizes=[1, 2, 4, 8]),
                   dict(cuda_graph_capture_sizes=[1, 2, 4, 8], max_num_batched_tokens=5, block_size=4)):
         llm = LLM(str(model_dir), dtype="float32", max_num_seqs=8, max_model_len=128, **setup)
-        results.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == expected, setup
         llm.close()
-    assert results[1] == results[0] and results[2] == results[0]
-    assert_greedy_under_transformers(model_dir, prompts, results[0], device="cuda")
 
 
 @pytest.mark.parametrize("architecture", SLIDING_ARCHITECTURES)

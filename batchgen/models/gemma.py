@@ -28,15 +28,14 @@ import torch
 from torch import nn
 
 from batchgen.layers.activation import GELU_APPROXIMATIONS, GeluAndMul
-from batchgen.layers.attention import Attention, AttentionMetadata
-from batchgen.layers.compiled import compiled
+from batchgen.layers.attention import AttentionMetadata
 from batchgen.layers.embedding import Embedding, InputIdsWithPending
 from batchgen.layers.fused import norm_then_linear
 from batchgen.layers.linear import Linear
 from batchgen.layers.norms import GemmaRMSNorm, gemma_rms_norm
 from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from batchgen.models.base import CausalLM
-from batchgen.models.llama import head_dim_of, layer_sliding_windows
+from batchgen.models.llama import LlamaAttention, head_dim_of, layer_sliding_windows
 from batchgen.models.weights import WeightTarget, fused_rows, load_into
 
 # Where a Gemma3ForConditionalGeneration checkpoint keeps its language model (transformers 5's names in memory, then
@@ -77,51 +76,17 @@ def gemma_norm_and_rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
     return apply_rotary(positions, q, k, cos, sin)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(LlamaAttention):
+    """Llama's attention with Gemma's score scale (query_pre_attn_scalar), soft-capping and (1 + weight) q/k norms."""
+
+    norm_class = GemmaRMSNorm
+    norm_and_rotate = staticmethod(gemma_norm_and_rotate)
+    gemma_style_norms = True
+
     def __init__(self, config: Any, rotary: RotaryEmbedding, sliding_window: int | None, softcap: float | None,
                  qk_norm: bool) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = config.attention_bias
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
-        if qk_norm:
-            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = qk_norm
-        self.rotary = rotary
-        scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, sliding_window, softcap)
-        self._norm_and_rotate = gemma_norm_and_rotate
-        self._rotate_and_store = None  # the fused Triton op, once use_triton() is called
-
-    def use_compiled(self) -> None:
-        self._norm_and_rotate = compiled(gemma_norm_and_rotate)
-
-    def use_triton(self) -> None:
-        """q/k norm, RoPE and the K/V cache store as one Triton kernel, for CUDA inputs."""
-        from batchgen.layers.rotary_triton import rotate_and_store
-
-        self._rotate_and_store = rotate_and_store
-
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """qkv (T, (H + 2 * KVH) * D) -> (T, hidden): the decoder layer runs qkv_proj, fused with the norm before it."""
-        num_tokens = qkv.shape[0]
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
-        if self._rotate_and_store is not None and qkv.is_cuda:
-            q = self._rotate_and_store(qkv, positions, self.rotary.cos, self.rotary.sin, norms, self.attn.k_cache,
-                                       self.attn.v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
-                                       gemma_style=True)
-            return self.o_proj(self.attn.attend(q, meta))  # (T, hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
-        q, k = self._norm_and_rotate(positions, q, k, norms, self.rotary.cos, self.rotary.sin)
-        return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
+        scale = (getattr(config, "query_pre_attn_scalar", None) or head_dim_of(config)) ** -0.5
+        super().__init__(config, rotary, config.attention_bias, qk_norm, sliding_window, scale, softcap)
 
 
 class GemmaMLP(nn.Module):

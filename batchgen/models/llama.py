@@ -31,9 +31,29 @@ def head_dim_of(config: HFConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def norm_and_rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    norms: tuple[torch.Tensor, torch.Tensor, float] | None, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head q/k RMSNorm (norms: q weight, k weight, eps), then RoPE: one function, so that on CUDA
+    torch.compile fuses them into one kernel."""
+    if norms is not None:
+        q_weight, k_weight, eps = norms
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    return apply_rotary(positions, q, k, cos, sin)
+
+
 class LlamaAttention(nn.Module):
+    # How the q/k norms compute (Gemma 3's attention overrides these three): the module, its torch function, and the
+    # fused Triton kernel's variant of it.
+    norm_class: ClassVar[type[nn.Module]] = RMSNorm
+    norm_and_rotate: ClassVar[Callable] = staticmethod(norm_and_rotate)
+    gemma_style_norms: ClassVar[bool] = False
+
     def __init__(self, config: HFConfig, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None) -> None:
+        """scale: the attention scores' (default head_dim ** -0.5); softcap: scores become
+        softcap * tanh(score / softcap)."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -43,16 +63,17 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
+            self.k_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window)
-        self._norm_and_rotate = norm_and_rotate
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale or self.head_dim**-0.5,
+                              sliding_window, softcap)
+        self._norm_and_rotate = self.norm_and_rotate
         self._rotate_and_store = None  # the fused Triton op, once use_triton() is called
 
     def use_compiled(self) -> None:
-        self._norm_and_rotate = compiled(norm_and_rotate)
+        self._norm_and_rotate = compiled(self.norm_and_rotate)
 
     def use_triton(self) -> None:
         """q/k norm, RoPE and the K/V cache store as one Triton kernel, for CUDA inputs."""
@@ -66,24 +87,14 @@ class LlamaAttention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         if self._rotate_and_store is not None and qkv.is_cuda:
             q = self._rotate_and_store(qkv, positions, self.rotary.cos, self.rotary.sin, norms, self.attn.k_cache,
-                                       self.attn.v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads)
+                                       self.attn.v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                                       gemma_style=self.gemma_style_norms)
             return self.o_proj(self.attn.attend(q, meta))  # (T, hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         q, k = self._norm_and_rotate(positions, q, k, norms, self.rotary.cos, self.rotary.sin)
         return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
-
-
-def norm_and_rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                    norms: tuple[torch.Tensor, torch.Tensor, float] | None, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's per-head q/k RMSNorm (norms: q weight, k weight, eps), then RoPE: one function, so that on CUDA
-    torch.compile fuses them into one kernel."""
-    if norms is not None:
-        q_weight, k_weight, eps = norms
-        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
-    return apply_rotary(positions, q, k, cos, sin)
 
 
 class LlamaMLP(nn.Module):

@@ -250,45 +250,6 @@ def num_labels(config: HFConfig) -> int:
     return len(id2label) if id2label else 2
 
 
-class LlamaForSequenceClassification(nn.Module):
-    """The decoder with transformers' `score` head (hidden -> num_labels, no bias) in place of the LM head: a
-    classifier, or a reward model with one label. job.task=classify scores the last non-pad token's hidden state."""
-
-    impl: ClassVar[str] = "native"  # as CausalLM's
-    cuda_graphs: ClassVar[bool] = True
-    qkv_bias_always = False
-    qk_norm = False
-
-    def __init__(self, config: HFConfig) -> None:
-        super().__init__()
-        self.config = config
-        qkv_bias = self.qkv_bias_always or getattr(config, "attention_bias", False)
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
-        self.score = Linear(config.hidden_size, num_labels(config), bias=False)
-
-    def forward(self, input_ids: torch.Tensor | InputIdsWithPending, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:  # (T, hidden)
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, num_labels)
-        return self.score(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_llama_weights(llama_weight_targets(self), weights, tied_lm_head=False)
-
-
-class MistralForSequenceClassification(LlamaForSequenceClassification):
-    pass
-
-
-class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
-    qkv_bias_always = True
-
-
-class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
-    qk_norm = True
-
-
 class LlamaForEmbedding(nn.Module):
     """The decoder alone, for job.task=embed, whose final hidden states are pooled: from a causal LM's or a
     classifier's checkpoint (its head is not loaded) or a bare decoder's."""
@@ -322,4 +283,31 @@ class Qwen2ForEmbedding(LlamaForEmbedding):
 
 
 class Qwen3ForEmbedding(LlamaForEmbedding):
+    qk_norm = True
+
+
+class LlamaForSequenceClassification(LlamaForEmbedding):
+    """The decoder with transformers' `score` head (hidden -> num_labels, no bias) in place of the LM head: a
+    classifier, or a reward model with one label. job.task=classify scores the last non-pad token's hidden state."""
+
+    def __init__(self, config: HFConfig) -> None:
+        super().__init__(config)
+        self.score = Linear(config.hidden_size, num_labels(config), bias=False)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, num_labels)
+        return self.score(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_llama_weights(llama_weight_targets(self), weights, tied_lm_head=False)
+
+
+class MistralForSequenceClassification(LlamaForSequenceClassification):
+    pass
+
+
+class Qwen2ForSequenceClassification(LlamaForSequenceClassification):
+    qkv_bias_always = True
+
+
+class Qwen3ForSequenceClassification(LlamaForSequenceClassification):
     qk_norm = True

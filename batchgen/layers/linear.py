@@ -39,9 +39,13 @@ class Linear(nn.Linear):
                 and self._kernels.beats_cublas(x.shape[0], self.out_features, self.weight.nbytes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T + bias, with the bias given (a row-parallel rank other than 0 adds none)."""
         if self.runs_triton(x):
-            return self._kernels.small_m_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return self._kernels.small_m_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def add_rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                              eps: float, silu_and_mul: bool = False,

@@ -9,7 +9,7 @@ from torch import nn
 
 from batchgen.layers.attention import AttentionMetadata
 from batchgen.layers.embedding import InputIdsWithPending
-from batchgen.layers.linear import Linear
+from batchgen.layers.parallel_linear import lm_head
 from batchgen.models.hf_config import HFConfig
 
 
@@ -23,7 +23,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.add_module(self.decoder_name, decoder)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size)
         if tied_embedding is not None:
             self.lm_head.weight = tied_embedding.weight
 

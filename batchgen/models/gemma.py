@@ -29,10 +29,10 @@ from torch import nn
 
 from batchgen.layers.activation import GELU_APPROXIMATIONS, GeluAndMul
 from batchgen.layers.attention import AttentionMetadata
-from batchgen.layers.embedding import Embedding, InputIdsWithPending
+from batchgen.layers.embedding import InputIdsWithPending
 from batchgen.layers.fused import norm_then_linear
-from batchgen.layers.linear import Linear
 from batchgen.layers.norms import GemmaRMSNorm, gemma_rms_norm
+from batchgen.layers.parallel_linear import gated_projections, vocab_embedding
 from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from batchgen.models.base import CausalLM
 from batchgen.models.llama import LlamaAttention, head_dim_of, layer_sliding_windows
@@ -92,8 +92,8 @@ class GemmaAttention(LlamaAttention):
 class GemmaMLP(nn.Module):
     def __init__(self, config: Any, approximate_gelu: str) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj, self.down_proj = gated_projections(config.hidden_size, config.intermediate_size,
+                                                              False)
         self.act = GeluAndMul(approximate_gelu)
 
     def forward(self, norm: GemmaRMSNorm, hidden: torch.Tensor,
@@ -131,7 +131,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, config: Any, spec: GemmaSpec) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         # In the model dtype, as transformers multiplies (sqrt(3072) is 55.5 in bf16).
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         windows = layer_sliding_windows(config)

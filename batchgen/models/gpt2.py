@@ -11,7 +11,8 @@ from torch import nn
 
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.embedding import InputIdsWithPending, token_ids
-from batchgen.layers.linear import Linear
+from batchgen.layers.parallel_linear import column_parallel_linear, row_parallel_linear, vocab_embedding
+from batchgen.layers.tensor_parallel import current
 from batchgen.models.base import CausalLM
 from batchgen.models.hf_config import HFConfig
 from batchgen.models.weights import WeightTarget, load_into
@@ -47,9 +48,12 @@ class GPT2Attention(nn.Module):
         num_heads = config.num_attention_heads
         head_dim = hidden // num_heads
         scale = head_dim**-0.5 if config.scale_attn_weights else 1.0
-        self.c_attn = Linear(hidden, 3 * hidden)
-        self.c_proj = Linear(hidden, hidden)
-        self.attn = Attention(num_heads, num_heads, head_dim, scale)
+        tp = current()
+        heads = tp.attention_heads(num_heads, num_heads)  # this tensor-parallel rank's
+        q, kv = tp.head_parts(heads, num_heads, num_heads, head_dim)
+        self.c_attn = column_parallel_linear(hidden, [q, kv, kv])
+        self.c_proj = row_parallel_linear(hidden, hidden)
+        self.attn = Attention(heads.num_heads, heads.num_heads, head_dim, scale)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # (T, E) -> (T, E)
         q, k, v = self.c_attn(hidden).chunk(3, dim=-1)  # (T, E) each
@@ -60,8 +64,8 @@ class GPT2MLP(nn.Module):
     def __init__(self, config: HFConfig) -> None:
         super().__init__()
         inner = config.n_inner or 4 * config.hidden_size
-        self.c_fc = Linear(config.hidden_size, inner)
-        self.c_proj = Linear(inner, config.hidden_size)
+        self.c_fc = column_parallel_linear(config.hidden_size, [current().even_part(inner)])
+        self.c_proj = row_parallel_linear(inner, config.hidden_size)
         self.act = ACTIVATIONS[config.activation_function]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, E) -> (T, E)
@@ -84,7 +88,7 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, config: HFConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wte = vocab_embedding(config.vocab_size, config.hidden_size, nn.Embedding)
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)

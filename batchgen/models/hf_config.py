@@ -24,6 +24,7 @@ from typing import Any
 
 from batchgen.config import ConfigError, ModelConfig
 from batchgen.models.gguf_file import is_gguf_path
+from batchgen.models.tp_shapes import check_tensor_parallel
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -276,13 +277,17 @@ def _check_weights(directory: Path, where: str) -> None:
                           "weights; model.load_format=dummy runs random weights from config.json)")
 
 
-def check_checkpoint(model: ModelConfig, max_model_len: int | None) -> None:
+def check_checkpoint(model: ModelConfig, max_model_len: int | None, tensor_parallel_size: int = 1) -> None:
     """What loading the model needs, checked from its files alone (no weights read, no torch): config.json, the
-    safetensors files, an architecture batchgen runs (model.impl), and engine.max_model_len within the model's
-    positions.
+    safetensors files, an architecture batchgen runs (model.impl), engine.max_model_len within the model's
+    positions, and a model that engine.tensor_parallel_size splits.
     Raises ConfigError naming the directory or key; model and max_model_len are validated values (config.py)."""
     if model.path is not None and is_gguf_path(model.path):
-        return  # a GGUF file holds its own config, checked by config.validate_model
+        try:  # a GGUF file holds its own config, checked by config.validate_model
+            check_tensor_parallel({}, tensor_parallel_size, "native", gguf=True)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return
     overrides = dict(model.hf_config or {})
     if model.path is None:
         where = "model.hf_config"
@@ -299,9 +304,13 @@ def check_checkpoint(model: ModelConfig, max_model_len: int | None) -> None:
         if model.load_format != "dummy":
             _check_weights(directory, where)
     try:
-        model_implementation(values, model.impl)
+        implementation = model_implementation(values, model.impl)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    try:
+        check_tensor_parallel(hf_config_from_dict(values) or values, tensor_parallel_size, implementation, gguf=False)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} ({where})") from None
     limit = max_positions(hf_config_from_dict(values) or values)
     if max_model_len is not None and limit is not None and max_model_len > limit:
         raise ConfigError(f"engine.max_model_len={max_model_len} is invalid: the model in {model.path or where} "

@@ -17,11 +17,18 @@ from torch import nn
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.compiled import compiled
-from batchgen.layers.embedding import Embedding, InputIdsWithPending
+from batchgen.layers.embedding import InputIdsWithPending
 from batchgen.layers.fused import norm_then_gate_up, norm_then_linear
 from batchgen.layers.linear import Linear
 from batchgen.layers.norms import RMSNorm, rms_norm
+from batchgen.layers.parallel_linear import (
+    column_parallel_linear,
+    gated_projections,
+    row_parallel_linear,
+    vocab_embedding,
+)
 from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rotary_embedding
+from batchgen.layers.tensor_parallel import ShardPart, current
 from batchgen.models.base import CausalLM
 from batchgen.models.hf_config import HFConfig
 from batchgen.models.weights import WeightTarget, fused_rows, load_into
@@ -29,6 +36,16 @@ from batchgen.models.weights import WeightTarget, fused_rows, load_into
 
 def head_dim_of(config: HFConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_heads(config: HFConfig) -> tuple[int, int, list[ShardPart]]:
+    """The q and KV heads of the tensor-parallel rank being built, and its parts of the fused q/k/v rows."""
+    tp = current()
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    heads = tp.attention_heads(num_heads, num_kv_heads)
+    q, kv = tp.head_parts(heads, num_heads, num_kv_heads, head_dim_of(config))
+    return heads.num_heads, heads.num_kv_heads, [q, kv, kv]
 
 
 def norm_and_rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -55,13 +72,14 @@ class LlamaAttention(nn.Module):
         """scale: the attention scores' (default head_dim ** -0.5); softcap: scores become
         softcap * tanh(score / softcap)."""
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        # This tensor-parallel rank's heads (all of them with one rank).
+        self.num_heads, self.num_kv_heads, parts = attention_heads(config)
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = column_parallel_linear(config.hidden_size, parts, bias=qkv_bias)
+        self.o_proj = row_parallel_linear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                          bias=getattr(config, "attention_bias", False))
         if qk_norm:
             self.q_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
             self.k_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
@@ -100,9 +118,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: HFConfig) -> None:
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj, self.down_proj = gated_projections(config.hidden_size, config.intermediate_size,
+                                                              getattr(config, "mlp_bias", False))
         self.act = SiluAndMul()
 
     def forward(self, norm: RMSNorm, hidden: torch.Tensor,
@@ -136,7 +153,7 @@ class LlamaModel(nn.Module):
                  layer_mlp: Callable[[int], nn.Module] | None = None) -> None:
         """layer_mlp(layer index): that layer's feed-forward block (default: a LlamaMLP each)."""
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by all layers: at 128k positions it is tens of MB.
         rotary = rotary_embedding(config, head_dim_of(config))
         self.layers = nn.ModuleList(

@@ -15,6 +15,7 @@ from torch import nn
 
 from batchgen.config import ModelConfig
 from batchgen.layers.norms import GemmaRMSNorm, RMSNorm
+from batchgen.layers.tensor_parallel import SINGLE, TensorParallel, building
 from batchgen.models.base import CausalLM
 from batchgen.models.gemma import language_model_config
 from batchgen.models.gguf import gguf_hf_config, iter_gguf_weights
@@ -93,12 +94,13 @@ def safetensors_files(directory: str) -> list[Path]:
     raise FileNotFoundError(f"no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} in {directory}")
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs read one tensor at a time, so a checkpoint never sits in host memory whole."""
+def iter_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) pairs read one tensor at a time, so a checkpoint never sits in host memory whole; lazy: a
+    safetensors slice in place of each tensor, which reads only what is indexed (a tensor-parallel rank's part)."""
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as shard:
             for name in shard.keys():
-                yield name, shard.get_tensor(name)
+                yield name, shard.get_slice(name) if lazy else shard.get_tensor(name)
 
 
 @contextmanager
@@ -128,9 +130,10 @@ def init_dummy_weights(model: nn.Module) -> None:
 
 
 def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               task: str = "generate") -> CausalLM | TransformersCausalLM:
+               task: str = "generate", tp: TensorParallel = SINGLE) -> CausalLM | TransformersCausalLM:
     """Builds the model for hf_config's architecture and job.task `task` on `device` in `dtype` and fills its
-    weights: batchgen's own modules, or transformers' (model.impl; hf_config.model_implementation decides)."""
+    weights: batchgen's own modules, or transformers' (model.impl; hf_config.model_implementation decides). tp: the
+    tensor-parallel rank whose shard of the native modules to build and load."""
     if model_implementation(hf_config, model.impl) == "transformers":  # registry.check_task vetted the task
         from batchgen.models.transformers_backend import build_transformers_model  # imports transformers' modeling
 
@@ -143,14 +146,14 @@ def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: t
     log.info("Model: %s runs on batchgen's native modules (model.impl=%s)", architecture_of(hf_config), model.impl)
     gguf = is_gguf_path(model.path)
     files = [] if model.load_format == "dummy" or gguf else safetensors_files(model.path)
-    with _default_dtype(dtype), torch.device(device):
+    with _default_dtype(dtype), torch.device(device), building(tp):
         network = cls(hf_config)
     if model.load_format == "dummy":
         init_dummy_weights(network)
     elif gguf:
         network.load_weights(iter_gguf_weights(model.path))
     else:
-        network.load_weights(iter_safetensors(files))
+        network.load_weights(iter_safetensors(files, lazy=tp.size > 1))
     network.eval()
     network.requires_grad_(False)
     return network

@@ -21,18 +21,20 @@ from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.linear import Linear
 from batchgen.layers.moe import StackedExperts
 from batchgen.layers.norms import RMSNorm
+from batchgen.layers.parallel_linear import gated_projections
+from batchgen.layers.tensor_parallel import current
 from batchgen.models.hf_config import HFConfig
 from batchgen.models.llama import LlamaForCausalLM, LlamaMLP
 from batchgen.models.weights import WeightTarget
 
 
 class SharedExpert(nn.Module):
-    """Qwen2-MoE's always-on expert: down(silu(gate(x)) * up(x)) with gate and up fused."""
+    """Qwen2-MoE's always-on expert: down(silu(gate(x)) * up(x)) with gate and up fused. With tensor parallelism its
+    output is this rank's partial sum, which MoeMLP's one all-reduce adds up with the experts'."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj, self.down_proj = gated_projections(hidden_size, intermediate_size, reduce=False)
         self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
@@ -40,15 +42,21 @@ class SharedExpert(nn.Module):
 
 
 class MoeMLP(nn.Module):
-    """A decoder layer's sparse feed-forward block, called as LlamaMLP is."""
+    """A decoder layer's sparse feed-forward block, called as LlamaMLP is. With tensor parallelism each rank holds
+    its 1/size of every expert's intermediate dimension (and of the shared expert's); the router is replicated, and
+    one all-reduce sums the ranks' partial outputs."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  shared_expert_size: int | None = None) -> None:
         """renormalize: the top_k weights are divided by their sum; shared_expert_size: the intermediate size of
         Qwen2-MoE's shared expert, None for none."""
         super().__init__()
+        self.tp = current()
         self.gate = Linear(hidden_size, num_experts, bias=False)  # the router
-        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, top_k, renormalize)
+        part = self.tp.even_part(intermediate_size)
+        self.experts = StackedExperts(num_experts, hidden_size, part.size, top_k, renormalize)
+        self.tp.mark(self.experts.gate_up_proj, 0, part, part)  # of each expert: its gate rows, then its up rows
+        self.tp.mark(self.experts.down_proj, 1, part)
         self.shared_expert = None if shared_expert_size is None else SharedExpert(hidden_size, shared_expert_size)
         self.shared_expert_gate = None if shared_expert_size is None else Linear(hidden_size, 1, bias=False)
 
@@ -59,7 +67,7 @@ class MoeMLP(nn.Module):
         out = self.experts(normed, self.gate(normed))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(normed)) * self.shared_expert(normed)
-        return out, residual
+        return self.tp.all_reduce(out), residual
 
 
 class MoeForCausalLM(LlamaForCausalLM):

@@ -16,17 +16,27 @@ from torch import nn
 from batchgen.layers.activation import SiluAndMul
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.compiled import compiled
-from batchgen.layers.embedding import Embedding, InputIdsWithPending
-from batchgen.layers.linear import Linear
+from batchgen.layers.embedding import InputIdsWithPending
+from batchgen.layers.parallel_linear import (
+    column_parallel_linear,
+    gated_projections,
+    row_parallel_linear,
+    vocab_embedding,
+)
 from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rotary_embedding
+from batchgen.layers.tensor_parallel import current
 from batchgen.models.base import CausalLM
 from batchgen.models.hf_config import HFConfig
-from batchgen.models.llama import LlamaForCausalLM, head_dim_of
+from batchgen.models.llama import LlamaForCausalLM, attention_heads, head_dim_of
 
 
-def olmo2_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # (..., dim) -> (..., dim)
+def olmo2_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   mean_square: torch.Tensor | None = None) -> torch.Tensor:  # (..., dim) -> (..., dim)
+    """mean_square (..., 1) float32: of the whole projection, where x is a tensor-parallel rank's part of it."""
     x_float = x.float()
-    normed = x_float * torch.rsqrt(x_float.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if mean_square is None:
+        mean_square = x_float.pow(2).mean(dim=-1, keepdim=True)
+    normed = x_float * torch.rsqrt(mean_square + eps)
     return (weight * normed).to(x.dtype)
 
 
@@ -47,13 +57,16 @@ class Olmo2RMSNorm(nn.Module):
 
 
 def norm_whole_and_rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                          k_weight: torch.Tensor, eps: float, head_dim: int, cos: torch.Tensor,
-                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          k_weight: torch.Tensor, eps: float, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                          mean_squares: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (T, H * D) and k (T, KVH * D) RMS-normalized over all their heads, then rotated in float32: (T, H, D) and
-    (T, KVH, D). One function, so that torch.compile fuses it into one kernel."""
+    (T, KVH, D). One function, so that torch.compile fuses it into one kernel. mean_squares: of the whole q and k,
+    (T, 1) each, where q and k are a tensor-parallel rank's heads."""
     num_tokens = q.shape[0]
-    q = olmo2_rms_norm(q, q_weight, eps).view(num_tokens, -1, head_dim)
-    k = olmo2_rms_norm(k, k_weight, eps).view(num_tokens, -1, head_dim)
+    q_mean_square, k_mean_square = mean_squares or (None, None)
+    q = olmo2_rms_norm(q, q_weight, eps, q_mean_square).view(num_tokens, -1, head_dim)
+    k = olmo2_rms_norm(k, k_weight, eps, k_mean_square).view(num_tokens, -1, head_dim)
     q_rotated, k_rotated = apply_rotary(positions, q.float(), k.float(), cos, sin)
     return q_rotated.to(q.dtype), k_rotated.to(k.dtype)
 
@@ -61,16 +74,21 @@ def norm_whole_and_rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Ten
 class Olmo2Attention(nn.Module):
     def __init__(self, config: HFConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.tp = current()
+        self.num_heads, self.num_kv_heads, parts = attention_heads(config)
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
+        self.qkv_proj = column_parallel_linear(config.hidden_size, parts, bias=bias)
+        self.o_proj = row_parallel_linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = Olmo2RMSNorm(self.q_size, config.rms_norm_eps)
         self.k_norm = Olmo2RMSNorm(self.kv_size, config.rms_norm_eps)
+        q_part, kv_part, _ = parts
+        self.tp.mark(self.q_norm.weight, 0, q_part)
+        self.tp.mark(self.k_norm.weight, 0, kv_part)
+        self.whole_sizes = (q_part.full, kv_part.full)
+        self.kv_replicas = self.tp.size * kv_part.size // kv_part.full  # ranks holding each KV head
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self._norm_and_rotate = norm_whole_and_rotate
@@ -80,16 +98,23 @@ class Olmo2Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        mean_squares = self._whole_mean_squares(q, k) if self.tp.size > 1 else None
         q, k = self._norm_and_rotate(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                     self.head_dim, self.rotary.cos, self.rotary.sin)
+                                     self.head_dim, self.rotary.cos, self.rotary.sin, mean_squares)
         return self.o_proj(self.attn(q, k, v, meta))  # (T, hidden)
+
+    def _whole_mean_squares(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean squares of the whole q and k projections, (T, 1) each, from every rank's heads by one all-reduce
+        (a KV head that several ranks hold counts once)."""
+        sums = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1) / self.kv_replicas], dim=-1)
+        means = self.tp.all_reduce(sums) / torch.tensor(self.whole_sizes, dtype=torch.float32, device=sums.device)
+        return means[:, :1], means[:, 1:]
 
 
 class Olmo2MLP(nn.Module):
     def __init__(self, config: HFConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj, self.down_proj = gated_projections(config.hidden_size, config.intermediate_size)
         self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -112,7 +137,7 @@ class Olmo2DecoderLayer(nn.Module):
 class Olmo2Model(nn.Module):
     def __init__(self, config: HFConfig) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         rotary = rotary_embedding(config, head_dim_of(config))  # one table shared by all layers
         self.layers = nn.ModuleList(Olmo2DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,12 +1,19 @@
-"""Copying checkpoint tensors (Hugging Face names) into our parameters, fused ones included."""
+"""Copying checkpoint tensors (Hugging Face names) into our parameters, fused ones included; a tensor-parallel
+rank's parameters take only their slices (`Shard`, layers/tensor_parallel.py) of the tensors."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from batchgen.layers.tensor_parallel import Shard, shard_of
+
+# A checkpoint tensor, or a safetensors slice (safe_open(...).get_slice) that reads from the file only what is indexed.
+CheckpointTensor = Any
 
 
 @dataclass(frozen=True)
@@ -51,16 +58,53 @@ def load_into(
                 unexpected.append(raw_name)
                 continue
             destination = target.param if target.expert is None else target.param[target.expert]
-            if target.rows is not None:
-                destination = destination[target.rows]
-            source = tensor.t() if target.transpose else tensor
-            if destination.shape != source.shape:
-                raise ValueError(
-                    f"checkpoint tensor {raw_name} has shape {tuple(tensor.shape)}; "
-                    f"expected {tuple(destination.shape)}{' (transposed)' if target.transpose else ''}"
-                )
-            destination.copy_(source)
+            layout = shard_of(target.param)
+            if layout is None:
+                if target.rows is not None:
+                    destination = destination[target.rows]
+                _copy(destination, tensor[...], target.transpose, raw_name)
+            else:
+                _copy_shard(destination, target, layout, tensor, raw_name)
             loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {sorted(unexpected)}")
+
+
+def _copy(destination: torch.Tensor, source: torch.Tensor, transpose: bool, name: str) -> None:
+    source = source.t() if transpose else source
+    if destination.shape != source.shape:
+        shape = tuple(source.t().shape if transpose else source.shape)
+        raise ValueError(f"checkpoint tensor {name} has shape {shape}; "
+                         f"expected {tuple(destination.shape)}{' (transposed)' if transpose else ''}")
+    destination.copy_(source)
+
+
+def _shape(tensor: CheckpointTensor) -> tuple[int, ...]:
+    return tuple(tensor.get_shape()) if hasattr(tensor, "get_shape") else tuple(tensor.shape)
+
+
+def _copy_shard(destination: torch.Tensor, target: WeightTarget, layout: Shard, tensor: CheckpointTensor,
+                name: str) -> None:
+    """Reads this rank's ranges of `tensor` into `destination` (the parameter, or one expert of a stacked one):
+    one part of a fused parameter where the target names its rows (a checkpoint's q_proj into qkv_proj), else every
+    part from a tensor that holds them all fused (Phi-3's qkv_proj) or the one part of an unfused parameter."""
+    local = layout.local_slices()
+    if target.rows is not None:
+        index = local.index(target.rows)
+        pieces = [(layout.parts[index], local[index], 0)]
+    else:
+        offsets = [sum(part.full for part in layout.parts[:i]) for i in range(len(layout.parts))]
+        pieces = list(zip(layout.parts, local, offsets, strict=True))
+    full = list(destination.shape)
+    full[layout.dim] = sum(part.full for part, _, _ in pieces)
+    dim = layout.dim
+    if target.transpose:  # GPT-2's Conv1D stores (in, out)
+        full.reverse()
+        dim = 1 - dim
+    if _shape(tensor) != tuple(full):
+        raise ValueError(f"checkpoint tensor {name} has shape {_shape(tensor)}; expected {tuple(full)}")
+    for part, rows, offset in pieces:
+        index = [slice(None)] * len(full)
+        index[dim] = slice(offset + part.start, offset + part.stop)
+        _copy(destination.narrow(layout.dim, rows.start, part.size), tensor[tuple(index)], target.transpose, name)

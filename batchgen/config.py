@@ -91,6 +91,9 @@ class EngineConfig:
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs (after penalties, temperature, filters)
     data_parallel_size: int = 1  # N > 1: start N processes, one shard each on its own GPU (cuda:rank) or CPU
+    # N > 1: split the model over N ranks (processes this one starts, each with its shard on its own GPU, rank r of
+    # data-parallel rank d on cuda:(d * N + r)), so that a model larger than one GPU runs
+    tensor_parallel_size: int = 1
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
     @property
@@ -228,6 +231,7 @@ def validate_engine(engine: EngineConfig) -> None:
     _positive("engine.num_gpu_blocks_override", engine.num_gpu_blocks_override, optional=True)
     _positive("engine.cpu_threads", engine.cpu_threads, optional=True)
     _positive("engine.data_parallel_size", engine.data_parallel_size)
+    _positive("engine.tensor_parallel_size", engine.tensor_parallel_size)
     _positive("engine.min_admit_rows", engine.min_admit_rows, optional=True)
     bs = engine.block_size
     _require(isinstance(bs, int) and bs > 0 and bs & (bs - 1) == 0, "engine.block_size", bs,
@@ -284,6 +288,9 @@ def validate_runner(config: Config) -> None:
              f"choose one way to split the rows, not {' and '.join(parallel)}")
     _require(runner.name == "local" or config.job.task == "generate", "job.task", config.job.task,
              "runner=ray runs job.task=generate only; score, embed and classify run with runner=local")
+    _require(runner.name == "local" or config.engine.tensor_parallel_size == 1, "engine.tensor_parallel_size",
+             config.engine.tensor_parallel_size, "runner=ray runs one GPU an actor; tensor parallelism runs with "
+             "runner=local")
 
 
 def validate(config: Config) -> Config:

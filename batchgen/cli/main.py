@@ -43,6 +43,7 @@ from batchgen.report.answers import exact_match
 from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
 from batchgen.runners.errors import MergeError, RankFailedError
+from batchgen.tp.errors import FollowerExited
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "conf"
@@ -80,7 +81,7 @@ def to_config(cfg: DictConfig) -> Config:
         raise ConfigError(message) from None
     validate(config)
     config = replace(config, model=resolve_model(config.model))  # a Hub id becomes its local snapshot directory
-    check_checkpoint(config.model, config.engine.max_model_len)
+    check_checkpoint(config.model, config.engine.max_model_len, config.engine.tensor_parallel_size)
     return config
 
 
@@ -139,6 +140,12 @@ def _main(cfg: DictConfig) -> float | None:
         sys.exit(EXIT_ENVIRONMENT)
     except (MergeError, RankFailedError) as exc:
         log.error("%s", exc)
+        sys.exit(EXIT_CRASH)
+    except FollowerExited as exc:
+        remove_unstarted_run_dir(run_dir)
+        kept = (f"; the finished rows are kept: resume with: "
+                f"{resume_command(list(HydraConfig.get().overrides.task), run_dir)}" if run_dir.exists() else "")
+        log.error("%s%s", exc, kept)
         sys.exit(EXIT_CRASH)
     print(brief_table(summary))
     answers = exact_match(run_dir, {"path": config.data.path, "format": config.data.format})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -14,33 +15,28 @@ import torch
 
 from batchgen.config import EngineConfig, ModelConfig
 from batchgen.core.block_manager import BlockManager
-from batchgen.core.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit
+from batchgen.core.kv_sizing import KVDemand
 from batchgen.core.request import Request
 from batchgen.core.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.continuation import PREFILL_ONLY, continuation_score
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.model_worker import ModelWorker, resolve_device
 from batchgen.engine.outputs import RequestOutput, classification_fields
 from batchgen.engine.request_logprobs import attach_logprobs, token_texts
 from batchgen.engine.structured_output import StructuredOutputManager, guided_spec
-from batchgen.layers import attention_torch
-from batchgen.layers.compiled import compile_small_layers
-from batchgen.layers.triton_layers import use_triton_layers
-from batchgen.models.hf_config import max_positions
-from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
-from batchgen.models.pooling_config import checkpoint_pooling
-from batchgen.models.registry import check_task
+from batchgen.models.gguf_file import is_gguf_path
+from batchgen.models.hf_config import model_implementation
+from batchgen.models.loader import load_hf_config
+from batchgen.models.tp_shapes import check_tensor_parallel
 from batchgen.sample.bad_words import bad_words_token_ids
 from batchgen.sample.params import SamplingParams
-from batchgen.worker.host_threads import intra_op_threads
-from batchgen.worker.model_runner import LaunchedStep, ModelRunner
-from batchgen.worker.pooling import Pooler
+from batchgen.tp.ranks import Followers
+from batchgen.worker.model_runner import LaunchedStep
 
 if TYPE_CHECKING:
     from batchgen.worker.step_profiler import StepProfiler  # torch.profiler: imported only when asked for
 
 log = logging.getLogger(__name__)
-
-POOLING_TASKS = ("embed", "classify")
 
 
 @dataclass
@@ -91,48 +87,6 @@ class _InFlight:
     launch_ms: float  # scheduling to queued: the host time of its launch, counted in its own step_ms
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("engine.device='cuda' but no CUDA device is available; use engine.device=cpu or auto")
-    return torch.device(name)
-
-
-def resolve_engine_config(config: EngineConfig, hf_config: Any, device: torch.device) -> EngineConfig:
-    """The config as it applies to this model and device: max_model_len and attention_backend set."""
-    backend = config.attention_backend
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "torch"
-    elif backend == "triton" and device.type != "cuda":
-        raise ValueError("engine.attention_backend='triton' needs a CUDA device; allowed on CPU: torch, auto")
-    limit = max_positions(hf_config)
-    max_model_len = config.max_model_len or limit
-    if max_model_len is None:
-        raise ValueError("engine.max_model_len is not set and the model's config names no max_position_embeddings: "
-                         "set engine.max_model_len")
-    if limit is not None and max_model_len > limit:
-        raise ValueError(f"engine.max_model_len={max_model_len} is invalid: the model supports at most {limit} "
-                         "positions")
-    return replace(config, max_model_len=max_model_len, attention_backend=backend)
-
-
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    return attention_torch.FP8_DTYPE if name == "fp8" else model_dtype
-
-
-def check_kv_cache_dtype_supported(kv_cache_dtype: torch.dtype, backend: str, device: torch.device) -> None:
-    """Triton's fp8e4nv (float8_e4m3fn) needs compute capability 8.9 (Ada, Hopper) or newer; the torch path
-    converts fp8 on any device."""
-    if kv_cache_dtype != attention_torch.FP8_DTYPE or backend != "triton":
-        return
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
-        raise ValueError(f"engine.kv_cache_dtype='fp8' with the Triton attention needs a GPU of compute capability "
-                         f"8.9 or newer, this one has {capability[0]}.{capability[1]}; use engine.kv_cache_dtype=auto "
-                         "or engine.attention_backend=torch")
-
-
 def request_seed(engine_seed: int, request_id: int) -> int:
     """A per-request seed that depends only on the engine seed and the request id, so resumed runs sample alike."""
     return (engine_seed * 1_000_003 + request_id * 7_919 + 1) % (2**31 - 1)
@@ -155,58 +109,29 @@ class LLMEngine:
         `add_pooling_request`, and their steps prefill only, eagerly, without CUDA graphs."""
         self.task = task
         self.device = resolve_device(engine_config.device)
-        if (threads := intra_op_threads(engine_config.cpu_threads, self.device)) is not None:
-            torch.set_num_threads(threads)
-        hf_config = load_hf_config(model_config)
-        check_task(task, hf_config, model_config.impl)
-        self.hf_config = hf_config
-        self.dtype = resolve_dtype(model_config.dtype, hf_config, self.device)
+        self.followers: Followers | None = None  # tensor-parallel ranks 1..N-1
+        if engine_config.tensor_parallel_size > 1:
+            hf_config, gguf = load_hf_config(model_config), is_gguf_path(model_config.path)
+            implementation = "native" if gguf else model_implementation(hf_config, model_config.impl)
+            check_tensor_parallel(hf_config, engine_config.tensor_parallel_size, implementation, gguf)
+            if self.device.type == "cuda" and self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self.followers = Followers(model_config, engine_config, task, self.device, self._bitmask)
+        try:
+            with self._follower_failures():
+                worker = self._worker(model_config, engine_config, task, kv_demand)
+        except BaseException:
+            self._close_followers()
+            raise
+        self.worker = worker
+        self.hf_config, self.dtype, self.config, self.info = worker.hf_config, worker.dtype, worker.config, worker.info
+        self.runner, self.pooler = worker.runner, worker.pooler
         self.detokenizer = detokenizer or Detokenizer.load(model_config)
-        self.eos_token_ids = self._eos_token_ids(hf_config)
+        self.eos_token_ids = self._eos_token_ids(self.hf_config)
         self.profiler = profiler
-
-        start = time.perf_counter()
-        model = load_model(model_config, hf_config, self.dtype, self.device, task)
-        if not model.cuda_graphs and not engine_config.enforce_eager:
-            engine_config = replace(engine_config, enforce_eager=True)
-            if self.device.type == "cuda":
-                log.info("CUDA graphs off: transformers' modules run eagerly (model.impl=%s)", model.impl)
-        self.config = resolve_engine_config(engine_config, hf_config, self.device)
-        backend = self.config.attention_backend
-        compile_layers = self.device.type == "cuda" and engine_config.torch_compile
-        if compile_layers:
-            compile_small_layers(model)  # compiles lazily, at the memory-profiling run below
-        kv_cache_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, self.dtype)
-        check_kv_cache_dtype_supported(kv_cache_dtype, backend, self.device)
-        if backend == "triton":
-            use_triton_layers(model, gemv=not engine_config.enforce_eager, elementwise=not compile_layers)
-        self.info: dict[str, Any] = {"load_seconds": time.perf_counter() - start, "task": task,
-                                     "model_impl": model.impl}
         self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
-        self.runner = ModelRunner(self.config, model, self.device, kv_cache_dtype, self._bitmask)
-        self.pooler = self._pooler(model_config, model) if task in POOLING_TASKS else None
         self._token_text = token_texts(self.detokenizer)
-        start = time.perf_counter()
-        kv_choice = self._num_kv_blocks(kv_demand)  # on CUDA, a forward that measures the activations' peak
-        num_blocks = kv_choice.num_blocks
-        self.runner.allocate_kv_cache(num_blocks)
-        block_size = self.config.block_size
-        self.info.update(
-            kv_sizing_seconds=time.perf_counter() - start,
-            device=str(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else "cpu",
-            dtype=str(self.dtype).removeprefix("torch."),
-            kv_cache_dtype=str(kv_cache_dtype).removeprefix("torch."),
-            max_model_len=self.config.max_model_len,
-            kv_blocks=num_blocks,
-            kv_blocks_reason=kv_choice.reason,
-            kv_capacity_tokens=num_blocks * block_size,
-            kv_cache_bytes=num_blocks * self.runner.kv_block_bytes,
-        )
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s): %s", num_blocks, block_size,
-                 num_blocks * block_size, self.info["kv_cache_bytes"] / 2**30, self.info["kv_cache_dtype"],
-                 kv_choice.reason)
-        if self.device.type == "cuda" and not engine_config.enforce_eager and self.pooler is None:
-            self._capture_graphs()
+        num_blocks, block_size = worker.num_blocks, self.config.block_size
         self.scheduler = Scheduler(self.config, BlockManager(num_blocks, block_size, self.config.enable_prefix_caching))
         self._finished_on_arrival: list[Request] = []
         self._prompts: dict[tuple[int, int], str | None] = {}  # (request id, sample index) -> prompt text
@@ -221,15 +146,21 @@ class LLMEngine:
 
     # -- setup ----------------------------------------------------------------------------------------------
 
-    def _pooler(self, model_config: ModelConfig, model: torch.nn.Module) -> Pooler:
-        hidden_size = self.hf_config.hidden_size
-        if self.task == "classify":
-            self.info.update(pooling="last non-pad token")
-            return Pooler("last", hidden_size, self.device, head=model.compute_logits,
-                          pad_token_id=getattr(self.hf_config, "pad_token_id", None))
-        method = model_config.pooling or checkpoint_pooling(model_config.path) or "last"
-        self.info.update(pooling=method, normalize=model_config.normalize)
-        return Pooler(method, hidden_size, self.device, normalize=model_config.normalize)
+    def _worker(self, model_config: ModelConfig, engine_config: EngineConfig, task: str,
+                kv_demand: KVDemand | None) -> ModelWorker:
+        if self.followers is None:
+            return ModelWorker(model_config, engine_config, task, self.device, kv_demand, self._bitmask)
+        followers = self.followers
+        return ModelWorker(model_config, engine_config, task, self.device, kv_demand, followers.sender.step_bitmask,
+                           followers.tensor_parallel, followers.group.control.agree_min)
+
+    def _follower_failures(self) -> contextlib.AbstractContextManager:
+        """With tensor-parallel followers: a collective that fails because one exited raises FollowerExited."""
+        return self.followers.failures() if self.followers is not None else contextlib.nullcontext()
+
+    def _close_followers(self) -> None:
+        if self.followers is not None:
+            self.followers.close()
 
     def _eos_token_ids(self, hf_config) -> list[int]:
         eos = self.detokenizer.eos_token_id if self.detokenizer else None
@@ -238,32 +169,6 @@ class LLMEngine:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
-
-    def _num_kv_blocks(self, demand: KVDemand | None) -> KVBlockChoice:
-        cfg = self.config
-        if cfg.num_gpu_blocks_override is not None:
-            return KVBlockChoice(cfg.num_gpu_blocks_override, "engine.num_gpu_blocks_override")
-        limit = job_block_limit(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, demand)
-        block_bytes = self.runner.kv_block_bytes
-        if self.device.type == "cpu":
-            budget = max(1, int(cfg.cpu_kv_cache_space_gib * 2**30) // block_bytes)
-            return choose_num_blocks(budget, f"engine.cpu_kv_cache_space_gib={cfg.cpu_kv_cache_space_gib}", limit)
-        peak = self.runner.profile_peak_bytes(scores_logits=self.pooler is None)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        available = int(total * cfg.gpu_memory_utilization) - peak
-        if available < block_bytes:
-            raise ValueError(f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}: no memory left for the "
-                             f"KV cache (model and activations peak at {peak / 2**30:.2f} GiB of {total / 2**30:.1f})")
-        return choose_num_blocks(available // block_bytes,
-                                 f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}", limit)
-
-    def _capture_graphs(self) -> None:
-        stats = self.runner.capture_graphs()
-        self.info.update(cuda_graph_sizes=stats.sizes, cuda_graph_capture_seconds=stats.seconds,
-                         cuda_graph_pool_bytes=stats.pool_bytes,
-                         cuda_graph_capture_seconds_per_size={str(k): v for k, v in stats.seconds_per_size.items()})
-        log.info("Captured %d CUDA graphs (batch sizes %s) in %.2f s, pool %.1f MiB", len(stats.sizes),
-                 stats.sizes, stats.seconds, stats.pool_bytes / 2**20)
 
     # -- requests -------------------------------------------------------------------------------------------
 
@@ -422,6 +327,10 @@ class LLMEngine:
         With async scheduling the applied step is the previous one: step N+1 is scheduled and queued while the
         device still runs step N, so the host's work hides behind the device's.
         """
+        with self._follower_failures():
+            return self._step()
+
+    def _step(self) -> tuple[list[RequestOutput], StepRecord | None]:
         finished = self._finished_on_arrival
         self._finished_on_arrival = []
         in_flight = self._in_flight
@@ -452,6 +361,8 @@ class LLMEngine:
         schedule_ms = (time.perf_counter() - start) * 1000
         index = self.num_steps + (self._in_flight is not None)  # the number this step's record will carry
         launch = self.runner.launch if self.pooler is None else self._launch_pooling
+        if self.followers is not None:  # they launch it as this process does
+            self.followers.send(step, pooling=self.pooler is not None)
         if self.profiler is not None and self.profiler.wants(index, step.kind, self.scheduler.num_waiting):
             launched = self.profiler.launch(launch, step, index)
         else:
@@ -478,9 +389,9 @@ class LLMEngine:
             attach_logprobs(step, result, self._token_text)
         for row, values in result.pooled.items():
             self._pooled[step.requests[row].key] = values
-        self.runner.release(finished)
-        if self.pooler is not None:
-            self.pooler.release(finished)
+        self.worker.release(finished)
+        if self.followers is not None:
+            self.followers.sender.release(finished)
         now = time.perf_counter()
         window_ms = (now - self._window_start) * 1000 - self._launches_in_window_ms
         step_ms = window_ms + in_flight.launch_ms
@@ -546,6 +457,7 @@ class LLMEngine:
         """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean."""
         self.runner.close()
         self._in_flight = None  # a stopped job may leave a launched step holding device tensors
+        self._close_followers()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -46,6 +46,7 @@ OUTPUT_NEUTRAL_KEYS = (
     "engine.enable_prefix_caching",
     "engine.cascade_attention",
     "engine.data_parallel_size",
+    "engine.tensor_parallel_size",  # the same model split over GPUs: sums in another order, as another kernel's
     "runner.*",
 )
 

@@ -29,6 +29,7 @@ from batchgen.job.run_outputs import SUMMARY_FILE, RunOutputs
 from batchgen.job.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.job.summary import AttemptStats
 from batchgen.sample.params import SamplingParams, row_params
+from batchgen.tp.errors import FollowerExited
 
 if TYPE_CHECKING:
     from batchgen.engine.llm_engine import LLMEngine
@@ -200,7 +201,8 @@ class Job:
             if self.openai_results:  # derived from the final completions, so it can always be written again
                 write_openai_results(self.config, self.run_dir)
             return self.finished_summary
-        from batchgen.engine.llm_engine import LLMEngine, resolve_device  # torch: once the inputs have been read
+        from batchgen.engine.llm_engine import LLMEngine  # torch: once the inputs have been read
+        from batchgen.engine.model_worker import resolve_device
 
         signals = signals or StopSignals()
         rows_by_index = {row.index: row for row in self.pending}
@@ -249,7 +251,7 @@ class Job:
             self._flush_after(exc)
             if isinstance(exc, StopRequested):
                 raise JobStopped(exc.signum, self._rows_done(), len(self.rows)) from None
-            if not is_environment_fault(exc):  # the CLI reports those in one line
+            if not is_environment_fault(exc) and not isinstance(exc, FollowerExited):  # the CLI's one line says it
                 log.error("Job stopped; finished rows are in %s (resume with job.resume=true)", self.run_dir)
             raise
         finally:

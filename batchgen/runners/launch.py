@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from batchgen.config import Config
+import torch
+
+from batchgen.config import Config, ConfigError
 from batchgen.io.atomic import DirectoryLock
 from batchgen.runners.data_parallel import run_data_parallel
 from batchgen.runners.local import run_local
@@ -21,9 +24,24 @@ def launch(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str
 
         with DirectoryLock(run_dir):
             return run_ray(config, run_dir)
+    check_gpus(config)
     if config.engine.data_parallel_size > 1:
         with DirectoryLock(run_dir):
             return run_data_parallel(config, run_dir, task_overrides)
     if (rank := Rank.from_env()) is not None:
         return run_rank(config, run_dir, rank)
     return run_local(config, run_dir)
+
+
+def check_gpus(config: Config) -> None:
+    """On CUDA each rank takes a GPU: data-parallel ranks (engine.data_parallel_size, or torchrun's on this host)
+    times tensor-parallel ranks of each."""
+    engine = config.engine
+    if engine.device == "cpu" or not torch.cuda.is_available():
+        return
+    data_parallel = engine.data_parallel_size if engine.data_parallel_size > 1 else int(
+        os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    needed, present = data_parallel * engine.tensor_parallel_size, torch.cuda.device_count()
+    if needed > present:
+        raise ConfigError(f"engine.data_parallel_size={data_parallel} x engine.tensor_parallel_size="
+                          f"{engine.tensor_parallel_size} needs {needed} GPUs; this machine has {present}")

@@ -1,4 +1,5 @@
-"""One data-parallel rank: shard RANK of WORLD_SIZE on cuda:LOCAL_RANK (or the CPU), as torchrun starts them.
+"""One data-parallel rank: shard RANK of WORLD_SIZE on cuda:LOCAL_RANK (cuda:LOCAL_RANK * engine.tensor_parallel_size
+with tensor parallelism) or the CPU, as torchrun starts them.
 
 Under torchrun the ranks agree on one run directory (Hydra picks one per process from the clock, so rank 0's
 wins, broadcast over a gloo group), each runs its shard, and rank 0 merges once all have passed a barrier.
@@ -62,7 +63,8 @@ def run_rank(config: Config, run_dir: Path, rank: Rank) -> dict[str, Any]:
     """Returns rank 0's merged summary under torchrun, else this rank's shard summary."""
     config = rank_config(config, rank)
     if config.engine.device != "cpu" and torch.cuda.is_available():
-        torch.cuda.set_device(rank.local_rank)
+        # Each data-parallel rank's tensor-parallel ranks take the GPUs after its own.
+        torch.cuda.set_device(rank.local_rank * config.engine.tensor_parallel_size)
     if os.environ.get(PARENT_MERGES_ENV) == "1":
         barrier = FileStartBarrier(Path(os.environ[START_BARRIER_ENV]), rank.rank, rank.world_size)
         return run_shard(config, run_dir, barrier)

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from batchgen.cli.main import CONF_DIR, to_config
 from batchgen.config import Config, ConfigError, EngineConfig
-from batchgen.engine.llm_engine import resolve_engine_config
+from batchgen.engine.model_worker import resolve_engine_config
 
 JOBS = sorted(p.stem for p in (CONF_DIR / "job").glob("*.yaml"))
 PRESETS = sorted(p.stem for p in (CONF_DIR / "preset").glob("*.yaml"))

@@ -150,13 +150,15 @@ def with_sliding_window(config: PretrainedConfig, window: int) -> PretrainedConf
 
 
 def build_tiny_model_dir(architecture: str, directory: Path, max_shard_size: str | None = None,
-                         sliding_window: int | None = None) -> Path:
+                         sliding_window: int | None = None, overrides: dict | None = None) -> Path:
     """Saves a randomly initialized tiny model (seeded) as a safetensors checkpoint into `directory`; with
-    `sliding_window`, the weights are the same as without it."""
+    `sliding_window`, the weights are the same as without it. overrides: config values set on the tiny config."""
     torch.manual_seed(0)
     config = tiny_hf_config(architecture)
     if sliding_window is not None:
         config = with_sliding_window(config, sliding_window)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     model = AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
         # transformers initializes biases to zero and norms to one; noise makes every parameter matter.

@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
 from batchgen.config import ConfigError, EngineConfig, ModelConfig
-from batchgen.engine.llm_engine import resolve_engine_config
+from batchgen.engine.model_worker import resolve_engine_config
 from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters, rotary_embedding
 from batchgen.models.hf_config import check_checkpoint, max_positions
 

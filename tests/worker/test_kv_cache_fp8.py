@@ -10,7 +10,7 @@ import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.config import ConfigError
-from batchgen.engine.llm_engine import check_kv_cache_dtype_supported
+from batchgen.engine.model_worker import check_kv_cache_dtype_supported
 from batchgen.layers.attention_torch import FP8_DTYPE
 from tests.helpers.common import KV_SETUPS as SETUPS
 from tests.helpers.common import hf_logprobs, random_prompts

@@ -1,0 +1,149 @@
+"""The process groups of the tensor-parallel ranks, kept apart from torch.distributed's default group (a job under
+torchrun has one of its own, and so may the program that builds an `LLM`):
+
+- the device group: the layers' all-reduces and all-gathers (gloo on CPU, NCCL on CUDA, on the current stream, so
+  CUDA graphs capture them);
+- the control group (gloo, host memory): rank 0's step messages, and the few numbers the ranks agree on.
+
+Rank 0 serves the rendezvous store (a TCPStore on a free port of this host); a follower connects to it, says it has
+joined, and both build the groups.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions
+
+HOST = "127.0.0.1"  # the ranks of a tensor-parallel engine share a host
+STORE_TIMEOUT = timedelta(minutes=10)  # a follower starting: Python, torch, the connection
+# Followers wait for rank 0's next step for as long as it takes (an idle LLM object); a rank that dies closes its
+# connections, which fails the collectives of the others at once.
+CONTROL_TIMEOUT = timedelta(hours=48)
+NCCL_TIMEOUT = timedelta(minutes=30)
+MESSAGE_HEADER_BYTES = 32 * 1024  # one broadcast carries a message up to this size; a larger one takes a second
+_LENGTH = struct.Struct("<q")
+
+
+def joined_key(rank: int) -> str:
+    return f"joined/{rank}"
+
+
+def serve_store(size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store, on a free port (its .port)."""
+    return dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+
+
+def connect_store(port: int, size: int) -> dist.TCPStore:
+    return dist.TCPStore(HOST, port, size, is_master=False, timeout=STORE_TIMEOUT)
+
+
+def nccl_environment(environ: dict[str, str] | os._Environ) -> None:
+    """NVLink multicast (NVLS) off unless the user set it: it needs a fabric manager setup not every host has."""
+    environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+
+class DeviceCollectives:
+    """The layers' collectives (layers.tensor_parallel.Collectives) over one backend."""
+
+    def __init__(self, backend: dist.Backend, size: int) -> None:
+        self.backend = backend
+        self.size = size
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        options = AllreduceOptions()
+        options.asyncOp = False  # NCCL runs a synchronous collective on the current stream
+        self.backend.allreduce([tensor], options).wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        gathered = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
+        options = AllgatherOptions()
+        options.asyncOp = False
+        self.backend._allgather_base(gathered, tensor, options).wait()
+        return gathered
+
+
+class ControlChannel:
+    """Rank 0's messages to every follower, each one broadcast of a preallocated buffer (two when it is longer), and
+    agreements over small integers; host memory, gloo."""
+
+    def __init__(self, backend: dist.Backend, rank: int) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.header = torch.zeros(MESSAGE_HEADER_BYTES, dtype=torch.uint8)
+
+    def _broadcast(self, buffer: torch.Tensor) -> None:
+        options = BroadcastOptions()
+        options.rootRank = 0
+        self.backend.broadcast([buffer], options).wait()
+
+    def send(self, payload: bytes) -> None:
+        """Rank 0: broadcasts `payload` to the followers."""
+        inline = MESSAGE_HEADER_BYTES - _LENGTH.size
+        header = self.header.numpy()
+        _LENGTH.pack_into(header, 0, len(payload))
+        header[_LENGTH.size:_LENGTH.size + min(len(payload), inline)] = memoryview(payload[:inline])
+        self._broadcast(self.header)
+        if len(payload) > inline:
+            self._broadcast(torch.frombuffer(bytearray(payload[inline:]), dtype=torch.uint8))
+
+    def receive(self) -> bytes:
+        """A follower: the next payload rank 0 sends."""
+        inline = MESSAGE_HEADER_BYTES - _LENGTH.size
+        self._broadcast(self.header)
+        header = self.header.numpy()
+        (length,) = _LENGTH.unpack_from(header, 0)
+        payload = header[_LENGTH.size:_LENGTH.size + min(length, inline)].tobytes()
+        if length > inline:
+            rest = torch.empty(length - inline, dtype=torch.uint8)
+            self._broadcast(rest)
+            payload += rest.numpy().tobytes()
+        return payload
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of the ranks' values, on every rank."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        options = AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.backend.allreduce([tensor], options).wait()
+        return int(tensor.item())
+
+
+@dataclass
+class RankGroup:
+    """This process's place among the tensor-parallel ranks and its two groups."""
+
+    rank: int
+    size: int
+    collectives: DeviceCollectives
+    control: ControlChannel
+
+    @classmethod
+    def create(cls, store: dist.Store, rank: int, size: int, device: torch.device) -> RankGroup:
+        """Builds both groups; every rank calls it at the same time (rank 0 once every follower has joined)."""
+        control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, CONTROL_TIMEOUT)
+        if device.type == "cuda":
+            nccl_environment(os.environ)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = NCCL_TIMEOUT
+            backend = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, size, options)
+            backend.eager_connect_single_device(device)
+        else:
+            backend = dist.ProcessGroupGloo(dist.PrefixStore("device", store), rank, size, CONTROL_TIMEOUT)
+        return cls(rank, size, DeviceCollectives(backend, size), ControlChannel(control, rank))
+
+    def abort(self) -> None:
+        """Fails every collective in flight or to come, so a rank waiting on a dead one returns (NCCL would wait
+        forever)."""
+        for backend in (self.collectives.backend, self.control.backend):
+            backend.abort()
+
+    def shutdown(self) -> None:
+        """Releases the communicators once every rank is done with them (NCCL warns of a group left undestroyed)."""
+        for backend in (self.collectives.backend, self.control.backend):
+            backend.shutdown()

@@ -1,0 +1,53 @@
+"""On two GPUs: engine.tensor_parallel_size=2 with CUDA graphs (NCCL all-reduces and all-gathers captured in the
+decode graphs) gives one GPU's greedy tokens on float32 tiny models; a follower killed mid-run ends generate with
+FollowerExited instead of leaving rank 0 waiting in an NCCL collective."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen import LLM, SamplingParams
+from batchgen.tp.errors import FollowerExited
+from tests.helpers.common import VOCAB, random_prompts
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def greedy(model: Path, size: int, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(str(model), tensor_parallel_size=size, dtype="float32", max_num_seqs=8)
+    try:
+        assert llm.engine.runner.graphs is not None  # decode steps replay CUDA graphs
+        return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
+                                          "Qwen3MoeForCausalLM", "GPT2LMHeadModel"])
+def test_graph_mode_greedy_tokens_equal_one_gpu(tiny_model_dir: Callable[..., Path], architecture: str):
+    model, prompts = tiny_model_dir(architecture), random_prompts(VOCAB, 6)
+    assert greedy(model, 2, prompts) == greedy(model, 1, prompts)
+
+
+def test_a_killed_follower_ends_generate_with_its_rank(tiny_model_dir: Callable[..., Path]):
+    llm = LLM(str(tiny_model_dir("LlamaForCausalLM")), tensor_parallel_size=2, dtype="float32", max_num_seqs=8)
+    (follower,) = llm.engine.followers.processes
+    killer = threading.Timer(3.0, os.kill, (follower.pid, signal.SIGKILL))
+    killer.start()
+    try:
+        with pytest.raises(FollowerExited, match=r"tensor-parallel rank 1 of 2 \(pid \d+\) exited on signal SIGKILL"):
+            for _ in range(1000):  # generates until the follower is killed
+                llm.generate(random_prompts(VOCAB, 8), SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+    finally:
+        killer.cancel()
+        llm.close()

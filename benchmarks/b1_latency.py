@@ -7,8 +7,12 @@ bandwidth: no step can read them faster. Those are its active parameters (`commo
 a dense model with tied embeddings; for a mixture of experts (--model qwen3_30b_a3b) the experts its rows route to,
 so the floor grows with the batch.
 
+With --tensor-parallel-size N the model is split over N GPUs (engine.tensor_parallel_size), and the floor is that
+of one GPU's shard: the bytes of rank 0's weights.
+
 Usage: python -m benchmarks.b1_latency [--model qwen3_0_6b] [--repeats 3] [--batches 2 4 8 64 256] [--tiny]
-                                       [--unfused | --unfused-silu] [--no-pdl] [--kv-cache-dtype fp8] [--out DIR]
+                                       [--unfused | --unfused-silu] [--no-pdl] [--kv-cache-dtype fp8]
+                                       [--tensor-parallel-size N] [--modes eager graph_sync graph] [--out DIR]
 (--unfused turns off the norm and SiLU fusions into the GEMV and --unfused-silu only the SiLU one,
 batchgen/layers/fused.py; --no-pdl turns off the programmatic dependent launches, batchgen/layers/pdl.py.)
 """
@@ -28,6 +32,7 @@ from benchmarks.common import (
     add_kv_cache_dtype_argument,
     add_model_argument,
     add_out_argument,
+    add_tensor_parallel_argument,
     benchmark_model_config,
     build_engine,
     copy_bandwidth_gbs,
@@ -40,6 +45,7 @@ from benchmarks.common import (
     random_prompt,
     run_engine,
     save_json,
+    tensor_parallel_suffix,
     weight_bytes,
 )
 
@@ -65,7 +71,7 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, rep
 def run_mode(model_config: ModelConfig, mode: str, batches: list[int], args: argparse.Namespace) -> dict[str, Any]:
     engine = build_engine(model_config, enforce_eager=mode == "eager", max_num_seqs=max([1, *batches]),
                           max_model_len=args.max_model_len, async_scheduling=mode != "graph_sync",
-                          kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
     try:
         results = []
         for batch in batches:
@@ -92,8 +98,11 @@ def main() -> None:
     parser.add_argument("--no-pdl", action="store_true", help="launch every kernel without PDL")
     parser.add_argument("--unfused-silu", action="store_true",
                         help="SiLU-and-mul as a kernel of its own, not in the gate/up projection's GEMV")
+    parser.add_argument("--modes", nargs="+", choices=["eager", "graph_sync", "graph"],
+                        default=["eager", "graph_sync", "graph"], help="the engines to time (each loads the model)")
     add_model_argument(parser)
     add_kv_cache_dtype_argument(parser)
+    add_tensor_parallel_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
     if args.unfused:
@@ -103,14 +112,15 @@ def main() -> None:
 
     model_config = benchmark_model_config(args.model, args.tiny)
     bandwidth = copy_bandwidth_gbs(args.copy_mib * 2**20)
-    modes = {"eager": [1], "graph_sync": [1], "graph": [1, *args.batches]}
+    modes = {mode: batches for mode, batches in {"eager": [1], "graph_sync": [1], "graph": [1, *args.batches]}.items()
+             if mode in args.modes and (mode == "eager" or cuda_available())}
     if not cuda_available():
         print("no CUDA device: graph modes skipped", flush=True)
-        del modes["graph"], modes["graph_sync"]
     runs = {mode: run_mode(model_config, mode, batches, args) for mode, batches in modes.items()}
 
-    weights = runs["eager"]["weight_bytes"]
-    kv_cache_dtype = runs["eager"]["engine_info"]["kv_cache_dtype"]
+    first = next(iter(runs.values()))
+    weights = first["weight_bytes"]  # one GPU's shard with tensor parallelism
+    kv_cache_dtype = first["engine_info"]["kv_cache_dtype"]
     read_bytes = {batch: read for run in runs.values() for batch, read in run["read_bytes"].items()}
     floors_ms = {batch: read / (bandwidth * 1e9) * 1000 for batch, read in read_bytes.items()}
     floor_ms = floors_ms[1]
@@ -121,9 +131,10 @@ def main() -> None:
         r["floor_fraction"] = r["weight_floor_ms"] / r["decode_forward_ms"] if r["decode_forward_ms"] else None
     variants = {f"_{args.model}": args.model != QWEN3, "_tiny": args.tiny, "_unfused": args.unfused,
                 "_no_pdl": args.no_pdl, "_unfused_silu": args.unfused_silu, "_fp8": args.kv_cache_dtype == "fp8"}
-    suffix = "".join(name for name, on in variants.items() if on)
+    suffix = "".join(name for name, on in variants.items() if on) + tensor_parallel_suffix(args.tensor_parallel_size)
     save_json(args.out, "b1_latency" + suffix, {
-        "environment": environment(), "gemv_fusions": not args.unfused, "pdl": not args.no_pdl,
+        "environment": environment(), "tensor_parallel_size": args.tensor_parallel_size,
+        "gemv_fusions": not args.unfused, "pdl": not args.no_pdl,
         "silu_fused": fused.FUSE_SILU_AND_MUL,
         "model": model_config.hf_config,
         "dtype": model_config.dtype,
@@ -139,7 +150,8 @@ def main() -> None:
     })
     headers = ["mode", "batch", "decode_step_ms", "decode_forward_ms", "e2e_ms_per_token", "decode_tok_s", "read_gib",
                "weight_floor_ms", "floor_fraction"]
-    print(f"\n## b1_latency ({args.model}{' tiny' if args.tiny else ''}; {environment()['device']}; weights "
+    print(f"\n## b1_latency ({args.model}{' tiny' if args.tiny else ''}; {environment()['device']}; "
+          f"tensor parallel {args.tensor_parallel_size}; weights "
           f"{weights / 2**30:.3f} GiB, {read_bytes[1] / 2**30:.3f} GiB active at batch 1, copy {bandwidth:.0f} GB/s, "
           f"weight-read floor {floor_ms:.3f} ms at batch 1; KV cache {kv_cache_dtype}; {args.prompt_len} prompt + "
           f"{args.new_tokens} new tokens, median of {args.repeats})\n")

@@ -75,6 +75,16 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
                              "qwen3_30b_a3b)")
 
 
+def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the model over N ranks (engine.tensor_parallel_size): N GPUs, or CPU processes")
+
+
+def tensor_parallel_suffix(size: int) -> str:
+    """The results file's name part for a tensor-parallel run ("" for one rank)."""
+    return f"_tp{size}" if size > 1 else ""
+
+
 def benchmark_model_config(name: str, tiny: bool = False) -> ModelConfig:
     """conf/model/<name>.yaml, or with --tiny a two-layer model of its family (a mixture of experts keeps a few
     small experts)."""

@@ -8,8 +8,11 @@ Beside the throughput: the decode steps' weight-read floor, the sum over decode 
 weights each reads (`common.decode_read_bytes`: a mixture of experts, --model qwen3_30b_a3b, reads only the experts its
 rows route to) / measured copy bandwidth, against their measured forward time.
 
+With --tensor-parallel-size N the model is split over N GPUs (engine.tensor_parallel_size); the floor is one GPU's
+shard's.
+
 Usage: python -m benchmarks.nanovllm_bench [--model qwen3_0_6b] [--num-seqs 256] [--mixed] [--greedy] [--sync]
-                                           [--kv-cache-dtype fp8] [--tiny] [--out DIR]
+                                           [--kv-cache-dtype fp8] [--tensor-parallel-size N] [--tiny] [--out DIR]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from benchmarks.common import (
     add_kv_cache_dtype_argument,
     add_model_argument,
     add_out_argument,
+    add_tensor_parallel_argument,
     benchmark_model_config,
     breakdown_table,
     build_engine,
@@ -37,6 +41,7 @@ from benchmarks.common import (
     save_json,
     step_breakdown,
     step_counts,
+    tensor_parallel_suffix,
 )
 
 
@@ -49,7 +54,7 @@ def result_name(args: argparse.Namespace) -> str:
     parts += [flag for flag in ("mixed", "greedy", "eager", "sync", "tiny") if getattr(args, flag)]
     if args.kv_cache_dtype != "auto":
         parts.append(args.kv_cache_dtype)
-    return "_".join(parts)
+    return "_".join(parts) + tensor_parallel_suffix(args.tensor_parallel_size)
 
 
 def decode_floor(records: list[StepRecord], read_bytes: dict[int, float], bandwidth_gbs: float) -> dict[str, float]:
@@ -75,6 +80,7 @@ def main() -> None:
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth-test copy")
     add_model_argument(parser)
     add_kv_cache_dtype_argument(parser)
+    add_tensor_parallel_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
 
@@ -86,7 +92,8 @@ def main() -> None:
     engine = build_engine(model_config, enforce_eager=args.eager or not cuda_available(),
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, mixed_prefill_decode=args.mixed,
-                          async_scheduling=not args.sync, kv_cache_dtype=args.kv_cache_dtype)
+                          async_scheduling=not args.sync, kv_cache_dtype=args.kv_cache_dtype,
+                          tensor_parallel_size=args.tensor_parallel_size)
     try:
         run_engine(engine, [(ids, replace(params, max_tokens=8)) for ids, params in requests[:16]])
         outputs, records, wall = run_engine(engine, requests)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,3 +100,17 @@ def test_weight_read_floor_counts_the_active_weights_only():
     assert expected_active_experts(8, 2, 1) == 2 and expected_active_experts(8, 2, 2) == 8 * (1 - 0.75**2)
     assert decode_read_bytes(moe, 1) < decode_read_bytes(moe, 4) < decode_read_bytes(moe, 256)
     assert abs(decode_read_bytes(moe, 256) - (weight_bytes(moe) - embedding.nbytes + 256 * embedding[0].nbytes)) < 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="b1_latency imports the PDL switch (Triton)")
+def test_b1_latency_tiny_splits_the_model_over_two_ranks_and_times_one_shard(tmp_path):
+    common = ["--tiny", "--modes", "eager", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
+              "--copy-mib", "1"]
+    run_benchmark("b1_latency", tmp_path, *common)
+    run_benchmark("b1_latency", tmp_path, *common, "--tensor-parallel-size", "2")
+    whole = json.loads((tmp_path / "b1_latency_tiny.json").read_text())
+    split = json.loads((tmp_path / "b1_latency_tiny_tp2.json").read_text())
+    assert (whole["tensor_parallel_size"], split["tensor_parallel_size"]) == (1, 2)
+    # The floor is one rank's shard: half the weights, but for the norms every rank holds whole.
+    assert 0.45 < split["weight_bytes"] / whole["weight_bytes"] < 0.55
+    assert split["results"][0]["decode_step_ms"] > 0

@@ -32,8 +32,7 @@ def greedy(model: Path, size: int, prompts: list[list[int]]) -> list[list[int]]:
         llm.close()
 
 
-@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
-                                          "Qwen3MoeForCausalLM", "GPT2LMHeadModel"])
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3MoeForCausalLM", "GPT2LMHeadModel"])
 def test_graph_mode_greedy_tokens_equal_one_gpu(tiny_model_dir: Callable[..., Path], architecture: str):
     model, prompts = tiny_model_dir(architecture), random_prompts(VOCAB, 6)
     assert greedy(model, 2, prompts) == greedy(model, 1, prompts)

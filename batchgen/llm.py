@@ -21,7 +21,9 @@ Text = str | list[int]  # a text, or its token ids
 
 class LLM:
     """Engine options use vLLM's names: max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
-    enforce_eager, dtype, gpu_memory_utilization, seed, num_gpu_blocks_override, ...; model_impl is model.impl.
+    enforce_eager, dtype, gpu_memory_utilization, seed, num_gpu_blocks_override, tensor_parallel_size (the model
+    split over that many GPUs, whose processes the engine starts and stops: close() it), ...; model_impl is
+    model.impl.
 
     task: generate (`generate`, and `loglikelihood`) | score (`loglikelihood`) | embed (`embed`, with `pooling`:
     last | mean | cls, default the checkpoint's sentence-transformers pooling or last, and `normalize`) | classify

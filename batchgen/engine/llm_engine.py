@@ -121,7 +121,7 @@ class LLMEngine:
             with self._follower_failures():
                 worker = self._worker(model_config, engine_config, task, kv_demand)
         except BaseException:
-            self._close_followers()
+            self._close_followers(graceful=False)
             raise
         self.worker = worker
         self.hf_config, self.dtype, self.config, self.info = worker.hf_config, worker.dtype, worker.config, worker.info
@@ -158,9 +158,9 @@ class LLMEngine:
         """With tensor-parallel followers: a collective that fails because one exited raises FollowerExited."""
         return self.followers.failures() if self.followers is not None else contextlib.nullcontext()
 
-    def _close_followers(self) -> None:
+    def _close_followers(self, graceful: bool = True) -> None:
         if self.followers is not None:
-            self.followers.close()
+            self.followers.close(graceful)
 
     def _eos_token_ids(self, hf_config) -> list[int]:
         eos = self.detokenizer.eos_token_id if self.detokenizer else None
@@ -327,7 +327,9 @@ class LLMEngine:
         With async scheduling the applied step is the previous one: step N+1 is scheduled and queued while the
         device still runs step N, so the host's work hides behind the device's.
         """
-        with self._follower_failures():
+        if self.followers is None:
+            return self._step()
+        with self.followers.failures():
             return self._step()
 
     def _step(self) -> tuple[list[RequestOutput], StepRecord | None]:

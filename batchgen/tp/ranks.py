@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 FOLLOWER_MODULE = "batchgen.engine.tp_follower"  # a follower's main (started by name: the engine imports this module)
 POLL_SECONDS = 0.05
-EXIT_SECONDS = 30.0  # a follower asked to stop gets this long before it is killed
+EXIT_SECONDS = 10.0  # a follower asked to stop gets this long before it is killed
 FAILURE_WAIT_SECONDS = 10.0  # after a failed collective, how long to wait for the follower's exit to show
 
 
@@ -94,7 +94,7 @@ class Followers:
         self.processes = [self._start(FollowerSpec(rank, size, store.port, str(follower_device(device, rank)),
                                                    model_config, engine_config, task))
                           for rank in range(1, size)]
-        atexit.register(self.close)
+        atexit.register(self.close, graceful=False)  # an engine never closed
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
         self._watchdog.start()
         with self.failures():
@@ -164,21 +164,25 @@ class Followers:
     def send(self, step: SchedulerOutput, pooling: bool = False) -> None:
         self.sender.send(step, pooling)
 
-    def close(self) -> None:
-        """Stops the followers: asked to once the engine is done, killed when they do not exit in time."""
+    def close(self, graceful: bool = True) -> None:
+        """Stops the followers. graceful: between steps, they are asked to, and killed when they do not exit in
+        time; else killed at once (an engine that stopped while starting or mid-step, whose followers may wait in a
+        collective that rank 0 will not join)."""
         if self._closing:
             return
         self._closing = True
         atexit.unregister(self.close)
-        if self.group is not None and self.failure is None and all(p.poll() is None for p in self.processes):
+        if graceful and self.group is not None and self.failure is None and all(p.poll() is None
+                                                                                 for p in self.processes):
             with contextlib.suppress(RuntimeError):  # a follower that just died: the others are killed below
                 self.sender.stop()
                 self.group.shutdown()  # as the followers do theirs, on the stop
-        deadline = time.monotonic() + EXIT_SECONDS
+        deadline = time.monotonic() + (EXIT_SECONDS if graceful else 0.0)
         for process in self.processes:
             try:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("tensor-parallel follower pid %d did not stop: killing it", process.pid)
+                if graceful:
+                    log.warning("tensor-parallel follower pid %d did not stop: killing it", process.pid)
                 process.kill()
                 process.wait()

@@ -1,6 +1,7 @@
-"""engine.tensor_parallel_size=2 through `python -m batchgen` on CPU: the rows of a single-process run; a follower
-killed mid-run stops the job with one line naming it, keeping the finished rows, and resume finishes; SIGTERM to
-the job stops its followers too; a size the model cannot split is a one-line configuration error."""
+"""engine.tensor_parallel_size=2 through `python -m batchgen` on CPU: the rows of a single-process run, also as two
+data-parallel ranks of two tensor-parallel ranks each; a follower killed mid-run stops the job with one line naming
+it, keeping the finished rows, and resume finishes; SIGTERM to the job stops its followers too; a size the model
+cannot split is a one-line configuration error."""
 
 from __future__ import annotations
 
@@ -55,6 +56,14 @@ def test_tensor_parallel_size_2_equals_a_single_process(tmp_path, reference):
     assert result.returncode == 0, result.stdout + result.stderr
     assert comparable(tmp_path) == reference()
     assert pq.read_table(tmp_path / "completions.parquet").num_rows == 24
+
+
+def test_data_parallel_ranks_of_two_tensor_parallel_ranks_each_equal_a_single_process(tmp_path, reference):
+    small = ("data.limit=8", "sampling.max_tokens=8")
+    result = batchgen(f"hydra.run.dir={tmp_path}", *JOB, *small, TP, "engine.data_parallel_size=2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert comparable(tmp_path) == reference(*small)
+    assert len(list(tmp_path.glob("shard-*/shard.json"))) == 2
 
 
 @LINUX_PROC

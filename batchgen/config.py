@@ -64,7 +64,9 @@ class CudaGraphConfig:
 class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: 16384 on a GPU of 70 GiB or more (vLLM's offline default there: fewer, fuller eager prefill steps), else
+    # 8192
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings (more with yarn/dynamic RoPE)
     block_size: int = 16
     num_gpu_blocks_override: int | None = None  # fixes the number of KV blocks (tests force a small cache)
@@ -223,7 +225,7 @@ def validate_engine(engine: EngineConfig) -> None:
     _one_of("engine.kv_cache_dtype", engine.kv_cache_dtype, KV_CACHE_DTYPES)
     _one_of("engine.logprobs_mode", engine.logprobs_mode, LOGPROBS_MODES)
     _positive("engine.max_num_seqs", engine.max_num_seqs)
-    _positive("engine.max_num_batched_tokens", engine.max_num_batched_tokens)
+    _positive("engine.max_num_batched_tokens", engine.max_num_batched_tokens, optional=True)
     _positive("engine.max_model_len", engine.max_model_len, optional=True)
     _positive("engine.num_gpu_blocks_override", engine.num_gpu_blocks_override, optional=True)
     _positive("engine.cpu_threads", engine.cpu_threads, optional=True)

@@ -29,6 +29,12 @@ class KVDemand:
 
     rows: Sequence[tuple[int, int]]
 
+    @property
+    def num_decoding(self) -> int:
+        """The requests that take decode steps (max_tokens > 1: a prefill step draws the first token); a decode step
+        holds at most this many."""
+        return sum(1 for _, max_tokens in self.rows if max_tokens > 1)
+
 
 @dataclass(frozen=True)
 class KVBlockChoice:

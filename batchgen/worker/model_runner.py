@@ -3,6 +3,7 @@ engines, an eager prefill whose hidden states are pooled."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -198,8 +199,11 @@ class ModelRunner:
 
     # -- CUDA graphs ----------------------------------------------------------------------------------------
 
-    def capture_graphs(self) -> CaptureStats:
+    def capture_graphs(self, max_rows: int | None = None) -> CaptureStats:
+        """max_rows: the most requests a decode step can hold, when known: larger buckets would never replay."""
         sizes = self.config.cuda_graph_sizes
+        if max_rows is not None:
+            sizes = sizes[:bisect.bisect_left(sizes, max_rows) + 1]
         buffers = GraphCaptureBuffers(sizes[-1], self.block_table_width, self.config.block_size, self.device,
                                       self.split_arrivals)
         self.graphs = CudaGraphRunner(self.model, buffers, list(sizes), self.pending_tokens, self.cascade_attention)

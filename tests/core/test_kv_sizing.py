@@ -29,6 +29,11 @@ def test_rows_never_raise_the_limit_above_max_num_seqs_full_sequences() -> None:
     assert job_block_limit(2, 64, 16, demand).num_blocks == 2 * 4
 
 
+def test_only_rows_of_more_than_one_token_decode() -> None:
+    assert KVDemand([(4, 0), (4, 1), (4, 2), (9, 30)]).num_decoding == 2
+    assert KVDemand([]).num_decoding == 0
+
+
 def test_memory_budget_stays_an_upper_bound() -> None:
     limit = job_block_limit(8, 64, 16)
     assert choose_num_blocks(10, "budget", limit).num_blocks == 10

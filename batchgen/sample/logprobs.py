@@ -69,17 +69,25 @@ def compute_logprobs(logits_of_rows: Callable[[int, int], torch.Tensor], token_i
     return scored.to_host(pinned)
 
 
+@dataclass(frozen=True)
+class ScoredRange:
+    """Consecutive prompt positions of one step row whose logprobs a step computes."""
+
+    row: int  # the step row
+    start: int  # the first prompt position scored
+    count: int
+
+
 @dataclass
 class PromptLogprobRows:
-    """A step's prompt logprobs on the host as parallel lists, one item per prompt position scored: a scoring step
-    has thousands, and one tuple per position would cost more host time than the step's forward."""
+    """A step's prompt logprobs on the host as arrays: a scoring step has thousands of positions, each row's a slice
+    of them (`ranges`, in order), so they reach their requests as slices, never one Python object per position."""
 
-    rows: list[int]  # the step row
-    positions: list[int]  # the prompt position scored
-    logprobs: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
+    ranges: list[ScoredRange]
+    logprobs: np.ndarray  # (P,) float32
+    ranks: np.ndarray  # (P,) int64
+    top_ids: np.ndarray  # (P, k) int64, k: the most alternatives any row asked for
+    top_logprobs: np.ndarray  # (P, k) float32
 
 
 @dataclass
@@ -88,8 +96,7 @@ class StepLogprobs:
 
     sample_rows: list[int]  # step rows whose sampled token has logprobs, parallel to `sampled`
     sampled: LogprobsTensors | None
-    # (step rows, prompt positions), both (P,) int64, and their logprobs
-    prompt: tuple[np.ndarray, np.ndarray, LogprobsTensors] | None
+    prompt: tuple[list[ScoredRange], LogprobsTensors] | None  # the prompt positions scored and their logprobs
 
     def entries(self) -> tuple[dict[int, tuple], PromptLogprobRows | None]:
         """({step row: (logprob, rank, top ids, top logprobs)}, the prompt positions' logprobs)."""
@@ -98,9 +105,9 @@ class StepLogprobs:
             sampled = dict(zip(self.sample_rows, _rows(self.sampled), strict=True))
         prompt = None
         if self.prompt is not None:
-            rows, positions, t = self.prompt
-            prompt = PromptLogprobRows(rows.tolist(), positions.tolist(), t.logprobs.tolist(), t.ranks.tolist(),
-                                       t.top_ids.tolist(), t.top_logprobs.tolist())
+            ranges, t = self.prompt
+            prompt = PromptLogprobRows(ranges, t.logprobs.numpy(), t.ranks.numpy(), t.top_ids.numpy(),
+                                       t.top_logprobs.numpy())
         return sampled, prompt
 
 

@@ -23,7 +23,14 @@ from batchgen.layers.shared_prefix import shared_prefix_len
 from batchgen.models.base import CausalLM
 from batchgen.sample.batch import LastPacked, SamplingBatch
 from batchgen.sample.graph import SamplerGraphs
-from batchgen.sample.logprobs import PromptLogprobRows, StepLogprobs, sampled_logprobs, score_slice
+from batchgen.sample.logprobs import (
+    LogprobsTensors,
+    PromptLogprobRows,
+    ScoredRange,
+    StepLogprobs,
+    sampled_logprobs,
+    score_slice,
+)
 from batchgen.sample.params import MAX_LOGPROBS, SamplingParams
 from batchgen.sample.route import SamplingRoute, choose_route
 from batchgen.sample.sampler import SamplerOutput, run_sampler
@@ -317,7 +324,8 @@ class ModelRunner:
         return output
 
     def _sampled_logprobs(self, sampling: SamplingBatch, logits: torch.Tensor, output: SamplerOutput,
-                          sample_rows: list[int], prompt: tuple | None) -> StepLogprobs | None:
+                          sample_rows: list[int],
+                          prompt: tuple[list[ScoredRange], LogprobsTensors] | None) -> StepLogprobs | None:
         if not sampling.wants_logprobs and prompt is None:
             return None
         scored = output.processed_logits() if self.config.logprobs_mode == "processed_logprobs" else logits
@@ -325,13 +333,14 @@ class ModelRunner:
                                          self._pinned)
         return StepLogprobs([sample_rows[i] for i in rows], tensors, prompt)
 
-    def _prompt_logprobs(self, step: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> tuple | None:
+    def _prompt_logprobs(self, step: SchedulerOutput, inputs: StepInputs,
+                         hidden: torch.Tensor) -> tuple[list[ScoredRange], LogprobsTensors] | None:
         """Raw log-probabilities of the prompt tokens this (prefill) step computes, for rows that ask for them."""
         plan = plan_prompt_logprobs(step, inputs)
         if plan is None:
             return None
-        return plan.rows, plan.positions, prompt_logprobs(plan, hidden, self.model.compute_logits,
-                                                          self.logprobs_slice_rows, self._pinned)
+        return plan.ranges, prompt_logprobs(plan, hidden, self.model.compute_logits, self.logprobs_slice_rows,
+                                            self._pinned)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Waits for a launched step; its sampled ids are parallel to the step's requests."""

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from batchgen.core.scheduler import SchedulerOutput
-from batchgen.sample.logprobs import LogprobsTensors, ScoredRange, compute_logprobs
+from batchgen.sample.logprobs import LogprobsTensors, ScoredRange, SliceRows, compute_logprobs
 from batchgen.worker.step_inputs import StepInputs
 
 
@@ -50,10 +50,10 @@ def plan_prompt_logprobs(step: SchedulerOutput, inputs: StepInputs) -> PromptLog
 
 
 def prompt_logprobs(plan: PromptLogprobsPlan, hidden: torch.Tensor,
-                    compute_logits: Callable[[torch.Tensor], torch.Tensor], max_rows: int,
+                    compute_logits: Callable[[torch.Tensor], torch.Tensor], slice_rows: SliceRows,
                     pinned: bool) -> LogprobsTensors:
-    """The plan's prompt logprobs from the step's hidden states (T, H), max_rows rows of logits at a time."""
+    """The plan's prompt logprobs from the step's hidden states (T, H), a slice of rows of logits at a time."""
     index, targets = (torch.from_numpy(a).to(hidden.device, non_blocking=True) for a in (plan.token_index,
                                                                                         plan.targets))
     return compute_logprobs(lambda start, end: compute_logits(hidden.index_select(0, index[start:end])), targets,
-                            plan.k, max_rows, pinned)
+                            plan.k, slice_rows, pinned)

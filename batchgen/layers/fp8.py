@@ -40,15 +40,16 @@ def fits_scaled_mm(out_features: int, in_features: int) -> bool:
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) weight -> fp8 values (N, K) and float32 scales (N,): each row divided by its absolute maximum / 448."""
+    """(..., N, K) weight -> fp8 values (..., N, K) and float32 scales (..., N): each row divided by its absolute
+    maximum / 448."""
     weight = weight.float()
-    scale = weight.abs().amax(dim=1).clamp(min=MIN_AMAX) / FP8_MAX
-    return (weight / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    scale = weight.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    return (weight / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 (N, K) weight and its per-row scales (N,) -> the weight in `dtype`, multiplied in float32."""
-    return (weight.float() * scale[:, None]).to(dtype)
+    """fp8 (..., N, K) weight and its per-row scales (..., N) -> the weight in `dtype`, multiplied in float32."""
+    return (weight.float() * scale[..., None]).to(dtype)
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,15 @@
 """fp8 weights at load time: which layers hold them, an fp8 checkpoint's tensors, quantizing and dequantizing.
 
-The decoder's linear layers (attention and MLP projections) hold fp8 weights; embeddings, norms and the heads
-(lm_head, a classifier's score) keep the model's dtype, as in the fp8 checkpoints of llm-compressor and vLLM, whose
-configs ignore lm_head. The heads are the network's direct children; the decoder's linears sit deeper.
+The decoder's linear layers (attention and MLP projections) and its mixture-of-experts layers' stacked experts
+(layers/moe.py) hold fp8 weights; embeddings, norms, the heads (lm_head, a classifier's score) and the linear layers a
+module lists in its `unquantized_linears` (the MoE routers) keep the model's dtype, as in the fp8 checkpoints of
+llm-compressor and vLLM, whose configs ignore lm_head and the routers. The heads are the network's direct children;
+the decoder's linears sit deeper.
 
-The loader calls, in order: `use_fp8_linears` (before an fp8 checkpoint's tensors load: each quantized layer an empty
-`Fp8Linear` that `fp8_checkpoint_tensors` fills), then `finish_fp8` (after the weights load: quantizes what is still
-in the model's dtype, for model.quantization=fp8, and dequantizes again where the device cannot run fp8).
+The loader calls, in order: `use_fp8_layers` (before an fp8 checkpoint's tensors load: each quantized layer an empty
+fp8 layer, `Fp8Linear` or fp8 `StackedExperts`, that `fp8_checkpoint_tensors` fills), then `finish_fp8` (after the
+weights load: quantizes what is still in the model's dtype, for model.quantization=fp8, and dequantizes again where
+the device cannot run fp8).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch.nn.utils import skip_init
 
 from batchgen.layers.fp8 import Fp8Linear, dequantize, fits_scaled_mm, fp8_supported
 from batchgen.layers.linear import Linear
+from batchgen.layers.moe import StackedExperts
 
 log = logging.getLogger(__name__)
 
@@ -32,23 +36,33 @@ UNUSED_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
 
 
 def quantizable_linears(network: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(parent, attribute) of every linear layer of the decoder: the `Linear`s and `Fp8Linear`s below the network's
-    direct children."""
+    """(parent, attribute) of every linear layer of the decoder that holds fp8 weights in an fp8 model: the `Linear`s
+    and `Fp8Linear`s below the network's direct children, but for those their parent names in
+    `unquantized_linears`."""
     found = []
     for parent_name, parent in network.named_modules():
         if not parent_name:  # the network itself: its linear children are heads
             continue
+        kept = getattr(parent, "unquantized_linears", ())
         for name, child in parent.named_children():
-            if isinstance(child, (Linear, Fp8Linear)):
+            if isinstance(child, (Linear, Fp8Linear)) and name not in kept:
                 found.append((parent, name))
     return found
 
 
+def quantizable_layers(network: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every layer that holds fp8 weights in an fp8 model: quantizable_linears', then every
+    `StackedExperts`."""
+    experts = [(parent, name) for parent in network.modules() for name, child in parent.named_children()
+               if isinstance(child, StackedExperts)]
+    return quantizable_linears(network) + experts
+
+
 def _replace(network: nn.Module, convert: Callable[[nn.Module], nn.Module | None]) -> int:
-    """Replaces each decoder linear for which convert returns a layer, one at a time (the old weight is freed before
-    the next layer is built); the number replaced."""
+    """Replaces each quantizable layer for which convert returns a layer, one at a time (the old weight is freed
+    before the next layer is built); the number replaced."""
     replaced = 0
-    for parent, name in quantizable_linears(network):
+    for parent, name in quantizable_layers(network):
         layer = convert(getattr(parent, name))
         if layer is not None:
             setattr(parent, name, layer)
@@ -56,9 +70,25 @@ def _replace(network: nn.Module, convert: Callable[[nn.Module], nn.Module | None
     return replaced
 
 
-def use_fp8_linears(network: nn.Module) -> None:
-    """Every decoder `Linear` becomes an empty `Fp8Linear` of its shape, for an fp8 checkpoint to load into."""
-    _replace(network, lambda layer: Fp8Linear.empty_like(layer) if isinstance(layer, Linear) else None)
+def _empty_fp8(layer: nn.Module) -> nn.Module | None:
+    if isinstance(layer, Linear):
+        return Fp8Linear.empty_like(layer)
+    if isinstance(layer, StackedExperts) and not layer.fp8:
+        return layer.like(fp8=True)
+    return None
+
+
+def _quantized(layer: nn.Module) -> nn.Module | None:
+    if isinstance(layer, Linear):
+        return Fp8Linear.quantized(layer)
+    if isinstance(layer, StackedExperts) and not layer.fp8:
+        return layer.quantized()
+    return None
+
+
+def use_fp8_layers(network: nn.Module) -> None:
+    """Every quantizable layer becomes an empty fp8 layer of its shape, for an fp8 checkpoint to load into."""
+    _replace(network, _empty_fp8)
 
 
 def fp8_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -80,25 +110,29 @@ def fp8_checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Itera
 
 
 def finish_fp8(network: nn.Module, device: torch.device) -> None:
-    """After the weights load: quantizes every decoder `Linear` to fp8 (per output channel). Where `device` has no
-    fp8 matmuls (CPU, GPUs before Ada), every `Fp8Linear` becomes a `Linear` of its dequantized weight, and a line
-    says so; on an fp8 GPU, so do layers whose shape torch._scaled_mm cannot take (sizes not multiples of 16)."""
+    """After the weights load: quantizes every quantizable layer still in the model's dtype to fp8 (per output
+    channel). Where `device` has no fp8 matmuls (CPU, GPUs before Ada), every fp8 layer gets its dequantized weights
+    in the model's dtype back, and a line says so; on an fp8 GPU, so do linear layers whose shape torch._scaled_mm
+    cannot take (sizes not multiples of 16; the expert kernels take any)."""
     with torch.no_grad():
-        _replace(network, lambda layer: Fp8Linear.quantized(layer) if isinstance(layer, Linear) else None)
+        _replace(network, _quantized)
         if not fp8_supported(device):
             count = _replace(network, _dequantized)
-            log.info("fp8 weights of %d linear layers dequantized to the model's dtype: %s does not run fp8 "
-                     "(its kernels need CUDA compute capability 8.9 or later)", count, _device_name(device))
+            log.info("fp8 weights of %d layers dequantized to the model's dtype: %s does not run fp8 (its kernels "
+                     "need CUDA compute capability 8.9 or later)", count, _device_name(device))
             return
-        count = _replace(network, lambda layer: None if fits_scaled_mm(layer.out_features, layer.in_features)
-                         else _dequantized(layer))
+        count = _replace(network, lambda layer: _dequantized(layer) if isinstance(layer, Fp8Linear)
+                         and not fits_scaled_mm(layer.out_features, layer.in_features) else None)
     if count:
         log.info("fp8 weights of %d linear layers dequantized to the model's dtype: torch._scaled_mm needs both "
                  "sizes of a weight to be multiples of 16", count)
 
 
-def _dequantized(layer: nn.Module) -> Linear:
-    assert isinstance(layer, Fp8Linear)
+def _dequantized(layer: nn.Module) -> nn.Module | None:
+    if isinstance(layer, StackedExperts):
+        return layer.dequantized() if layer.fp8 else None
+    if not isinstance(layer, Fp8Linear):
+        return None
     device = layer.weight.device
     linear = skip_init(Linear, layer.in_features, layer.out_features, bias=layer.bias is not None, device=device,
                        dtype=layer.dtype)

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from batchgen.config import ModelConfig
-from batchgen.layers.fp8_loading import finish_fp8, fp8_checkpoint_tensors, use_fp8_linears
+from batchgen.layers.fp8_loading import finish_fp8, fp8_checkpoint_tensors, use_fp8_layers
 from batchgen.layers.norms import GemmaRMSNorm, RMSNorm
 from batchgen.layers.quantization import checkpoint_fp8
 from batchgen.models.base import CausalLM
@@ -134,7 +134,7 @@ def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: t
                task: str = "generate") -> CausalLM | TransformersCausalLM:
     """Builds the model for hf_config's architecture and job.task `task` on `device` in `dtype` and fills its
     weights: batchgen's own modules, or transformers' (model.impl; hf_config.model_implementation decides). The
-    decoder's linear layers hold fp8 weights when the checkpoint does (its quantization_config) or
+    decoder's linear and expert layers hold fp8 weights when the checkpoint does (its quantization_config) or
     model.quantization=fp8 asks (dummy weights of an fp8 config too), dequantized again where `device` has none."""
     check_quantization(hf_config, model)
     if model_implementation(hf_config, model.impl) == "transformers":  # registry.check_task vetted the task
@@ -157,7 +157,7 @@ def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: t
     elif gguf:
         network.load_weights(iter_gguf_weights(model.path))
     elif fp8_checkpoint is not None:
-        use_fp8_linears(network)
+        use_fp8_layers(network)
         network.load_weights(fp8_checkpoint_tensors(iter_safetensors(files)))
     else:
         network.load_weights(iter_safetensors(files))

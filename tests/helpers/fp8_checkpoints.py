@@ -14,9 +14,16 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from batchgen.layers.fp8 import dequantize, quantize_per_channel
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The decoder's linear layers, by the last part of their checkpoint names: Llama's (Qwen's experts and shared expert
+# too), Phi-3's fused ones and Mixtral's experts'. Routers (`gate`, `shared_expert_gate`) and heads are not among them.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
+               "w1", "w2", "w3")
+# GPT-2's Conv1D layers, which store their weights (in, out): model.quantization=fp8 quantizes each of its columns.
+CONV1D_PROJECTIONS = ("c_attn", "c_proj", "c_fc")
 
 
 def compressed_tensors_config(weight_strategy: str, activations: dict[str, Any] | None) -> dict[str, Any]:
@@ -69,6 +76,24 @@ def quantize(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, tor
     return (weight / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def is_projection(name: str, projections: tuple[str, ...] = PROJECTIONS) -> bool:
+    """Whether checkpoint tensor `name` is the weight of a decoder linear layer named in `projections`."""
+    return name.endswith(".weight") and name.removesuffix(".weight").rsplit(".", 1)[-1] in projections
+
+
+def quantization_round_trip(float_dir: Path) -> dict[str, torch.Tensor]:
+    """What model.quantization=fp8 makes of float_dir's checkpoint: each decoder linear weight (GPT-2's Conv1D ones
+    included) quantized per output channel and dequantized, as float32, by checkpoint name."""
+    tensors = load_file(str(float_dir / "model.safetensors"))
+    round_trips = {}
+    for name, tensor in tensors.items():
+        if is_projection(name):
+            round_trips[name] = dequantize(*quantize_per_channel(tensor), torch.float32)
+        elif is_projection(name, CONV1D_PROJECTIONS):
+            round_trips[name] = dequantize(*quantize_per_channel(tensor.t()), torch.float32).t()
+    return round_trips
+
+
 def write_fp8_checkpoint(float_dir: Path, out_dir: Path, format_name: str) -> dict[str, torch.Tensor]:
     """float_dir's checkpoint with every decoder projection quantized to fp8 in format FORMATS[format_name], written
     to out_dir; returns each quantized weight dequantized (float32), by checkpoint name."""
@@ -79,7 +104,7 @@ def write_fp8_checkpoint(float_dir: Path, out_dir: Path, format_name: str) -> di
     dequantized: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         layer = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and layer.rsplit(".", 1)[-1] in PROJECTIONS):
+        if not is_projection(name):
             written[name] = tensor
             continue
         weight, scale = quantize(tensor, fmt.per_channel)
@@ -98,12 +123,20 @@ def write_fp8_checkpoint(float_dir: Path, out_dir: Path, format_name: str) -> di
     return dequantized
 
 
-@torch.no_grad()
-def transformers_with_weights(float_dir: Path, weights: dict[str, torch.Tensor]) -> nn.Module:
-    """transformers' model of float_dir (float32, eager attention) with `weights` (checkpoint names) put in place of
-    its own."""
-    model = AutoModelForCausalLM.from_pretrained(float_dir, attn_implementation="eager").float().eval()
-    parameters = dict(model.named_parameters())
-    for name, weight in weights.items():
-        parameters[name].copy_(weight)
-    return model
+def write_float_twin(float_dir: Path, out_dir: Path, weights: dict[str, torch.Tensor]) -> Path:
+    """float_dir's checkpoint with `weights` (checkpoint names) in place of its tensors, written to out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(float_dir / "model.safetensors"))
+    assert set(weights) <= set(tensors)
+    save_file({**tensors, **weights}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(float_dir / name, out_dir / name)
+    return out_dir
+
+
+def transformers_with_weights(float_dir: Path, weights: dict[str, torch.Tensor], twin_dir: Path) -> nn.Module:
+    """transformers' model (float32, eager attention) of float_dir's checkpoint with `weights` (checkpoint names) in
+    place of its tensors: written to twin_dir and loaded from there, so that transformers reads the checkpoint names
+    as it does any (each expert's tensors into its stacked parameters)."""
+    write_float_twin(float_dir, twin_dir, weights)
+    return AutoModelForCausalLM.from_pretrained(twin_dir, attn_implementation="eager").float().eval()

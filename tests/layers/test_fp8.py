@@ -20,8 +20,15 @@ from batchgen.layers.fp8 import (
     quantize_rows_reference,
     scaled_mm_linear,
 )
-from batchgen.layers.fp8_loading import finish_fp8, fp8_checkpoint_tensors, quantizable_linears, use_fp8_linears
+from batchgen.layers.fp8_loading import (
+    finish_fp8,
+    fp8_checkpoint_tensors,
+    quantizable_layers,
+    quantizable_linears,
+    use_fp8_layers,
+)
 from batchgen.layers.linear import Linear
+from batchgen.layers.moe import StackedExperts
 from batchgen.models.weights import WeightTarget, fused_rows, load_into
 
 CPU = torch.device("cpu")
@@ -116,6 +123,77 @@ def test_quantizable_linears_leave_the_heads() -> None:
     assert [name for _, name in quantizable_linears(network)] == ["qkv_proj", "o_proj", "odd_proj"]
 
 
+class TinySparseBlock(nn.Module):
+    """A router its block keeps in the model's dtype, and the experts it routes to."""
+
+    unquantized_linears = ("gate",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Linear(32, 4, bias=False)
+        self.experts = StackedExperts(num_experts=4, hidden_size=32, intermediate_size=24, top_k=2, renormalize=True)
+        with torch.no_grad():
+            self.experts.gate_up_proj.copy_(torch.randn(4, 48, 32) * torch.logspace(-2, 0, 48)[:, None])
+            self.experts.down_proj.normal_()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden, self.gate(hidden))
+
+
+class TinyMoe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.o_proj = Linear(32, 32, bias=False)
+        self.model.mlp = TinySparseBlock()
+        self.lm_head = Linear(32, 100, bias=False)
+
+
+def test_quantizable_layers_are_the_linears_then_the_experts_not_the_router() -> None:
+    network = TinyMoe()
+    assert [name for _, name in quantizable_linears(network)] == ["o_proj"]
+    assert [name for _, name in quantizable_layers(network)] == ["o_proj", "experts"]
+    use_fp8_layers(network)
+    experts = network.model.mlp.experts
+    assert experts.fp8 and experts.dtype == torch.float32 and isinstance(network.model.mlp.gate, Linear)
+    assert [name for name, _ in experts.named_parameters()] == ["gate_up_proj", "down_proj", "gate_up_proj_scale",
+                                                                "down_proj_scale"]
+    assert experts.gate_up_proj_scale.shape == (4, 48) and experts.down_proj_scale.shape == (4, 32)
+
+
+@torch.no_grad()
+def test_fp8_experts_hold_each_row_with_its_own_scale() -> None:
+    """Quantized a row of an expert at a time; on CPU (no kernels) they compute what their dequantized twin does."""
+    block = TinySparseBlock()
+    quantized = block.experts.quantized()
+    for name in ("gate_up_proj", "down_proj"):
+        values, scale = quantize_per_channel(getattr(block.experts, name))
+        assert torch.equal(getattr(quantized, name).view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(getattr(quantized, f"{name}_scale"), scale)
+    dequantized = quantized.dequantized()
+    assert not dequantized.fp8 and dequantized.gate_up_proj_scale is None
+    assert torch.equal(dequantized.down_proj, dequantize(*quantize_per_channel(block.experts.down_proj), torch.float32))
+    hidden = torch.randn(7, 32)
+    logits = block.gate(hidden)
+    torch.testing.assert_close(quantized(hidden, logits), dequantized(hidden, logits), rtol=0, atol=0)
+    expected = block.experts(hidden, logits)
+    torch.testing.assert_close(quantized(hidden, logits), expected, rtol=0, atol=0.1 * float(expected.abs().max()))
+
+
+def test_finish_fp8_quantizes_experts_and_keeps_the_router(caplog: pytest.LogCaptureFixture) -> None:
+    network = TinyMoe()
+    router, experts = network.model.mlp.gate.weight.clone(), network.model.mlp.experts
+    with caplog.at_level(logging.INFO, logger="batchgen.layers.fp8_loading"):
+        finish_fp8(network, CPU)
+    assert caplog.messages == ["fp8 weights of 2 layers dequantized to the model's dtype: cpu does not run fp8 (its "
+                               "kernels need CUDA compute capability 8.9 or later)"]
+    assert torch.equal(network.model.mlp.gate.weight, router)
+    for name in ("gate_up_proj", "down_proj"):
+        expected = dequantize(*quantize_per_channel(getattr(experts, name)), torch.float32)
+        assert torch.equal(getattr(network.model.mlp.experts, name), expected)
+    assert not network.model.mlp.experts.fp8
+
+
 def _fp8_shard(rows: int, per_channel: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     weight = _weight(rows, 32, seed)
     amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax()
@@ -127,7 +205,7 @@ def test_checkpoint_scales_fill_fused_rows() -> None:
     """q, k and v with per-tensor scales of their own (a scalar, a 1-element vector, per_channel (N, 1)) and the
     scale_inv name: the fused layer holds each shard's values and its scale repeated over the shard's rows."""
     network = TinyDecoder()
-    use_fp8_linears(network)
+    use_fp8_layers(network)
     qkv = network.model.qkv_proj
     assert isinstance(qkv, Fp8Linear) and isinstance(network.lm_head, Linear)
     shards = {"q_proj": _fp8_shard(32, False, 1), "k_proj": _fp8_shard(16, False, 2),
@@ -174,8 +252,8 @@ def test_finish_fp8_dequantizes_on_cpu(caplog: pytest.LogCaptureFixture) -> None
     head = network.lm_head
     with caplog.at_level(logging.INFO, logger="batchgen.layers.fp8_loading"):
         finish_fp8(network, CPU)
-    assert caplog.messages == ["fp8 weights of 3 linear layers dequantized to the model's dtype: cpu does not run "
-                               "fp8 (its kernels need CUDA compute capability 8.9 or later)"]
+    assert caplog.messages == ["fp8 weights of 3 layers dequantized to the model's dtype: cpu does not run fp8 (its "
+                               "kernels need CUDA compute capability 8.9 or later)"]
     assert network.lm_head is head
     for name, module in network.named_modules():
         if isinstance(module, Linear) and name != "lm_head":

@@ -2,8 +2,8 @@
 RMSNorm and SiLU-and-mul), the per-token fp8 quantization, and Fp8Linear's choice between the GEMV and _scaled_mm.
 
 Runs on CUDA; without a GPU, `TRITON_INTERPRET=1 pytest tests/layers/test_fp8_triton.py` runs the same cases, scaled
-down, through Triton's CPU interpreter (it needs numpy<2.4). The interpreter truncates bf16 roundings where the GPU
-rounds them: there the fused prologues are checked in float32 only.
+down, through Triton's CPU interpreter (before Triton 3.8 it needs numpy<2.4). The interpreter truncates bf16
+roundings where the GPU rounds them: there the fused prologues are checked in float32 only.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from batchgen.config import ModelConfig  # noqa: E402
 from batchgen.layers import fp8, fused, linear_triton  # noqa: E402
 from batchgen.layers.activation import silu_and_mul  # noqa: E402
 from batchgen.layers.fp8 import FP8_DTYPE, Fp8Linear, dequantize, quantize_per_channel  # noqa: E402
-from batchgen.layers.fp8_loading import quantizable_linears  # noqa: E402
+from batchgen.layers.fp8_loading import quantizable_layers  # noqa: E402
 from batchgen.layers.fp8_triton import quantize_rows  # noqa: E402
 from batchgen.layers.linear import Linear  # noqa: E402
 from batchgen.layers.linear_triton import MAX_M, LinearConfig, add_rms_norm_linear, small_m_linear  # noqa: E402
+from batchgen.layers.moe import StackedExperts  # noqa: E402
 from batchgen.layers.norms import rms_norm  # noqa: E402
 from batchgen.models.loader import load_hf_config, load_model  # noqa: E402
 from tests.helpers.paged import PagedTestCache  # noqa: E402
@@ -172,14 +173,25 @@ def test_fp8_linear_dispatch(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
         torch.testing.assert_close(out, expected, rtol=0, atol=0.1 * float(expected.abs().max()))
 
 
-@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])  # q/k norms; qkv bias
+# q/k norms; qkv bias; Gemma's norm and GeGLU; no norm before the projections (OLMo 2); fp8 experts behind a router
+# kept in float
+FUSED_NORMS_PER_LAYER = {"Qwen3ForCausalLM": 2, "Qwen2ForCausalLM": 2, "Gemma2ForCausalLM": 2, "Olmo2ForCausalLM": 0,
+                         "Qwen3MoeForCausalLM": 1}
+
+
+@pytest.mark.parametrize("architecture", list(FUSED_NORMS_PER_LAYER))
 def test_model_with_fp8_gemv(architecture: str, tiny_model_dir: Callable[..., Path],
                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps of at most MAX_M rows on fp8 linears (the GEMV, its norm and SiLU fusions included) give the logits of
-    the same model on its dequantized weights through F.linear."""
+    """Steps of at most MAX_M rows on fp8 linears (the GEMV, its norm and SiLU fusions included) and fp8 experts (the
+    MoE kernels) give the logits of the same model on its dequantized weights through F.linear and the experts'
+    kernels on float weights."""
     fused_calls = []
-    monkeypatch.setattr(linear_triton, "add_rms_norm_linear",
-                        lambda *args, **kwargs: fused_calls.append(1) or add_rms_norm_linear(*args, **kwargs))
+
+    def spy(*args: object, gemma_style: bool = False, **kwargs: object) -> object:
+        fused_calls.append(gemma_style)
+        return add_rms_norm_linear(*args, gemma_style=gemma_style, **kwargs)
+
+    monkeypatch.setattr(linear_triton, "add_rms_norm_linear", spy)
     model_config = ModelConfig(path=str(tiny_model_dir(architecture)))
     model = load_model(model_config, load_hf_config(model_config), f32, torch.device(DEVICE))
     tokens = [3, 1, 4, 1, 5, 9, 2]
@@ -192,16 +204,26 @@ def test_model_with_fp8_gemv(architecture: str, tiny_model_dir: Callable[..., Pa
 
     with torch.no_grad():
         fp8_layers = []
-        for parent, name in quantizable_linears(model):
-            layer = Fp8Linear.quantized(getattr(parent, name))
-            layer.use_triton(DEVICE)
-            fp8_layers.append((parent, name, layer))
-            getattr(parent, name).weight.copy_(dequantize(layer.weight, layer.weight_scale, f32))
+        for parent, name in quantizable_layers(model):
+            layer = getattr(parent, name)
+            if isinstance(layer, StackedExperts):
+                fp8_layer = layer.quantized()
+                fp8_layer.use_kernel_on(DEVICE)
+                dequantized = fp8_layer.dequantized()
+                dequantized.use_kernel_on(DEVICE)
+                setattr(parent, name, dequantized)
+            else:
+                fp8_layer = Fp8Linear.quantized(layer)
+                fp8_layer.use_triton(DEVICE)
+                layer.weight.copy_(dequantize(fp8_layer.weight, fp8_layer.weight_scale, f32))
+            fp8_layers.append((parent, name, fp8_layer))
         expected = logits()
         for parent, name, layer in fp8_layers:
             setattr(parent, name, layer)
         assert_close(logits(), expected, f32)
-    assert len(fused_calls) == 2 * model.config.num_hidden_layers * (1 + len(tokens[5:]))
+    gemma = architecture.startswith("Gemma")
+    assert fused_calls == [gemma] * FUSED_NORMS_PER_LAYER[architecture] * model.config.num_hidden_layers * (
+        1 + len(tokens[5:]))
     assert fused.FUSE_ADD_RMS_NORM and fused.FUSE_SILU_AND_MUL
 
 

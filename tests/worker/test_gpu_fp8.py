@@ -1,5 +1,6 @@
-"""On a GPU with fp8 (compute capability 8.9 or later): fp8 linears stay close to the same model on its dequantized
-bf16 weights, an fp8 checkpoint runs as fp8, and CUDA-graph replay equals eager decode for every bucket."""
+"""On a GPU with fp8 (compute capability 8.9 or later): fp8 linears and experts stay close to the same model on its
+dequantized bf16 weights on every native architecture family, an fp8 checkpoint runs as fp8, and CUDA-graph replay
+equals eager decode for every bucket."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from batchgen import LLM, SamplingParams
 from batchgen.config import ModelConfig
 from batchgen.layers.fp8 import Fp8Linear, dequantize
-from batchgen.layers.fp8_loading import quantizable_linears
+from batchgen.layers.fp8_loading import quantizable_layers
+from batchgen.layers.moe import StackedExperts
 from batchgen.models.loader import load_hf_config, load_model
 from batchgen.worker.step_inputs import build_step_inputs
 from tests.helpers.common import random_prompts, random_tokens
@@ -43,31 +45,44 @@ def _logits(model: torch.nn.Module, tokens: list[int]) -> tuple[torch.Tensor, to
     return prefill.float(), decode.float()
 
 
+def _is_fp8(layer: torch.nn.Module) -> bool:
+    return isinstance(layer, Fp8Linear) or (isinstance(layer, StackedExperts) and layer.fp8)
+
+
 def _dequantized_twin(model: torch.nn.Module, float_dir: Path) -> torch.nn.Module:
-    """The bf16 model of float_dir with each decoder linear holding `model`'s fp8 weight, dequantized (the rest of an
-    fp8 checkpoint written from float_dir is float_dir's)."""
+    """The bf16 model of float_dir with each decoder linear and expert stack holding `model`'s fp8 weights,
+    dequantized (the rest of an fp8 checkpoint written from float_dir is float_dir's)."""
     twin = _load(float_dir)
     with torch.no_grad():
-        for (parent, name), (twin_parent, _) in zip(quantizable_linears(model), quantizable_linears(twin),
-                                                    strict=True):
+        for (parent, name), (twin_parent, _) in zip(quantizable_layers(model), quantizable_layers(twin), strict=True):
             layer = getattr(parent, name)
-            assert isinstance(layer, Fp8Linear)
-            getattr(twin_parent, name).weight.copy_(dequantize(layer.weight, layer.weight_scale, torch.bfloat16))
+            assert _is_fp8(layer), name
+            if isinstance(layer, StackedExperts):
+                setattr(twin_parent, name, layer.dequantized())
+            else:
+                getattr(twin_parent, name).weight.copy_(dequantize(layer.weight, layer.weight_scale, torch.bfloat16))
     return twin
 
 
-@pytest.mark.parametrize("source", ["quantization=fp8", "compressed_tensors_fp8", "fp8_static"])
-def test_fp8_close_to_dequantized_bf16(source: str, tiny_model_dir: Callable[..., Path], tmp_path: Path) -> None:
-    """Decode steps (the weight-only fp8 GEMV) match the dequantized bf16 model to within bf16 rounding; a prefill step
-    (fp8 activations too) to within a tenth of the logits' range, with at least 90% of the greedy tokens the same."""
-    float_dir = tiny_model_dir("Qwen3ForCausalLM")
+@pytest.mark.parametrize(("architecture", "source"), [
+    *[("Qwen3ForCausalLM", source) for source in ("quantization=fp8", "compressed_tensors_fp8", "fp8_static")],
+    *[(architecture, "quantization=fp8") for architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                                                              "Phi3ForCausalLM", "Olmo2ForCausalLM",
+                                                              "MixtralForCausalLM", "Qwen2MoeForCausalLM")],
+    ("Phi3ForCausalLM", "compressed_tensors_fp8"), ("Qwen3MoeForCausalLM", "compressed_tensors_fp8_dynamic"),
+])
+def test_fp8_close_to_dequantized_bf16(architecture: str, source: str, tiny_model_dir: Callable[..., Path],
+                                       tmp_path: Path) -> None:
+    """Decode steps (the weight-only fp8 GEMV and expert kernels) match the dequantized bf16 model to within bf16
+    rounding; a prefill step (fp8 activations in the linears too) to within a tenth of the logits' range, with at
+    least 90% of the greedy tokens the same."""
+    float_dir = tiny_model_dir(architecture)
     if source == "quantization=fp8":
         model = _load(float_dir, quantization="fp8")
     else:
         write_fp8_checkpoint(float_dir, tmp_path, source)
         model = _load(tmp_path)
-    assert len(quantizable_linears(model)) == 8
-    assert all(isinstance(getattr(parent, name), Fp8Linear) for parent, name in quantizable_linears(model))
+    assert all(_is_fp8(getattr(parent, name)) for parent, name in quantizable_layers(model))
     tokens = random_tokens(19, seed=11)
     prefill, decode = _logits(model, tokens)
     expected_prefill, expected_decode = _logits(_dequantized_twin(model, float_dir), tokens)
@@ -77,13 +92,14 @@ def test_fp8_close_to_dequantized_bf16(source: str, tiny_model_dir: Callable[...
     assert (prefill.argmax(-1) == expected_prefill.argmax(-1)).float().mean() >= 0.9
 
 
-def test_graph_replay_equals_eager_for_every_bucket(tiny_model_dir: Callable[..., Path]) -> None:
-    """Decode batches of 1 to 16 rows on fp8 weights (the GEMV up to 8 rows, _scaled_mm above), replayed from their
-    bucket's graph and run eagerly."""
-    llm = LLM(str(tiny_model_dir("Qwen3ForCausalLM")), dtype="bfloat16", quantization="fp8", max_num_seqs=16,
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_graph_replay_equals_eager_for_every_bucket(architecture: str, tiny_model_dir: Callable[..., Path]) -> None:
+    """Decode batches of 1 to 16 rows on fp8 weights (the GEMV up to 8 rows, _scaled_mm above; the expert kernels),
+    replayed from their bucket's graph and run eagerly."""
+    llm = LLM(str(tiny_model_dir(architecture)), dtype="bfloat16", quantization="fp8", max_num_seqs=16,
               cuda_graph_capture_sizes=CAPTURE_SIZES)
     engine, runner = llm.engine, llm.engine.runner
-    assert isinstance(runner.model.model.layers[0].mlp.gate_up_proj, Fp8Linear)
+    assert all(_is_fp8(getattr(parent, name)) for parent, name in quantizable_layers(runner.model))
     assert runner.graphs.sizes == CAPTURE_SIZES
     for num_seqs in range(1, 17):
         for i, prompt in enumerate(random_prompts(256, count=num_seqs, seed=num_seqs)):

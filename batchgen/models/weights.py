@@ -62,8 +62,8 @@ def load_into(
             source = tensor.t() if target.transpose else tensor
             if (source.dtype == FP8_DTYPE) != (destination.dtype == FP8_DTYPE):
                 raise ValueError(f"checkpoint tensor {raw_name} is {source.dtype}, but the model holds {name} in "
-                                 f"{destination.dtype} (fp8 models hold the decoder's linear layers in fp8, lm_head "
-                                 "and embeddings not)")
+                                 f"{destination.dtype} (fp8 models hold the decoder's linear layers and experts in "
+                                 "fp8; lm_head, embeddings and MoE routers not)")
             if name.endswith(".weight_scale") and source.numel() == 1:
                 source = source.reshape(()).expand(destination.shape)
             if destination.shape != source.shape:

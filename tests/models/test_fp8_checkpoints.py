@@ -226,3 +226,16 @@ def test_other_quantization_stays_transformers_on_the_generic_path(tiny_model_di
     directory = _with_quantization_config(tiny_model_dir("LlamaForCausalLM"), tmp_path,
                                           {"quant_method": "awq", "bits": 4, "group_size": 128})
     check_checkpoint(ModelConfig(path=str(directory), impl="transformers"), None)
+
+
+def test_checkpoint_with_a_quantized_router_names_it(tiny_model_dir: Callable[..., Path], tmp_path: Path) -> None:
+    """Routers stay in the model's dtype: a checkpoint that quantized one fails naming its tensor."""
+    write_fp8_checkpoint(tiny_model_dir("MixtralForCausalLM"), tmp_path, "compressed_tensors_fp8_dynamic")
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.block_sparse_moe.gate.weight"
+    tensors[name], tensors[name + "_scale"] = quantize_per_channel(tensors[name])
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    message = (f"checkpoint tensor {name} is torch.float8_e4m3fn, but the model holds {name} in torch.float32 (fp8 "
+               "models hold the decoder's linear layers and experts in fp8; lm_head, embeddings and MoE routers not)")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_on_cpu(tmp_path)

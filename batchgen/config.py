@@ -23,6 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8")
+QUANTIZATIONS = ("fp8",)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 EMPTY_POLICIES = ("warn", "fail")
 RUNNERS = ("local", "ray")
@@ -52,6 +53,9 @@ class ModelConfig:
     # sentence-transformers pooling (1_Pooling/config.json) when it has one, else last.
     pooling: str | None = None
     normalize: bool = True  # job.task=embed: L2-normalize each embedding
+    # fp8: quantize the decoder's linear layers of a bf16/fp16 checkpoint to float8_e4m3fn at load, one scale per
+    # output channel (vLLM's quantization="fp8"). None: the checkpoint as it is (an fp8 checkpoint loads as fp8).
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,8 @@ def validate_model(model: ModelConfig) -> None:
     _one_of("model.dtype", model.dtype, DTYPES)
     if model.pooling is not None:
         _one_of("model.pooling", model.pooling, POOLING_METHODS)
+    if model.quantization is not None:
+        _one_of("model.quantization", model.quantization, QUANTIZATIONS)
     _require(isinstance(model.normalize, bool), "model.normalize", model.normalize, "must be true or false")
     _one_of("model.impl", model.impl, MODEL_IMPLS)
     if model.load_format == "dummy":

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from batchgen.layers.fp8 import FP8_DTYPE
+
 
 @dataclass(frozen=True)
 class WeightTarget:
@@ -38,6 +40,10 @@ def load_into(
 
     `rename` maps a checkpoint name to the name `targets` uses; `ignored` (given the renamed name) drops buffers and
     tensors the model does not need, such as rotary inv_freq or a tied lm_head.
+
+    fp8 weights (float8_e4m3fn) load only into fp8 parameters and the other way round: a cast would drop their scale.
+    A per-tensor fp8 weight scale (one element, `layers/fp8_loading.fp8_checkpoint_tensors`) fills every row of the
+    per-channel scales of its (block of a fused) layer.
     """
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -54,6 +60,12 @@ def load_into(
             if target.rows is not None:
                 destination = destination[target.rows]
             source = tensor.t() if target.transpose else tensor
+            if (source.dtype == FP8_DTYPE) != (destination.dtype == FP8_DTYPE):
+                raise ValueError(f"checkpoint tensor {raw_name} is {source.dtype}, but the model holds {name} in "
+                                 f"{destination.dtype} (fp8 models hold the decoder's linear layers and experts in "
+                                 "fp8; lm_head, embeddings and MoE routers not)")
+            if name.endswith(".weight_scale") and source.numel() == 1:
+                source = source.reshape(()).expand(destination.shape)
             if destination.shape != source.shape:
                 raise ValueError(
                     f"checkpoint tensor {raw_name} has shape {tuple(tensor.shape)}; "

@@ -97,3 +97,12 @@ def test_weight_read_floor_counts_the_active_weights_only():
     assert expected_active_experts(8, 2, 1) == 2 and expected_active_experts(8, 2, 2) == 8 * (1 - 0.75**2)
     assert decode_read_bytes(moe, 1) < decode_read_bytes(moe, 4) < decode_read_bytes(moe, 256)
     assert abs(decode_read_bytes(moe, 256) - (weight_bytes(moe) - embedding.nbytes + 256 * embedding[0].nbytes)) < 1
+
+
+def test_fp8_accuracy_tiny_compares_both_paths(tmp_path):
+    run_benchmark("fp8_accuracy", tmp_path, "--tiny", "--models", "qwen3_0_6b", "--num-prompts", "1",
+                  "--prompt-len", "12", "--decode-steps", "2")
+    rows = json.loads((tmp_path / "fp8_accuracy_tiny.json").read_text())["results"]
+    assert [(row["path"], row["positions"]) for row in rows] == [("prefill", 12), ("decode", 2)]
+    for row in rows:  # the weights' rounding moves the distributions a little (KL up to float32 rounding)
+        assert -1e-6 < row["mean_kl"] < 0.1 and 0 <= row["greedy_agreement"] <= 1 and 0 < row["bf16_top1_prob"] <= 1

@@ -297,5 +297,6 @@ def test_scaled_mm_linear_on_cuda(dtype: torch.dtype) -> None:
     assert (values.float() != reference_values.float()).float().mean() < 1e-3
     expected = ((values.double() * row_scale.double()) @ (weight.double() * weight_scale.double()[:, None]).T
                 + bias.double()).float()
-    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    # float32 output is no closer than float16's: Hopper's fp8 tensor cores accumulate below float32 precision
+    tol = {torch.float32: 2**-10, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * float(expected.abs().max()))

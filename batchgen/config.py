@@ -23,6 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8")
+QUANTIZATIONS = ("fp8",)
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 EMPTY_POLICIES = ("warn", "fail")
 RUNNERS = ("local", "ray")
@@ -52,6 +53,9 @@ class ModelConfig:
     # sentence-transformers pooling (1_Pooling/config.json) when it has one, else last.
     pooling: str | None = None
     normalize: bool = True  # job.task=embed: L2-normalize each embedding
+    # fp8: quantize the decoder's linear layers of a bf16/fp16 checkpoint to float8_e4m3fn at load, one scale per
+    # output channel (vLLM's quantization="fp8"). None: the checkpoint as it is (an fp8 checkpoint loads as fp8).
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,9 @@ class CudaGraphConfig:
 class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: 16384 on a GPU of 70 GiB or more (vLLM's offline default there: fewer, fuller eager prefill steps), else
+    # 8192
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings (more with yarn/dynamic RoPE)
     block_size: int = 16
     num_gpu_blocks_override: int | None = None  # fixes the number of KV blocks (tests force a small cache)
@@ -197,6 +203,8 @@ def validate_model(model: ModelConfig) -> None:
     _one_of("model.dtype", model.dtype, DTYPES)
     if model.pooling is not None:
         _one_of("model.pooling", model.pooling, POOLING_METHODS)
+    if model.quantization is not None:
+        _one_of("model.quantization", model.quantization, QUANTIZATIONS)
     _require(isinstance(model.normalize, bool), "model.normalize", model.normalize, "must be true or false")
     _one_of("model.impl", model.impl, MODEL_IMPLS)
     if model.load_format == "dummy":
@@ -226,7 +234,7 @@ def validate_engine(engine: EngineConfig) -> None:
     _one_of("engine.kv_cache_dtype", engine.kv_cache_dtype, KV_CACHE_DTYPES)
     _one_of("engine.logprobs_mode", engine.logprobs_mode, LOGPROBS_MODES)
     _positive("engine.max_num_seqs", engine.max_num_seqs)
-    _positive("engine.max_num_batched_tokens", engine.max_num_batched_tokens)
+    _positive("engine.max_num_batched_tokens", engine.max_num_batched_tokens, optional=True)
     _positive("engine.max_model_len", engine.max_model_len, optional=True)
     _positive("engine.num_gpu_blocks_override", engine.num_gpu_blocks_override, optional=True)
     _positive("engine.cpu_threads", engine.cpu_threads, optional=True)

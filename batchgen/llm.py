@@ -21,9 +21,9 @@ Text = str | list[int]  # a text, or its token ids
 
 class LLM:
     """Engine options use vLLM's names: max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
-    enforce_eager, dtype, gpu_memory_utilization, seed, num_gpu_blocks_override, tensor_parallel_size (the model
-    split over that many GPUs, whose processes the engine starts and stops: close() it), ...; model_impl is
-    model.impl.
+    enforce_eager, dtype, quantization ("fp8"), gpu_memory_utilization, seed, num_gpu_blocks_override,
+    tensor_parallel_size (the model split over that many GPUs, whose processes the engine starts and stops: close()
+    it), ...; model_impl is model.impl.
 
     task: generate (`generate`, and `loglikelihood`) | score (`loglikelihood`) | embed (`embed`, with `pooling`:
     last | mean | cls, default the checkpoint's sentence-transformers pooling or last, and `normalize`) | classify
@@ -32,6 +32,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, task: str = "generate", pooling: str | None = None,
                  normalize: bool = True, tokenizer: str | None = None, load_format: str = "auto",
                  hf_config: dict[str, Any] | None = None, dtype: str = "auto", model_impl: str = "auto",
+                 quantization: str | None = None,
                  cuda_graph_capture_sizes: list[int] | None = None, **engine_options: Any):
         if task not in TASKS:
             raise ValueError(f"task={task!r} is invalid: allowed values are {', '.join(TASKS)}")
@@ -40,7 +41,8 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {', '.join(sorted(known))}")
         model_config = ModelConfig(path=model, tokenizer=tokenizer, load_format=load_format, hf_config=hf_config,
-                                   dtype=dtype, impl=model_impl, pooling=pooling, normalize=normalize)
+                                   dtype=dtype, impl=model_impl, pooling=pooling, normalize=normalize,
+                                   quantization=quantization)
         engine_config = EngineConfig(cuda_graph=CudaGraphConfig(capture_sizes=cuda_graph_capture_sizes),
                                      **engine_options)
         validate_model(model_config)

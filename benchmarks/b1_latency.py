@@ -12,9 +12,12 @@ of one GPU's shard: the bytes of rank 0's weights.
 
 Usage: python -m benchmarks.b1_latency [--model qwen3_0_6b] [--repeats 3] [--batches 2 4 8 64 256] [--tiny]
                                        [--unfused | --unfused-silu] [--no-pdl] [--kv-cache-dtype fp8]
-                                       [--tensor-parallel-size N] [--modes eager graph_sync graph] [--out DIR]
+                                       [--quantization fp8] [--tensor-parallel-size N]
+                                       [--modes eager graph_sync graph] [--out DIR]
 (--unfused turns off the norm and SiLU fusions into the GEMV and --unfused-silu only the SiLU one,
-batchgen/layers/fused.py; --no-pdl turns off the programmatic dependent launches, batchgen/layers/pdl.py.)
+batchgen/layers/fused.py; --no-pdl turns off the programmatic dependent launches, batchgen/layers/pdl.py.
+--quantization fp8 quantizes the linear and expert layers to fp8 at load, model.quantization=fp8: the floor is then
+that of the fp8 weight bytes.)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from benchmarks.common import (
     add_kv_cache_dtype_argument,
     add_model_argument,
     add_out_argument,
+    add_quantization_argument,
     add_tensor_parallel_argument,
     benchmark_model_config,
     build_engine,
@@ -102,6 +106,7 @@ def main() -> None:
                         default=["eager", "graph_sync", "graph"], help="the engines to time (each loads the model)")
     add_model_argument(parser)
     add_kv_cache_dtype_argument(parser)
+    add_quantization_argument(parser)
     add_tensor_parallel_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
@@ -110,7 +115,7 @@ def main() -> None:
     fused.FUSE_SILU_AND_MUL = not (args.unfused or args.unfused_silu)
     pdl.ENABLED = not args.no_pdl
 
-    model_config = benchmark_model_config(args.model, args.tiny)
+    model_config = benchmark_model_config(args.model, args.tiny, args.quantization)
     bandwidth = copy_bandwidth_gbs(args.copy_mib * 2**20)
     modes = {mode: batches for mode, batches in {"eager": [1], "graph_sync": [1], "graph": [1, *args.batches]}.items()
              if mode in args.modes and (mode == "eager" or cuda_available())}
@@ -130,7 +135,8 @@ def main() -> None:
         r["weight_floor_ms"] = floors_ms[r["batch"]]
         r["floor_fraction"] = r["weight_floor_ms"] / r["decode_forward_ms"] if r["decode_forward_ms"] else None
     variants = {f"_{args.model}": args.model != QWEN3, "_tiny": args.tiny, "_unfused": args.unfused,
-                "_no_pdl": args.no_pdl, "_unfused_silu": args.unfused_silu, "_fp8": args.kv_cache_dtype == "fp8"}
+                "_no_pdl": args.no_pdl, "_unfused_silu": args.unfused_silu, "_fp8": args.kv_cache_dtype == "fp8",
+                "_fp8_weights": args.quantization == "fp8"}
     suffix = "".join(name for name, on in variants.items() if on) + tensor_parallel_suffix(args.tensor_parallel_size)
     save_json(args.out, "b1_latency" + suffix, {
         "environment": environment(), "tensor_parallel_size": args.tensor_parallel_size,
@@ -138,6 +144,7 @@ def main() -> None:
         "silu_fused": fused.FUSE_SILU_AND_MUL,
         "model": model_config.hf_config,
         "dtype": model_config.dtype,
+        "quantization": args.quantization,
         "kv_cache_dtype": kv_cache_dtype,
         "weight_bytes": weights, "read_bytes_batch_1": read_bytes[1], "copy_bandwidth_gbs": bandwidth,
         "copy_bytes": args.copy_mib * 2**20, "weight_floor_ms": floor_ms, "results": results,
@@ -150,7 +157,8 @@ def main() -> None:
     })
     headers = ["mode", "batch", "decode_step_ms", "decode_forward_ms", "e2e_ms_per_token", "decode_tok_s", "read_gib",
                "weight_floor_ms", "floor_fraction"]
-    print(f"\n## b1_latency ({args.model}{' tiny' if args.tiny else ''}; {environment()['device']}; "
+    print(f"\n## b1_latency ({args.model}{' tiny' if args.tiny else ''}"
+          f"{'; fp8 weights' if args.quantization else ''}; {environment()['device']}; "
           f"tensor parallel {args.tensor_parallel_size}; weights "
           f"{weights / 2**30:.3f} GiB, {read_bytes[1] / 2**30:.3f} GiB active at batch 1, copy {bandwidth:.0f} GB/s, "
           f"weight-read floor {floor_ms:.3f} ms at batch 1; KV cache {kv_cache_dtype}; {args.prompt_len} prompt + "

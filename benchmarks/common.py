@@ -22,7 +22,14 @@ import yaml
 from torch import nn
 from transformers import GenerationConfig
 
-from batchgen.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig, validate_engine, validate_model
+from batchgen.config import (
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+    ModelConfig,
+    validate_engine,
+    validate_model,
+)
 from batchgen.engine.llm_engine import LLMEngine, StepRecord
 from batchgen.engine.outputs import RequestOutput
 from batchgen.job.summary import TIME_COLUMNS
@@ -32,6 +39,7 @@ from batchgen.sample.params import SamplingParams
 REPO = Path(__file__).resolve().parents[1]
 Request = tuple[list[int], SamplingParams]
 QWEN3 = "qwen3_0_6b"
+LLAMA31_8B = "llama3_1_8b"
 SHAKESPEARE = "shakespeare"  # the main job's model
 # A Qwen3 small enough for a CPU smoke test; the vocabulary still holds the benchmarks' prompt ids (< 10001).
 TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -49,6 +57,12 @@ def add_out_argument(parser: argparse.ArgumentParser) -> None:
 def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="engine.kv_cache_dtype: auto (the model's dtype) or fp8 (float8_e4m3fn)")
+
+
+def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="model.quantization: fp8 quantizes the decoder's linear and expert layers at load (per "
+                             "channel); results are named with _fp8_weights")
 
 
 def cuda_available() -> bool:
@@ -85,13 +99,14 @@ def tensor_parallel_suffix(size: int) -> str:
     return f"_tp{size}" if size > 1 else ""
 
 
-def benchmark_model_config(name: str, tiny: bool = False) -> ModelConfig:
+def benchmark_model_config(name: str, tiny: bool = False, quantization: str | None = None) -> ModelConfig:
     """conf/model/<name>.yaml, or with --tiny a two-layer model of its family (a mixture of experts keeps a few
-    small experts)."""
+    small experts); `quantization`: model.quantization."""
     config = load_model_config(name)
     if tiny:
         moe = TINY_MOE if "num_experts" in config.hf_config else {}
         config.hf_config = {**config.hf_config, **TINY_QWEN3, **moe}
+    config.quantization = quantization
     return config
 
 

@@ -6,13 +6,15 @@ so a run with N = 64 matches the transformers peer in peers.py. Warm-up: the fir
 
 Beside the throughput: the decode steps' weight-read floor, the sum over decode steps of the bytes of the active
 weights each reads (`common.decode_read_bytes`: a mixture of experts, --model qwen3_30b_a3b, reads only the experts its
-rows route to) / measured copy bandwidth, against their measured forward time.
+rows route to) / measured copy bandwidth, against their measured forward time. --quantization fp8 quantizes the
+linear and expert layers to fp8 at load (model.quantization=fp8).
 
 With --tensor-parallel-size N the model is split over N GPUs (engine.tensor_parallel_size); the floor is one GPU's
 shard's.
 
 Usage: python -m benchmarks.nanovllm_bench [--model qwen3_0_6b] [--num-seqs 256] [--mixed] [--greedy] [--sync]
-                                           [--kv-cache-dtype fp8] [--tensor-parallel-size N] [--tiny] [--out DIR]
+                                           [--kv-cache-dtype fp8] [--quantization fp8] [--tensor-parallel-size N]
+                                           [--tiny] [--out DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from benchmarks.common import (
     add_kv_cache_dtype_argument,
     add_model_argument,
     add_out_argument,
+    add_quantization_argument,
     add_tensor_parallel_argument,
     benchmark_model_config,
     breakdown_table,
@@ -54,6 +57,8 @@ def result_name(args: argparse.Namespace) -> str:
     parts += [flag for flag in ("mixed", "greedy", "eager", "sync", "tiny") if getattr(args, flag)]
     if args.kv_cache_dtype != "auto":
         parts.append(args.kv_cache_dtype)
+    if args.quantization == "fp8":
+        parts.append("fp8_weights")
     return "_".join(parts) + tensor_parallel_suffix(args.tensor_parallel_size)
 
 
@@ -80,6 +85,7 @@ def main() -> None:
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth-test copy")
     add_model_argument(parser)
     add_kv_cache_dtype_argument(parser)
+    add_quantization_argument(parser)
     add_tensor_parallel_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
@@ -88,7 +94,7 @@ def main() -> None:
     if args.greedy:
         requests = [(ids, replace(params, temperature=0.0)) for ids, params in requests]
     bandwidth = copy_bandwidth_gbs(args.copy_mib * 2**20)
-    model_config = benchmark_model_config(args.model, args.tiny)
+    model_config = benchmark_model_config(args.model, args.tiny, args.quantization)
     engine = build_engine(model_config, enforce_eager=args.eager or not cuda_available(),
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, mixed_prefill_decode=args.mixed,

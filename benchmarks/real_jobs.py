@@ -202,7 +202,7 @@ def job_figures(process_s: float, summary: dict[str, Any], steps: list[dict[str,
     for step in steps:
         seconds_by_kind[step["kind"]] += step["step_ms"] / 1000
         steps_by_kind[step["kind"]] += 1
-    floor = workload_floor(steps, summary["config"]["engine"]["max_num_batched_tokens"])
+    floor = workload_floor(steps, engine["max_num_batched_tokens"])
     return {
         "process_s": process_s,
         "output_tokens": attempt["output_tokens"],
@@ -212,6 +212,9 @@ def job_figures(process_s: float, summary: dict[str, Any], steps: list[dict[str,
         "read_input_s": times["read_input"],
         "engine_start_s": times["engine_start"],
         "capture_s": engine.get("cuda_graph_capture_seconds"),
+        "load_s": engine.get("load_seconds"),
+        "kv_sizing_s": engine.get("kv_sizing_seconds"),
+        "capture_s_per_size": engine.get("cuda_graph_capture_seconds_per_size"),
         "engine_loop_s": loop_s,
         "finish_s": times["finish"],
         "device_s": device_s,

@@ -70,6 +70,16 @@ step real_jobs_cold_start 180 "$PY" -m benchmarks.real_jobs cold_start --timeout
 # Qwen3-30B-A3B's shape (a mixture of experts, 57 GiB of bf16 weights: one 80 GB GPU); each engine loads it anew.
 step b1_latency_qwen3_30b_a3b 400 "$PY" -m benchmarks.b1_latency --model qwen3_30b_a3b --repeats 1 --batches 8 64 256
 step nanovllm_bench_qwen3_30b_a3b 400 "$PY" -m benchmarks.nanovllm_bench --model qwen3_30b_a3b
+# fp8 weights (model.quantization=fp8) against bf16, on the Qwen3-0.6B and Llama-3.1-8B shapes; fp8 vs bf16 accuracy.
+step b1_latency_fp8_weights 150 "$PY" -m benchmarks.b1_latency --quantization fp8 --batches 8 64
+step b1_latency_llama3_1_8b 240 "$PY" -m benchmarks.b1_latency --model llama3_1_8b --batches 8 64
+step b1_latency_llama3_1_8b_fp8_weights 240 "$PY" -m benchmarks.b1_latency --model llama3_1_8b --quantization fp8 \
+    --batches 8 64
+step nanovllm_bench_fp8_weights 120 "$PY" -m benchmarks.nanovllm_bench --quantization fp8
+step nanovllm_bench_llama3_1_8b 300 "$PY" -m benchmarks.nanovllm_bench --model llama3_1_8b
+step nanovllm_bench_llama3_1_8b_fp8_weights 300 "$PY" -m benchmarks.nanovllm_bench --model llama3_1_8b \
+    --quantization fp8
+step fp8_accuracy 240 "$PY" -m benchmarks.fp8_accuracy
 
 echo
 echo "# Results ($OUT)"

@@ -16,11 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# The memory one slice of logprobs rows may take: at Qwen3's vocabulary (151,936) about 350 rows.
+# The memory one slice of logprobs rows may take: at Qwen3's vocabulary (151,936) about 350 rows scored by torch,
+# 1,750 by the fused kernel.
 LOGPROBS_SLICE_BYTES = 512 * 2**20
-# Per vocabulary entry of a slice row: a 16-bit logit, its float32 copy and its float32 log_softmax (torch casts before
-# log_softmax; the copy is freed before the rank comparison's one-byte row).
+# Per vocabulary entry of a slice row scored by torch: a 16-bit logit, its float32 copy and logsumexp's float32
+# temporary (freed before the rank comparison's one-byte row).
 LOGPROBS_BYTES_PER_LOGIT = 2 + 4 + 4
+# Scored by the fused kernel (CUDA, at most one alternative: sample/logprobs_triton.py): the 16-bit logit alone.
+FUSED_LOGPROBS_BYTES_PER_LOGIT = 2
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,12 @@ class KVDemand:
     """What a job knows of its rows before the engine starts: per row, prompt tokens and max_tokens."""
 
     rows: Sequence[tuple[int, int]]
+
+    @property
+    def num_decoding(self) -> int:
+        """The requests that take decode steps (max_tokens > 1: a prefill step draws the first token); a decode step
+        holds at most this many."""
+        return sum(1 for _, max_tokens in self.rows if max_tokens > 1)
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,6 @@ def choose_num_blocks(budget_blocks: int, budget_reason: str, limit: KVBlockChoi
     return KVBlockChoice(limit.num_blocks, f"{limit.reason} (the memory budget allows {budget_blocks})")
 
 
-def logprobs_slice_rows(vocab_size: int) -> int:
+def logprobs_slice_rows(vocab_size: int, bytes_per_logit: int) -> int:
     """How many rows of logits a step scores at once for prompt (or sampled) logprobs."""
-    return max(1, LOGPROBS_SLICE_BYTES // (vocab_size * LOGPROBS_BYTES_PER_LOGIT))
+    return max(1, LOGPROBS_SLICE_BYTES // (vocab_size * bytes_per_logit))

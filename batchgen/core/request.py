@@ -8,6 +8,7 @@ from enum import Enum, auto
 
 import numpy as np
 
+from batchgen.core.prompt_logprobs import PromptLogprobs
 from batchgen.sample.params import SamplingParams
 
 # An output slot whose token is still being sampled on the device (async scheduling runs one step ahead).
@@ -54,9 +55,9 @@ class Request:
         """Unique among live requests: the n samples of a prompt share its request id."""
         return self.request_id, self.sample_index
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sampling_params.bad_words, tokenized
-    # Per generated token (and per prompt token, the first None) when sampling_params asks for logprobs.
+    # Per generated token when sampling_params asks for logprobs; per prompt token with prompt_logprobs.
     logprobs: list | None = None
-    prompt_logprobs: list | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     # prompt_array's value, made on its first use (a slots class has no instance dict for cached_property).
     _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 

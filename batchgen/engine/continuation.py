@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from batchgen.core.prompt_logprobs import PromptLogprobs
 from batchgen.sample.params import SamplingParams
 
 # The sampling options of a request that only prefills (continuation scoring and pooling): no generated token; a
@@ -41,8 +44,8 @@ class ContinuationScore:
     is_greedy: bool  # every continuation token was the most likely one
 
 
-def continuation_score(prompt_logprobs: list[dict | None], num_context_tokens: int) -> ContinuationScore:
-    """From a scoring request's prompt logprobs: one entry per continuation token, after the context's."""
-    entries = prompt_logprobs[num_context_tokens:]
-    return ContinuationScore(sum(entry["logprob"] for entry in entries), len(entries),
-                             all(entry["rank"] == 1 for entry in entries))
+def continuation_score(scored: PromptLogprobs) -> ContinuationScore:
+    """From a scoring request's prompt logprobs: those of its continuation's tokens, the positions after its
+    context."""
+    return ContinuationScore(float(scored.logprobs.sum(dtype=np.float64)), scored.num_recorded,
+                             bool((scored.ranks == 1).all()))

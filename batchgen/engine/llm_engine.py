@@ -16,13 +16,15 @@ import torch
 from batchgen.config import EngineConfig, ModelConfig
 from batchgen.core.block_manager import BlockManager
 from batchgen.core.kv_sizing import KVDemand
+from batchgen.core.prompt_logprobs import PromptLogprobs
 from batchgen.core.request import Request
 from batchgen.core.scheduler import Scheduler, SchedulerOutput
 from batchgen.engine.continuation import PREFILL_ONLY, continuation_score
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.logprob_entries import PromptLogprobEntries, TokenTexts
 from batchgen.engine.model_worker import ModelWorker, resolve_device
 from batchgen.engine.outputs import RequestOutput, classification_fields
-from batchgen.engine.request_logprobs import attach_logprobs, token_texts
+from batchgen.engine.request_logprobs import attach_logprobs
 from batchgen.engine.structured_output import StructuredOutputManager, guided_spec
 from batchgen.models.gguf_file import is_gguf_path
 from batchgen.models.hf_config import model_implementation
@@ -113,7 +115,8 @@ class LLMEngine:
         if engine_config.tensor_parallel_size > 1:
             hf_config, gguf = load_hf_config(model_config), is_gguf_path(model_config.path)
             implementation = "native" if gguf else model_implementation(hf_config, model_config.impl)
-            check_tensor_parallel(hf_config, engine_config.tensor_parallel_size, implementation, gguf)
+            check_tensor_parallel(hf_config, engine_config.tensor_parallel_size, implementation, gguf,
+                                  model_config.quantization)
             if self.device.type == "cuda" and self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             self.followers = Followers(model_config, engine_config, task, self.device, self._bitmask)
@@ -130,12 +133,12 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(self.hf_config)
         self.profiler = profiler
         self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
-        self._token_text = token_texts(self.detokenizer)
+        self._token_texts = TokenTexts(self.detokenizer)
         num_blocks, block_size = worker.num_blocks, self.config.block_size
         self.scheduler = Scheduler(self.config, BlockManager(num_blocks, block_size, self.config.enable_prefix_caching))
         self._finished_on_arrival: list[Request] = []
         self._prompts: dict[tuple[int, int], str | None] = {}  # (request id, sample index) -> prompt text
-        self._num_context_tokens: dict[tuple[int, int], int] = {}  # scoring requests' context lengths
+        self._scoring: set[tuple[int, int]] = set()  # the keys of continuation-scoring requests
         self._pooled: dict[tuple[int, int], list[float]] = {}  # pooling requests' outputs, until they are returned
         self._in_flight: _InFlight | None = None
         # The open window of wall time that the next applied step's step_ms closes: since the previous step's results
@@ -207,7 +210,8 @@ class LLMEngine:
             if params.logprobs is not None:
                 sample.logprobs = []
             if params.prompt_logprobs is not None:
-                sample.prompt_logprobs = [None]  # the first prompt token has no logprob
+                # From position 1 on: the first prompt token has no logprob.
+                sample.prompt_logprobs = PromptLogprobs(sample.prompt_array, 1, params.prompt_logprobs)
                 sample.use_prefix_cache = False  # prompt logprobs need every prompt position's logits
             self.scheduler.add_request(sample)
 
@@ -221,13 +225,14 @@ class LLMEngine:
             context_token_ids = [prefix]
         request = Request(request_id, [*context_token_ids, *continuation_token_ids], PREFILL_ONLY)
         self._prompts[request.key] = prompt
-        self._num_context_tokens[request.key] = len(context_token_ids)
+        self._scoring.add(request.key)
         error = (self._score_error(context_token_ids, continuation_token_ids)
                  or self.scheduler.admission_error(request))
         if error is not None:
             self._finish_with_error(request, error)
             return
-        request.prompt_logprobs = [None] * len(context_token_ids)  # the entries that follow are the continuation's
+        request.prompt_logprobs = PromptLogprobs(request.prompt_array, len(context_token_ids),  # the continuation's
+                                                 PREFILL_ONLY.prompt_logprobs)
         request.max_cached_tokens = len(context_token_ids) - 1  # the last context position scores the first token
         self.scheduler.add_request(request)
 
@@ -388,7 +393,7 @@ class LLMEngine:
         if self.structured_output is not None:
             finished += self.structured_output.commit(step, self.scheduler)
         if result.logprobs or result.prompt_logprobs is not None:
-            attach_logprobs(step, result, self._token_text)
+            attach_logprobs(step, result, self._token_texts)
         for row, values in result.pooled.items():
             self._pooled[step.requests[row].key] = values
         self.worker.release(finished)
@@ -434,19 +439,26 @@ class LLMEngine:
             num_preemptions=request.num_preemptions, sample_index=request.sample_index,
             num_cached_tokens=request.num_cached_tokens,
             logprobs=None if request.logprobs is None else request.logprobs[:request.num_output_tokens],
-            prompt_logprobs=None if task_fields else request.prompt_logprobs,  # a scoring request's are its result's
+            prompt_logprobs=self._prompt_logprob_entries(request, task_fields),
             **task_fields,
         )
+
+    def _prompt_logprob_entries(self, request: Request, task_fields: dict[str, Any]) -> PromptLogprobEntries | None:
+        """None without prompt logprobs, and for a scoring request: its prompt logprobs are its result's."""
+        if task_fields or request.prompt_logprobs is None:
+            return None
+        return PromptLogprobEntries(request.prompt_logprobs, self._token_texts)
 
     def _task_fields(self, request: Request) -> dict[str, Any]:
         """A scoring request's continuation result, or a pooling request's embedding or classification; empty for a
         generated completion or an error."""
-        num_context_tokens = self._num_context_tokens.pop(request.key, None)
+        scoring = request.key in self._scoring
+        self._scoring.discard(request.key)
         pooled = self._pooled.pop(request.key, None)
         if request.finish_reason == "error":
             return {}
-        if num_context_tokens is not None:
-            score = continuation_score(request.prompt_logprobs, num_context_tokens)
+        if scoring:
+            score = continuation_score(request.prompt_logprobs)
             return {"continuation_logprob": score.logprob,
                     "continuation_num_tokens": score.num_tokens, "continuation_is_greedy": score.is_greedy}
         if pooled is None:

@@ -31,6 +31,7 @@ from batchgen.worker.pooling import Pooler
 log = logging.getLogger(__name__)
 
 POOLING_TASKS = ("embed", "classify")
+LARGE_GPU_BYTES = 70 * 2**30  # from here on, a step of 16,384 tokens is the default (default_batched_tokens)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,7 +43,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_engine_config(config: EngineConfig, hf_config: Any, device: torch.device) -> EngineConfig:
-    """The config as it applies to this model and device: max_model_len and attention_backend set."""
+    """The config as it applies to this model and device: max_model_len, attention_backend and
+    max_num_batched_tokens set."""
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
@@ -56,7 +58,14 @@ def resolve_engine_config(config: EngineConfig, hf_config: Any, device: torch.de
     if limit is not None and max_model_len > limit:
         raise ValueError(f"engine.max_model_len={max_model_len} is invalid: the model supports at most {limit} "
                          "positions")
-    return replace(config, max_model_len=max_model_len, attention_backend=backend)
+    return replace(config, max_model_len=max_model_len, attention_backend=backend,
+                   max_num_batched_tokens=config.max_num_batched_tokens or default_batched_tokens(device))
+
+
+def default_batched_tokens(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES:
+        return 16384
+    return 8192
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -130,6 +139,7 @@ class ModelWorker:
             max_model_len=self.config.max_model_len,
             kv_blocks=self.num_blocks,
             kv_blocks_reason=reason,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
             kv_capacity_tokens=self.num_blocks * block_size,
             kv_cache_bytes=self.num_blocks * self.runner.kv_block_bytes,
         )
@@ -137,7 +147,11 @@ class ModelWorker:
                  self.num_blocks * block_size, self.info["kv_cache_bytes"] / 2**30, self.info["kv_cache_dtype"],
                  reason)
         if device.type == "cuda" and not engine_config.enforce_eager and self.pooler is None:
-            self._capture_graphs()
+            decoding = None if kv_demand is None else kv_demand.num_decoding
+            if decoding == 0:
+                log.info("CUDA graphs not captured: no row of the job takes a decode step (max_tokens <= 1)")
+            else:
+                self._capture_graphs(decoding)
 
     def _pooler(self, model_config: ModelConfig, model: torch.nn.Module) -> Pooler:
         hidden_size = self.hf_config.hidden_size
@@ -167,8 +181,8 @@ class ModelWorker:
         return choose_num_blocks(available // block_bytes,
                                  f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}", limit)
 
-    def _capture_graphs(self) -> None:
-        stats = self.runner.capture_graphs()
+    def _capture_graphs(self, max_rows: int | None) -> None:
+        stats = self.runner.capture_graphs(max_rows)
         self.info.update(cuda_graph_sizes=stats.sizes, cuda_graph_capture_seconds=stats.seconds,
                          cuda_graph_pool_bytes=stats.pool_bytes,
                          cuda_graph_capture_seconds_per_size={str(k): v for k, v in stats.seconds_per_size.items()})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +26,10 @@ class RequestOutput:
     # LLM.generate: the prompt's n samples in sample order (vLLM's RequestOutput.outputs), this one first.
     outputs: list[RequestOutput] = field(default_factory=list, repr=False, compare=False)
     # With sampling.logprobs / prompt_logprobs: per token {token_id, text, logprob, rank, top: [{token_id, text,
-    # logprob}]}, the prompt's first entry None.
+    # logprob}]}, the prompt's first entry None. The prompt's entries are a sequence whose dicts are made when read
+    # (engine/request_logprobs.py PromptLogprobEntries), or a list.
     logprobs: list[dict] | None = None
-    prompt_logprobs: list[dict | None] | None = None
+    prompt_logprobs: Sequence[dict | None] | None = None
     # Continuation scoring (job.task=score): the continuation tokens' summed logprob given the context, their number,
     # and whether each was the most likely token.
     continuation_logprob: float | None = None

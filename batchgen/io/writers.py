@@ -32,6 +32,22 @@ def _part_number(part: Path) -> int:
     return int(part.stem.removeprefix(PART_PREFIX))
 
 
+def records_table(records: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """pa.Table.from_pylist, where a value may also be a one-row Array of its field's type."""
+    built = {name for record in records for name, value in record.items() if isinstance(value, pa.Array)}
+    if not built:
+        return pa.Table.from_pylist(records, schema=schema)
+    table = pa.Table.from_pylist([{name: value for name, value in record.items() if name not in built}
+                                  for record in records], schema=schema)
+    for name in built:
+        field = schema.field(name)
+        values = (record.get(name) for record in records)
+        column = pa.chunked_array([value if isinstance(value, pa.Array) else pa.array([value], type=field.type)
+                                   for value in values], type=field.type)
+        table = table.set_column(schema.get_field_index(name), field, column)
+    return table
+
+
 class PartedParquetWriter:
     """Buffers records; each flush writes one complete Parquet part file (tmp name, fsync, os.replace into
     <final stem>.parts/part-<n>.parquet). close() merges all parts into the final file atomically (tmp +
@@ -89,8 +105,9 @@ class PartedParquetWriter:
         return sorted(self.parts_dir.glob(f"{PART_PREFIX}*.parquet"), key=_part_number)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Buffers one row (missing nullable fields are null); flushes when flush_rows are buffered or
-        flush_seconds have passed since the last flush (checked here, on write)."""
+        """Buffers one row (missing nullable fields are null; a value may be a one-row pyarrow Array of its field's
+        type, built from arrays by the caller); flushes when flush_rows are buffered or flush_seconds have passed
+        since the last flush (checked here, on write)."""
         if self._closed:
             raise RuntimeError(f"{self.final_path}: the writer is closed")
         unknown = record.keys() - self._names
@@ -108,7 +125,7 @@ class PartedParquetWriter:
     def flush(self) -> None:
         """Writes the buffered rows as one new part file; after it returns they survive a crash."""
         if self._buffer:
-            table = pa.Table.from_pylist(self._buffer, schema=self.schema)
+            table = records_table(self._buffer, self.schema)
             write_atomically(self._part_path(self._next_part), lambda file: pq.write_table(table, file))
             self._next_part += 1
             self._buffer.clear()

@@ -5,18 +5,22 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
 
 from batchgen.config import Config, ConfigError
 from batchgen.core.kv_sizing import KVDemand
 from batchgen.engine.continuation import PREFILL_ONLY, encode_pair
 from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.logprob_entries import PromptLogprobEntries
 from batchgen.engine.outputs import RequestOutput
 from batchgen.io.atomic import DirectoryLock
 from batchgen.io.errors import InputError
+from batchgen.io.logprob_arrays import LogprobArrays
 from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, iter_prompts
@@ -56,9 +60,19 @@ def completion_record(row: PromptRow, output: RequestOutput | None = None) -> di
         "num_prompt_tokens": len(output.prompt_token_ids), "num_output_tokens": len(output.token_ids),
         "finish_reason": output.finish_reason, "error": output.error,
         "ttft_ms": output.ttft_ms, "tpot_ms": output.tpot_ms, "latency_ms": output.latency_ms,
-        "logprobs": output.logprobs, "prompt_logprobs": output.prompt_logprobs,
+        "logprobs": output.logprobs, "prompt_logprobs": prompt_logprobs_value(output.prompt_logprobs),
         **{column: getattr(output, column) for column in TASK_COLUMNS},
     }
+
+
+def prompt_logprobs_value(entries: Sequence[dict | None] | None) -> pa.Array | Sequence[dict | None] | None:
+    """The prompt_logprobs column's value: built from the engine's arrays, or as given (the Ray runner's outputs
+    arrive as JSON lists)."""
+    if not isinstance(entries, PromptLogprobEntries):
+        return entries
+    scored, texts = entries.scored, entries.texts
+    return LogprobArrays(scored.first, scored.token_ids, texts.texts(scored.token_ids), scored.logprobs,
+                         scored.ranks, scored.top_ids, texts.texts(scored.top_ids), scored.top_logprobs).to_arrow()
 
 
 def check_run_dir(config: Config, run_dir: Path) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """The elementwise layers around a linear layer, folded into its Triton GEMV where that runs (decode steps replayed
-in CUDA graphs): the residual add and RMSNorm (Llama's or Gemma's) before the qkv and gate/up projections,
-SiLU-and-mul after gate/up. Everywhere else the same layers run unfused, as before.
+in CUDA graphs, and every decode-sized input of an fp8 linear, layers/fp8.py): the residual add and RMSNorm (Llama's
+or Gemma's) before the qkv and gate/up projections, SiLU-and-mul after gate/up. Everywhere else the same layers run
+unfused, as before.
 
 Each fusion has a switch, read at call time (set it before the engine captures its graphs), so the benchmarks can
 time the model with and without it.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.layers.activation import SiluAndMul
+from batchgen.layers.fp8 import Fp8Linear
 from batchgen.layers.linear import Linear
 from batchgen.layers.norms import RMSNorm
 
@@ -18,7 +20,7 @@ FUSE_ADD_RMS_NORM = True  # qkv and gate/up projections compute the residual add
 FUSE_SILU_AND_MUL = True  # with FUSE_ADD_RMS_NORM: the gate/up projection returns silu(gate) * up
 
 
-def norm_then_linear(norm: RMSNorm, linear: Linear, hidden: torch.Tensor,
+def norm_then_linear(norm: RMSNorm, linear: Linear | Fp8Linear, hidden: torch.Tensor,
                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(hidden + residual)), hidden + residual); without a residual (the first layer):
     (linear(norm(hidden)), hidden)."""
@@ -30,7 +32,7 @@ def norm_then_linear(norm: RMSNorm, linear: Linear, hidden: torch.Tensor,
     return linear(normed), residual
 
 
-def norm_then_gate_up(norm: RMSNorm, gate_up: Linear, act: SiluAndMul, hidden: torch.Tensor,
+def norm_then_gate_up(norm: RMSNorm, gate_up: Linear | Fp8Linear, act: SiluAndMul, hidden: torch.Tensor,
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(act(gate_up(norm(hidden + residual))), hidden + residual) for act = silu(gate) * up: the whole of it one
     GEMV launch where that runs."""

@@ -4,6 +4,9 @@ At these sizes a linear layer is a read of its weight and little else, and cuBLA
 memory bandwidth there. Each program owns BLOCK_N output features: it reads its (BLOCK_N, K) weight slice once, in
 a few wide loads that do not depend on each other, and applies it to all rows of x at once. Accumulation is always
 in fp32. The launch depends only on the shapes and never syncs with the host, so the kernel captures into CUDA graphs.
+
+An fp8 weight (layers/fp8.py) comes with one float32 scale per row: the kernel upcasts the fp8 values as it reads
+them and multiplies each output's fp32 sum by its row's scale, so a decode step reads half the weight bytes of bf16.
 """
 
 from __future__ import annotations
@@ -55,11 +58,11 @@ ADD_GEMMA_RMS_NORM = tl.constexpr(2)  # the same with Gemma's norm (norms.gemma_
 
 @triton.jit(do_not_specialize=["M"])
 def _small_m_linear_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
+    x_ptr, w_ptr, w_scale_ptr, b_ptr, out_ptr,
     res_ptr, norm_w_ptr, res_out_ptr, eps,
     M, N,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_rm, stride_rom,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, X_OP: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    K: tl.constexpr, HAS_W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, X_OP: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     SILU_AND_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -125,6 +128,8 @@ def _small_m_linear_kernel(
         else:
             x = tl.load(x_rows + offs_k * stride_xk, mask=mask, other=0.0)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)  # (BLOCK_M, BLOCK_N)
+    if HAS_W_SCALE:
+        acc *= tl.load(w_scale_ptr + rows)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
     if SILU_AND_MUL:  # rounded where the unfused projection and SiluAndMul round
@@ -249,11 +254,13 @@ def small_m_linear(
     config: LinearConfig | None = None,  # None: default_config(N, K, ...)
     *,
     silu_and_mul: bool = False,
+    weight_scale: torch.Tensor | None = None,  # (N,) float32, for an fp8 weight
 ) -> torch.Tensor:  # (M, N), x's dtype; (M, N / 2) with silu_and_mul
     """F.linear(x, weight, bias) for at most MAX_M rows of x, fp32-accumulated. silu_and_mul: weight (and bias) hold
-    gate then up rows, as a fused gate/up projection's do, and the result is SiluAndMul of the projection."""
+    gate then up rows, as a fused gate/up projection's do, and the result is SiluAndMul of the projection.
+    weight_scale: the weight is float8_e4m3fn, and its row n stands for weight[n] * weight_scale[n]."""
     assert weight.shape[1] == x.shape[1], f"x has {x.shape[1]} features, weight {tuple(weight.shape)}"
-    return _launch(x, weight, bias, config, PLAIN, silu_and_mul=silu_and_mul)
+    return _launch(x, weight, bias, config, PLAIN, silu_and_mul=silu_and_mul, weight_scale=weight_scale)
 
 
 def add_rms_norm_linear(
@@ -267,30 +274,39 @@ def add_rms_norm_linear(
     *,
     silu_and_mul: bool = False,
     gemma_style: bool = False,
+    weight_scale: torch.Tensor | None = None,  # (N,) float32, for an fp8 weight
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (M, N) (or (M, N / 2) with silu_and_mul), and the new residual (M, K)
     """(F.linear(rms_norm(x + residual) * norm_weight, weight, bias), x + residual) in one launch: every program
     normalizes the few rows itself (K is a hidden size: a few KB), program 0 writes x + residual to a new tensor.
-    Without a residual: (F.linear(rms_norm(x) * norm_weight, ...), x). silu_and_mul: as small_m_linear's.
-    gemma_style: Gemma's norm (norms.gemma_rms_norm) instead of Llama's."""
+    Without a residual: (F.linear(rms_norm(x) * norm_weight, ...), x). silu_and_mul, weight_scale: as
+    small_m_linear's. gemma_style: Gemma's norm (norms.gemma_rms_norm) instead of Llama's."""
     assert weight.shape[1] == x.shape[1], f"x has {x.shape[1]} features, weight {tuple(weight.shape)}"
     assert norm_weight.shape == (x.shape[1],), f"norm weight {tuple(norm_weight.shape)} for {x.shape[1]} features"
     x_op = ADD_GEMMA_RMS_NORM if gemma_style else ADD_RMS_NORM
     if residual is None:
-        out = _launch(x, weight, bias, config, x_op, norm_weight=norm_weight, eps=eps, silu_and_mul=silu_and_mul)
+        out = _launch(x, weight, bias, config, x_op, norm_weight=norm_weight, eps=eps, silu_and_mul=silu_and_mul,
+                      weight_scale=weight_scale)
         return out, x
     assert residual.shape == x.shape and residual.stride(1) == 1, f"residual {tuple(residual.shape)}, x {x.shape}"
     summed = torch.empty_like(residual)
-    out = _launch(x, weight, bias, config, x_op, residual, norm_weight, eps, summed, silu_and_mul=silu_and_mul)
+    out = _launch(x, weight, bias, config, x_op, residual, norm_weight, eps, summed, silu_and_mul=silu_and_mul,
+                  weight_scale=weight_scale)
     return out, summed
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: LinearConfig | None,
             x_op: tl.constexpr, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            eps: float = 0.0, residual_out: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+            eps: float = 0.0, residual_out: torch.Tensor | None = None, silu_and_mul: bool = False,
+            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     num_rows = x.shape[0]
     n, k = weight.shape
     assert num_rows <= MAX_M, f"the small-M linear takes at most {MAX_M} rows, got {num_rows}"
-    assert x.dtype == weight.dtype, f"x is {x.dtype}, weight {weight.dtype}"
+    if weight_scale is None:
+        assert x.dtype == weight.dtype, f"x is {x.dtype}, weight {weight.dtype}"
+    else:
+        assert weight.dtype == torch.float8_e4m3fn and weight_scale.shape == (n,) and weight_scale.stride(0) == 1, (
+            f"an fp8 GEMV takes a float8_e4m3fn weight and one scale per row: {weight.dtype} {tuple(weight.shape)}, "
+            f"scales {tuple(weight_scale.shape)}")
     assert not silu_and_mul or n % 2 == 0, f"a gate/up weight has an even number of rows, got {n}"
     num_outputs = n // 2 if silu_and_mul else n
     out = torch.empty(num_rows, num_outputs, dtype=x.dtype, device=x.device)
@@ -303,14 +319,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     block_n = max(2, config.block_n) if silu_and_mul else config.block_n  # a gate and an up row at least
     unused = weight  # a pointer the kernel never reads, for arguments that this X_OP does not take
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, unused if bias is None else bias, out,
+        x, weight, unused if weight_scale is None else weight_scale, unused if bias is None else bias, out,
         unused if residual is None else residual, unused if norm_weight is None else norm_weight,
         unused if residual_out is None else residual_out, eps,
         num_rows, num_outputs,
         *x.stride(), *weight.stride(), out.stride(0),
         0 if residual is None else residual.stride(0), 0 if residual_out is None else residual_out.stride(0),
-        K=k, HAS_BIAS=bias is not None, X_OP=x_op.value, HAS_RESIDUAL=residual is not None,
-        SILU_AND_MUL=silu_and_mul,
+        K=k, HAS_W_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, X_OP=x_op.value,
+        HAS_RESIDUAL=residual is not None, SILU_AND_MUL=silu_and_mul,
         BLOCK_M=block_m(num_rows), BLOCK_N=block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, **launch_options(x.device),
     )  # fmt: skip

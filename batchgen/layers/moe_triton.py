@@ -10,6 +10,8 @@ Rows are the (token, j) pairs, R = T * top_k of them, pair p = token p // top_k'
    gathers its rows' inputs and multiplies them by that expert's weight tile. gate/up computes silu(gate) * up into
    (R, I); down multiplies by each row's routing weight into (R, H).
 4. `_sum_pairs_kernel`: each token's top_k rows summed in float32, (T, H).
+fp8 expert weights (layers/moe.py) come with one float32 scale per (expert, output row): the GEMM upcasts each weight
+tile to the activations' dtype as it loads it and multiplies each output's fp32 sum by its row's scale.
 
 The order of rows inside an expert's blocks depends on the order of the atomics, but a row's result does not depend
 on where in the block it sits: the outputs are deterministic. Every shape depends on T alone (the grid covers the
@@ -112,15 +114,15 @@ def _place_kernel(
 
 @triton.jit
 def _expert_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, route_weights_ptr, slots_ptr, counts_ptr,
-    stride_am, stride_we, stride_wn, stride_om,
+    a_ptr, w_ptr, w_scale_ptr, out_ptr, route_weights_ptr, slots_ptr, counts_ptr,
+    stride_am, stride_we, stride_wn, stride_se, stride_om,
     N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, A_ROWS_PER_TOKEN: tl.constexpr,
-    GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    GATE_UP: tl.constexpr, HAS_W_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """out[p, n] for the rows p of one block and BLOCK_N outputs n, with the block's expert weight w[e] (N', K):
     GATE_UP (N' = 2N, input row p // A_ROWS_PER_TOKEN: the token): silu(a w_gate^T) * (a w_up^T); else (input row
-    p): (a w^T) times p's routing weight."""
+    p): (a w^T) times p's routing weight. HAS_W_SCALE: w is fp8, and row n of w[e] stands for w[e, n] * scale[e, n]."""
     pid_m = tl.program_id(0)
     counts, blocks, block_ends = _expert_blocks(counts_ptr, E, E_PAD, BLOCK_M)
     expert = tl.sum((block_ends <= pid_m).to(tl.int32), axis=0)  # experts whose blocks all come before this one
@@ -146,11 +148,16 @@ def _expert_gemm_kernel(
         valid_k = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=valid_m[:, None] & valid_k[None, :], other=0.0)
         w_mask = valid_k[:, None] & valid_n[None, :]
-        w = tl.load(w_cols + offs_k[:, None], mask=w_mask, other=0.0)  # (BLOCK_K, BLOCK_N)
+        w = tl.load(w_cols + offs_k[:, None], mask=w_mask, other=0.0).to(a.dtype)  # (BLOCK_K, BLOCK_N)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATE_UP:
-            w_up = tl.load(w_up_cols + offs_k[:, None], mask=w_mask, other=0.0)
+            w_up = tl.load(w_up_cols + offs_k[:, None], mask=w_mask, other=0.0).to(a.dtype)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+    if HAS_W_SCALE:
+        w_scale = w_scale_ptr + expert.to(tl.int64) * stride_se + offs_n
+        acc *= tl.load(w_scale, mask=valid_n, other=0.0)[None, :]
+        if GATE_UP:
+            acc_up *= tl.load(w_scale + N, mask=valid_n, other=0.0)[None, :]
     dtype = out_ptr.dtype.element_ty
     # Rounded where the torch reference rounds: each projection's output, silu(gate), and the product.
     projected = acc.to(dtype).to(tl.float32)
@@ -213,24 +220,32 @@ def place_pairs(router_logits: torch.Tensor, top_k: int, renormalize: bool, bloc
     return ExpertPlacement(weights, expert_ids, counts, slots, max_blocks)
 
 
-def _expert_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, placement: ExpertPlacement,
-                 a_rows_per_token: int, gate_up: bool, tiles: MoeTiles) -> None:
+def _expert_gemm(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, out: torch.Tensor,
+                 placement: ExpertPlacement, a_rows_per_token: int, gate_up: bool, tiles: MoeTiles) -> None:
     num_experts, rows, features = weight.shape
     n = rows // 2 if gate_up else rows
+    if weight_scale is not None:
+        assert weight.dtype == torch.float8_e4m3fn and weight_scale.shape == (num_experts, rows), (
+            f"fp8 experts take one scale per (expert, row): {weight.dtype} {tuple(weight.shape)}, scales "
+            f"{tuple(weight_scale.shape)}")
+        assert weight_scale.stride(1) == 1, f"scales {tuple(weight_scale.shape)} with strides {weight_scale.stride()}"
     grid = (placement.max_blocks, triton.cdiv(n, tiles.block_n))
     _expert_gemm_kernel[grid](
-        a, weight, out, placement.weights, placement.slots, placement.counts,
-        a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        a, weight, weight if weight_scale is None else weight_scale, out, placement.weights, placement.slots,
+        placement.counts, a.stride(0), weight.stride(0), weight.stride(1),
+        0 if weight_scale is None else weight_scale.stride(0), out.stride(0),
         N=n, K=features, E=num_experts, E_PAD=triton.next_power_of_2(num_experts),
-        A_ROWS_PER_TOKEN=a_rows_per_token, GATE_UP=gate_up,
+        A_ROWS_PER_TOKEN=a_rows_per_token, GATE_UP=gate_up, HAS_W_SCALE=weight_scale is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION=_dot_precision(a.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
 def sparse_moe(hidden: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               top_k: int, renormalize: bool) -> torch.Tensor:
-    """The MoE layer's output (T, H) for hidden (T, H), router logits (T, E), gate/up (E, 2I, H), down (E, H, I)."""
+               top_k: int, renormalize: bool, gate_up_scale: torch.Tensor | None = None,
+               down_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE layer's output (T, H) for hidden (T, H), router logits (T, E), gate/up (E, 2I, H), down (E, H, I);
+    for fp8 weights, their scales gate_up_scale (E, 2I) and down_scale (E, H)."""
     num_tokens, hidden_size = hidden.shape
     if num_tokens == 0:
         return hidden.new_empty(0, hidden_size)
@@ -240,9 +255,9 @@ def sparse_moe(hidden: torch.Tensor, router_logits: torch.Tensor, gate_up: torch
     tiles = moe_tiles(num_pairs, num_experts, hidden.dtype)
     placement = place_pairs(router_logits, top_k, renormalize, tiles.block_m)
     activated = hidden.new_empty(num_pairs, intermediate_size)
-    _expert_gemm(hidden, gate_up, activated, placement, top_k, gate_up=True, tiles=tiles)
+    _expert_gemm(hidden, gate_up, gate_up_scale, activated, placement, top_k, gate_up=True, tiles=tiles)
     pair_outputs = hidden.new_empty(num_pairs, hidden_size)
-    _expert_gemm(activated, down, pair_outputs, placement, 1, gate_up=False, tiles=tiles)
+    _expert_gemm(activated, down, down_scale, pair_outputs, placement, 1, gate_up=False, tiles=tiles)
     out = torch.empty_like(hidden)
     block_h = min(triton.next_power_of_2(hidden_size), 1024)
     _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](

@@ -57,12 +57,14 @@ class GemmaSpec:
 
 def language_model_config(config: Any) -> Any:
     """The config our model reads from a transformers config: Gemma 3's multimodal one's text_config (given the
-    checkpoint's dtype when it names none), every other config as it is."""
+    checkpoint's dtype when it names none, and its quantization_config), every other config as it is."""
     if getattr(config, "model_type", None) != "gemma3":
         return config
     text_config = config.text_config
     if getattr(text_config, "dtype", None) is None:
         text_config.dtype = getattr(config, "dtype", None)
+    if getattr(config, "quantization_config", None) is not None:
+        text_config.quantization_config = config.quantization_config
     return text_config
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.config import ConfigError, ModelConfig
+from batchgen.layers.quantization import UnsupportedQuantization, checkpoint_fp8
 from batchgen.models.gguf_file import is_gguf_path
 from batchgen.models.tp_shapes import check_tensor_parallel
 
@@ -173,6 +174,30 @@ def architecture_of(config: Any) -> str:
     raise ValueError(f"architecture {listed} is not supported; supported: {', '.join(supported)}")
 
 
+def check_quantization(config: Any, model: ModelConfig) -> None:
+    """The quantization of `config` (an HFConfig, a transformers config or config.json's values) and
+    model.quantization, checked against the modules that run it. Native modules: a quantization_config must be an
+    fp8 one batchgen reads (layers/quantization.py). transformers' modules (the generic path) take neither
+    model.quantization nor an fp8 checkpoint, as batchgen's fp8 layers are native ones; other quantization_configs
+    stay transformers' to load. Raises ValueError, one line."""
+    if model_implementation(config, model.impl) == "native":
+        checkpoint_fp8(config)
+        return
+    if model.quantization is not None:
+        what = f"model.quantization={model.quantization}"
+    else:
+        try:
+            method = checkpoint_fp8(config)
+        except UnsupportedQuantization:
+            return
+        if method is None:
+            return
+        what = f"an fp8 checkpoint (quantization_config quant_method {method})"
+    named = _field(config, "architectures") or [_field(config, "model_type")]
+    raise ValueError(f"{what} runs on batchgen's native modules only, and {named[0]} runs on transformers' "
+                     f"(model.impl={model.impl}); the native ones: {', '.join(ARCHITECTURES.values())}")
+
+
 def _rope_scaling(config: Any) -> dict[str, Any]:
     """The RoPE entry of a config (v5 `rope_parameters`, v4 `rope_scaling`); empty when there is none."""
     params = _field(config, "rope_parameters")
@@ -279,8 +304,9 @@ def _check_weights(directory: Path, where: str) -> None:
 
 def check_checkpoint(model: ModelConfig, max_model_len: int | None, tensor_parallel_size: int = 1) -> None:
     """What loading the model needs, checked from its files alone (no weights read, no torch): config.json, the
-    safetensors files, an architecture batchgen runs (model.impl), engine.max_model_len within the model's
-    positions, and a model that engine.tensor_parallel_size splits.
+    safetensors files, an architecture batchgen runs (model.impl), a quantization_config it runs
+    (layers/quantization.py), engine.max_model_len within the model's positions, and a model that
+    engine.tensor_parallel_size splits.
     Raises ConfigError naming the directory or key; model and max_model_len are validated values (config.py)."""
     if model.path is not None and is_gguf_path(model.path):
         try:  # a GGUF file holds its own config, checked by config.validate_model
@@ -305,10 +331,12 @@ def check_checkpoint(model: ModelConfig, max_model_len: int | None, tensor_paral
             _check_weights(directory, where)
     try:
         implementation = model_implementation(values, model.impl)
+        check_quantization(values, model)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     try:
-        check_tensor_parallel(hf_config_from_dict(values) or values, tensor_parallel_size, implementation, gguf=False)
+        check_tensor_parallel(hf_config_from_dict(values) or values, tensor_parallel_size, implementation, gguf=False,
+                              quantization=model.quantization)
     except ValueError as exc:
         raise ConfigError(f"{exc} ({where})") from None
     limit = max_positions(hf_config_from_dict(values) or values)

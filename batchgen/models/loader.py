@@ -14,7 +14,9 @@ from safetensors import safe_open
 from torch import nn
 
 from batchgen.config import ModelConfig
+from batchgen.layers.fp8_loading import finish_fp8, fp8_checkpoint_tensors, use_fp8_layers
 from batchgen.layers.norms import GemmaRMSNorm, RMSNorm
+from batchgen.layers.quantization import checkpoint_fp8
 from batchgen.layers.tensor_parallel import SINGLE, TensorParallel, building
 from batchgen.models.base import CausalLM
 from batchgen.models.gemma import language_model_config
@@ -24,6 +26,7 @@ from batchgen.models.hf_config import (
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX,
     architecture_of,
+    check_quantization,
     hf_config_from_dict,
     model_implementation,
     read_hf_config,
@@ -132,8 +135,12 @@ def init_dummy_weights(model: nn.Module) -> None:
 def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: torch.device,
                task: str = "generate", tp: TensorParallel = SINGLE) -> CausalLM | TransformersCausalLM:
     """Builds the model for hf_config's architecture and job.task `task` on `device` in `dtype` and fills its
-    weights: batchgen's own modules, or transformers' (model.impl; hf_config.model_implementation decides). tp: the
-    tensor-parallel rank whose shard of the native modules to build and load."""
+    weights: batchgen's own modules, or transformers' (model.impl; hf_config.model_implementation decides). The
+    decoder's linear and expert layers hold fp8 weights when the checkpoint does (its quantization_config) or
+    model.quantization=fp8 asks (dummy weights of an fp8 config too), dequantized again where `device` has none.
+    tp: the tensor-parallel rank whose shard of the native modules to build and load (bf16 weights only:
+    tp_shapes.check_tensor_parallel rejects fp8 ones with more than one rank)."""
+    check_quantization(hf_config, model)
     if model_implementation(hf_config, model.impl) == "transformers":  # registry.check_task vetted the task
         from batchgen.models.transformers_backend import build_transformers_model  # imports transformers' modeling
 
@@ -145,6 +152,7 @@ def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: t
     cls = model_class(hf_config, task)
     log.info("Model: %s runs on batchgen's native modules (model.impl=%s)", architecture_of(hf_config), model.impl)
     gguf = is_gguf_path(model.path)
+    fp8_checkpoint = checkpoint_fp8(hf_config)
     files = [] if model.load_format == "dummy" or gguf else safetensors_files(model.path)
     with _default_dtype(dtype), torch.device(device), building(tp):
         network = cls(hf_config)
@@ -152,8 +160,13 @@ def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: t
         init_dummy_weights(network)
     elif gguf:
         network.load_weights(iter_gguf_weights(model.path))
+    elif fp8_checkpoint is not None:
+        use_fp8_layers(network)
+        network.load_weights(fp8_checkpoint_tensors(iter_safetensors(files)))
     else:
         network.load_weights(iter_safetensors(files, lazy=tp.size > 1))
+    if fp8_checkpoint is not None or model.quantization == "fp8":
+        finish_fp8(network, device)
     network.eval()
     network.requires_grad_(False)
     return network

@@ -7,7 +7,9 @@ a shared expert that every token runs, weighted by sigmoid(shared_expert_gate(x)
 
 Checkpoints store each expert's projections apart (as on the Hub, and as transformers' save_pretrained writes them):
 `<layer>.block_sparse_moe.experts.<e>.w1/w3/w2` (Mixtral: gate, up, down) or
-`<layer>.mlp.experts.<e>.gate_proj/up_proj/down_proj` (Qwen). They load into the layer's stacked parameters.
+`<layer>.mlp.experts.<e>.gate_proj/up_proj/down_proj` (Qwen). They load into the layer's stacked parameters, and an
+fp8 checkpoint's `<projection>.weight_scale` of each expert into the stacked scales of fp8 experts
+(layers/fp8_loading.py). The routers stay in the model's dtype under fp8.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class MoeMLP(nn.Module):
     its 1/size of every expert's intermediate dimension (and of the shared expert's); the router is replicated, and
     one all-reduce sums the ranks' partial outputs."""
 
+    # Routers stay in the model's dtype under fp8 (layers/fp8_loading.py), as fp8 checkpoints leave them: a rounded
+    # router logit may pick another expert, and the routers are a sliver of the weights.
+    unquantized_linears: ClassVar[tuple[str, ...]] = ("gate", "shared_expert_gate")
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  shared_expert_size: int | None = None) -> None:
         """renormalize: the top_k weights are divided by their sum; shared_expert_size: the intermediate size of
@@ -83,7 +89,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         super().__init__(config)
 
     def weight_targets(self) -> dict[str, WeightTarget]:
-        """Llama's, with each stacked expert parameter filled by its experts' checkpoint tensors."""
+        """Llama's, with each stacked expert parameter filled by its experts' checkpoint tensors (fp8 experts: their
+        weight scales too, `<expert>.<projection>.weight_scale`)."""
         targets = super().weight_targets()
         gate_name, up_name, down_name = self.expert_checkpoint_names
         for name, experts in self.named_modules():
@@ -91,15 +98,21 @@ class MoeForCausalLM(LlamaForCausalLM):
                 continue
             block = name.removesuffix(".experts")  # model.layers.<i>.mlp
             checkpoint_block = f"{block.removesuffix('.mlp')}.{self.moe_checkpoint_name}"
-            del targets[f"{name}.gate_up_proj"], targets[f"{name}.down_proj"]
             targets[f"{checkpoint_block}.gate.weight"] = targets.pop(f"{block}.gate.weight")
             half = experts.gate_up_proj.shape[1] // 2
-            gate_up, down = experts.gate_up_proj, experts.down_proj
-            for expert in range(experts.num_experts):
-                prefix = f"{checkpoint_block}.experts.{expert}"
-                targets[f"{prefix}.{gate_name}.weight"] = WeightTarget(gate_up, slice(0, half), expert=expert)
-                targets[f"{prefix}.{up_name}.weight"] = WeightTarget(gate_up, slice(half, 2 * half), expert=expert)
-                targets[f"{prefix}.{down_name}.weight"] = WeightTarget(down, expert=expert)
+            stacks = {"weight": (experts.gate_up_proj, experts.down_proj)}
+            if experts.fp8:
+                stacks["weight_scale"] = (experts.gate_up_proj_scale, experts.down_proj_scale)
+            for tensor_name, (gate_up, down) in stacks.items():
+                suffix = tensor_name.removeprefix("weight")  # the stacked parameters' names: "" or "_scale"
+                del targets[f"{name}.gate_up_proj{suffix}"], targets[f"{name}.down_proj{suffix}"]
+                for expert in range(experts.num_experts):
+                    prefix = f"{checkpoint_block}.experts.{expert}"
+                    targets[f"{prefix}.{gate_name}.{tensor_name}"] = WeightTarget(gate_up, slice(0, half),
+                                                                                  expert=expert)
+                    targets[f"{prefix}.{up_name}.{tensor_name}"] = WeightTarget(gate_up, slice(half, 2 * half),
+                                                                                expert=expert)
+                    targets[f"{prefix}.{down_name}.{tensor_name}"] = WeightTarget(down, expert=expert)
         return targets
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from batchgen.layers.fp8 import FP8_DTYPE
 from batchgen.layers.tensor_parallel import Shard, shard_of
 
 # A checkpoint tensor, or a safetensors slice (safe_open(...).get_slice) that reads from the file only what is indexed.
@@ -45,6 +46,10 @@ def load_into(
 
     `rename` maps a checkpoint name to the name `targets` uses; `ignored` (given the renamed name) drops buffers and
     tensors the model does not need, such as rotary inv_freq or a tied lm_head.
+
+    fp8 weights (float8_e4m3fn) load only into fp8 parameters and the other way round: a cast would drop their scale.
+    A per-tensor fp8 weight scale (one element, `layers/fp8_loading.fp8_checkpoint_tensors`) fills every row of the
+    per-channel scales of its (block of a fused) layer.
     """
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -62,20 +67,27 @@ def load_into(
             if layout is None:
                 if target.rows is not None:
                     destination = destination[target.rows]
-                _copy(destination, tensor[...], target.transpose, raw_name)
+                _copy(destination, tensor[...], target.transpose, raw_name, name)
             else:
-                _copy_shard(destination, target, layout, tensor, raw_name)
+                _copy_shard(destination, target, layout, tensor, raw_name, name)
             loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {sorted(unexpected)}")
 
 
-def _copy(destination: torch.Tensor, source: torch.Tensor, transpose: bool, name: str) -> None:
+def _copy(destination: torch.Tensor, source: torch.Tensor, transpose: bool, raw_name: str, name: str) -> None:
+    """name: the parameter's (the renamed checkpoint name); raw_name: the checkpoint's, for errors."""
     source = source.t() if transpose else source
+    if (source.dtype == FP8_DTYPE) != (destination.dtype == FP8_DTYPE):
+        raise ValueError(f"checkpoint tensor {raw_name} is {source.dtype}, but the model holds {name} in "
+                         f"{destination.dtype} (fp8 models hold the decoder's linear layers and experts in "
+                         "fp8; lm_head, embeddings and MoE routers not)")
+    if name.endswith(".weight_scale") and source.numel() == 1:
+        source = source.reshape(()).expand(destination.shape)
     if destination.shape != source.shape:
         shape = tuple(source.t().shape if transpose else source.shape)
-        raise ValueError(f"checkpoint tensor {name} has shape {shape}; "
+        raise ValueError(f"checkpoint tensor {raw_name} has shape {shape}; "
                          f"expected {tuple(destination.shape)}{' (transposed)' if transpose else ''}")
     destination.copy_(source)
 
@@ -85,7 +97,7 @@ def _shape(tensor: CheckpointTensor) -> tuple[int, ...]:
 
 
 def _copy_shard(destination: torch.Tensor, target: WeightTarget, layout: Shard, tensor: CheckpointTensor,
-                name: str) -> None:
+                raw_name: str, name: str) -> None:
     """Reads this rank's ranges of `tensor` into `destination` (the parameter, or one expert of a stacked one):
     one part of a fused parameter where the target names its rows (a checkpoint's q_proj into qkv_proj), else every
     part from a tensor that holds them all fused (Phi-3's qkv_proj) or the one part of an unfused parameter."""
@@ -103,8 +115,9 @@ def _copy_shard(destination: torch.Tensor, target: WeightTarget, layout: Shard, 
         full.reverse()
         dim = 1 - dim
     if _shape(tensor) != tuple(full):
-        raise ValueError(f"checkpoint tensor {name} has shape {_shape(tensor)}; expected {tuple(full)}")
+        raise ValueError(f"checkpoint tensor {raw_name} has shape {_shape(tensor)}; expected {tuple(full)}")
     for part, rows, offset in pieces:
         index = [slice(None)] * len(full)
         index[dim] = slice(offset + part.start, offset + part.stop)
-        _copy(destination.narrow(layout.dim, rows.start, part.size), tensor[tuple(index)], target.transpose, name)
+        _copy(destination.narrow(layout.dim, rows.start, part.size), tensor[tuple(index)], target.transpose,
+              raw_name, name)

@@ -7,7 +7,7 @@ has to guess types for nullable prompts or ragged token-id lists.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,7 @@ import ray
 from batchgen.config import Config
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.llm_engine import LLMEngine
+from batchgen.engine.outputs import RequestOutput
 from batchgen.sample.params import row_params
 
 OUTPUT = "output"
@@ -45,6 +46,13 @@ class EngineActor:
             finished, step = self.engine.step()
             if step is not None:
                 results.append((STEP, asdict(step)))
-            results.extend((OUTPUT, asdict(output)) for output in finished)
+            results.extend((OUTPUT, output_record(output)) for output in finished)
         return {"kind": [kind for kind, _ in results], "actor": [self.actor_id] * len(results),
                 "record": [json.dumps(record) for _, record in results]}
+
+
+def output_record(output: RequestOutput) -> dict[str, Any]:
+    """The output's fields as JSON values, its prompt logprobs as a list of entries."""
+    entries = output.prompt_logprobs
+    return {**asdict(replace(output, prompt_logprobs=None)),
+            "prompt_logprobs": None if entries is None else list(entries)}

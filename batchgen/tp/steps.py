@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from batchgen.core.prompt_logprobs import PromptLogprobs
 from batchgen.core.request import PENDING_TOKEN, Request
 from batchgen.core.scheduler import SchedulerOutput
 from batchgen.sample.params import SamplingParams
@@ -54,7 +55,8 @@ class StepMessage:
     outputs: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (step row, from index, committed ids)
     blocks: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (step row, from index, block ids)
     preemptions: list[tuple[int, int]] = field(default_factory=list)  # (step row, num_preemptions)
-    prompt_logprobs: list[tuple[int, int]] = field(default_factory=list)  # (step row, prompt positions recorded)
+    # (step row, the first prompt position without a logprob): where the follower's next prompt logprobs start
+    prompt_logprobs: list[tuple[int, int]] = field(default_factory=list)
     bitmask: np.ndarray | None = None
 
 
@@ -67,7 +69,7 @@ class _Sent:
     outputs: int = 0  # committed output tokens
     blocks: int = 0
     preemptions: int = 0
-    prompt_logprobs: int = 0
+    prompt_logprobs: int = 0  # the next prompt position without a logprob
 
 
 def committed_outputs(request: Request) -> int:
@@ -130,8 +132,8 @@ class StepSender:
             message.blocks.append((row, sent.blocks, blocks[sent.blocks:]))
         sent.blocks = len(blocks)
         recorded = request.prompt_logprobs
-        if recorded is not None and len(recorded) != sent.prompt_logprobs:
-            sent.prompt_logprobs = len(recorded)
+        if recorded is not None and recorded.next_position != sent.prompt_logprobs:
+            sent.prompt_logprobs = recorded.next_position
             message.prompt_logprobs.append((row, sent.prompt_logprobs))
         return sent.ref
 
@@ -184,8 +186,11 @@ class StepMirror:
             mirrored[row].request.block_ids.extend(block_ids)
         for row, count in message.preemptions:
             mirrored[row].request.num_preemptions = count
-        for row, count in message.prompt_logprobs:
-            mirrored[row].request.prompt_logprobs = [None] * count
+        for row, next_position in message.prompt_logprobs:
+            # A follower records no values (rank 0 does): it only plans the positions that the step scores.
+            request = mirrored[row].request
+            request.prompt_logprobs = PromptLogprobs(request.prompt_array, next_position,
+                                                     request.sampling_params.prompt_logprobs)
         for entry, end, count, slots in zip(mirrored, message.computed_ends, message.num_scheduled_tokens,
                                             message.output_slots, strict=True):
             entry.request.num_computed_tokens = end - count

@@ -3,6 +3,7 @@ engines, an eager prefill whose hidden states are pooled."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from batchgen.config import EngineConfig
-from batchgen.core.kv_sizing import logprobs_slice_rows
+from batchgen.core.kv_sizing import FUSED_LOGPROBS_BYTES_PER_LOGIT, LOGPROBS_BYTES_PER_LOGIT, logprobs_slice_rows
 from batchgen.core.request import Request
 from batchgen.core.scheduler import SchedulerOutput
 from batchgen.layers import attention_torch
@@ -23,7 +24,15 @@ from batchgen.layers.shared_prefix import shared_prefix_len
 from batchgen.models.base import CausalLM
 from batchgen.sample.batch import LastPacked, SamplingBatch
 from batchgen.sample.graph import SamplerGraphs
-from batchgen.sample.logprobs import PromptLogprobRows, StepLogprobs, sampled_logprobs, score_slice
+from batchgen.sample.logprobs import (
+    LogprobsTensors,
+    PromptLogprobRows,
+    ScoredRange,
+    SliceRows,
+    StepLogprobs,
+    sampled_logprobs,
+    score_slice,
+)
 from batchgen.sample.params import MAX_LOGPROBS, SamplingParams
 from batchgen.sample.route import SamplingRoute, choose_route
 from batchgen.sample.sampler import SamplerOutput, run_sampler
@@ -136,7 +145,9 @@ class ModelRunner:
         self.pending_tokens = PendingTokens(config.max_step_rows, device)
         self._pinned = device.type == "cuda"
         self.vocab_size = model.config.vocab_size
-        self.logprobs_slice_rows = logprobs_slice_rows(self.vocab_size)  # at most this many logits rows at a time
+        # Rows of logits scored at once: by torch, and by the fused kernel (which makes no copy of them)
+        self.logprobs_slice_rows = SliceRows(logprobs_slice_rows(self.vocab_size, LOGPROBS_BYTES_PER_LOGIT),
+                                             logprobs_slice_rows(self.vocab_size, FUSED_LOGPROBS_BYTES_PER_LOGIT))
         self.sampling_state: SamplingState | None = None  # allocated when a request first uses penalties
         self._last_packed = LastPacked()
         self.sampler_graphs: SamplerGraphs | None = None
@@ -166,7 +177,8 @@ class ModelRunner:
     def profile_peak_bytes(self, scores_logits: bool = True) -> int:
         """Peak memory of a forward over a step's most tokens as one-token sequences (a scratch one-block cache, no KV
         writes), the logits of as many rows as a step samples, and then, as a step with logprobs has them, one slice
-        of logprobs rows scored with the most alternatives a request may ask for. Without scores_logits (pooling
+        of logprobs rows scored with the most alternatives a request may ask for, and one slice scored with one
+        alternative (on CUDA a larger slice: the fused kernel makes no copy of it). Without scores_logits (pooling
         steps): the forward and a float32 copy of its hidden states (mean pooling sums them)."""
         num_tokens = self.config.max_num_batched_tokens
         num_logits = min(self.config.max_num_seqs, num_tokens)
@@ -180,12 +192,13 @@ class ModelRunner:
             max_query_len=1, max_seq_len=1, is_decode=True,
         )
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        slice_rows = min(num_tokens, self.logprobs_slice_rows)
         with torch.inference_mode():
             hidden = self.model(ids, ids, meta)
             if scores_logits:
                 sample_logits = self.model.compute_logits(hidden[:num_logits])  # alive while a step scores logprobs
-                score_slice(self.model.compute_logits(hidden[:slice_rows]), ids[:slice_rows], MAX_LOGPROBS)
+                for k in (MAX_LOGPROBS, 1):
+                    rows = min(num_tokens, self.logprobs_slice_rows.for_alternatives(k, self.device))
+                    score_slice(self.model.compute_logits(hidden[:rows]), ids[:rows], k)
                 del sample_logits
             else:
                 hidden.float()  # mean pooling's float32 copy: it counts at the peak, then is freed
@@ -198,8 +211,11 @@ class ModelRunner:
 
     # -- CUDA graphs ----------------------------------------------------------------------------------------
 
-    def capture_graphs(self) -> CaptureStats:
+    def capture_graphs(self, max_rows: int | None = None) -> CaptureStats:
+        """max_rows: the most requests a decode step can hold, when known: larger buckets would never replay."""
         sizes = self.config.cuda_graph_sizes
+        if max_rows is not None:
+            sizes = sizes[:bisect.bisect_left(sizes, max_rows) + 1]
         buffers = GraphCaptureBuffers(sizes[-1], self.block_table_width, self.config.block_size, self.device,
                                       self.split_arrivals)
         self.graphs = CudaGraphRunner(self.model, buffers, list(sizes), self.pending_tokens, self.cascade_attention)
@@ -317,7 +333,8 @@ class ModelRunner:
         return output
 
     def _sampled_logprobs(self, sampling: SamplingBatch, logits: torch.Tensor, output: SamplerOutput,
-                          sample_rows: list[int], prompt: tuple | None) -> StepLogprobs | None:
+                          sample_rows: list[int],
+                          prompt: tuple[list[ScoredRange], LogprobsTensors] | None) -> StepLogprobs | None:
         if not sampling.wants_logprobs and prompt is None:
             return None
         scored = output.processed_logits() if self.config.logprobs_mode == "processed_logprobs" else logits
@@ -325,13 +342,14 @@ class ModelRunner:
                                          self._pinned)
         return StepLogprobs([sample_rows[i] for i in rows], tensors, prompt)
 
-    def _prompt_logprobs(self, step: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> tuple | None:
+    def _prompt_logprobs(self, step: SchedulerOutput, inputs: StepInputs,
+                         hidden: torch.Tensor) -> tuple[list[ScoredRange], LogprobsTensors] | None:
         """Raw log-probabilities of the prompt tokens this (prefill) step computes, for rows that ask for them."""
         plan = plan_prompt_logprobs(step, inputs)
         if plan is None:
             return None
-        return plan.rows, plan.positions, prompt_logprobs(plan, hidden, self.model.compute_logits,
-                                                          self.logprobs_slice_rows, self._pinned)
+        return plan.ranges, prompt_logprobs(plan, hidden, self.model.compute_logits, self.logprobs_slice_rows,
+                                            self._pinned)
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """Waits for a launched step; its sampled ids are parallel to the step's requests."""

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from batchgen.core.scheduler import SchedulerOutput
-from batchgen.sample.logprobs import LogprobsTensors, compute_logprobs
+from batchgen.sample.logprobs import LogprobsTensors, ScoredRange, SliceRows, compute_logprobs
 from batchgen.worker.step_inputs import StepInputs
 
 
@@ -19,8 +19,7 @@ from batchgen.worker.step_inputs import StepInputs
 class PromptLogprobsPlan:
     token_index: np.ndarray  # (P,) int64: the flattened token whose hidden state scores the target
     targets: np.ndarray  # (P,) int64: the prompt token scored
-    rows: np.ndarray  # (P,) int64: the target's step row
-    positions: np.ndarray  # (P,) int64: the target's prompt position
+    ranges: list[ScoredRange]  # which rows' positions the P targets are, in order
     k: int  # the most alternatives any row asks for
 
 
@@ -30,33 +29,31 @@ def plan_prompt_logprobs(step: SchedulerOutput, inputs: StepInputs) -> PromptLog
     context (engine/continuation.py), so only its continuation's positions are scored."""
     token_index: list[np.ndarray] = []
     targets: list[np.ndarray] = []
-    rows: list[np.ndarray] = []
-    positions: list[np.ndarray] = []
+    ranges: list[ScoredRange] = []
     k = 0
     for row, (request, count) in enumerate(zip(step.requests, step.num_scheduled_tokens, strict=True)):
         wanted = request.sampling_params.prompt_logprobs
         if wanted is None:
             continue
         begin, start = request.num_computed_tokens, int(inputs.query_start_loc[row])
-        scored = np.arange(max(begin, len(request.prompt_logprobs) - 1),
+        scored = np.arange(max(begin, request.prompt_logprobs.next_position - 1),
                            min(begin + count, request.num_prompt_tokens - 1), dtype=np.int64)  # positions scoring
         if not len(scored):
             continue
         token_index.append(scored + (start - begin))
         targets.append(request.prompt_array[scored + 1])
-        rows.append(np.full(len(scored), row, dtype=np.int64))
-        positions.append(scored + 1)
+        ranges.append(ScoredRange(row, int(scored[0]) + 1, len(scored)))
         k = max(k, wanted)
-    if not rows:
+    if not ranges:
         return None
-    return PromptLogprobsPlan(*(np.concatenate(parts) for parts in (token_index, targets, rows, positions)), k)
+    return PromptLogprobsPlan(np.concatenate(token_index), np.concatenate(targets), ranges, k)
 
 
 def prompt_logprobs(plan: PromptLogprobsPlan, hidden: torch.Tensor,
-                    compute_logits: Callable[[torch.Tensor], torch.Tensor], max_rows: int,
+                    compute_logits: Callable[[torch.Tensor], torch.Tensor], slice_rows: SliceRows,
                     pinned: bool) -> LogprobsTensors:
-    """The plan's prompt logprobs from the step's hidden states (T, H), max_rows rows of logits at a time."""
+    """The plan's prompt logprobs from the step's hidden states (T, H), a slice of rows of logits at a time."""
     index, targets = (torch.from_numpy(a).to(hidden.device, non_blocking=True) for a in (plan.token_index,
                                                                                         plan.targets))
     return compute_logprobs(lambda start, end: compute_logits(hidden.index_select(0, index[start:end])), targets,
-                            plan.k, max_rows, pinned)
+                            plan.k, slice_rows, pinned)

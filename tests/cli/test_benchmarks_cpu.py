@@ -114,3 +114,12 @@ def test_b1_latency_tiny_splits_the_model_over_two_ranks_and_times_one_shard(tmp
     # The floor is one rank's shard: half the weights, but for the norms every rank holds whole.
     assert 0.45 < split["weight_bytes"] / whole["weight_bytes"] < 0.55
     assert split["results"][0]["decode_step_ms"] > 0
+
+
+def test_fp8_accuracy_tiny_compares_both_paths(tmp_path):
+    run_benchmark("fp8_accuracy", tmp_path, "--tiny", "--models", "qwen3_0_6b", "--num-prompts", "1",
+                  "--prompt-len", "12", "--decode-steps", "2")
+    rows = json.loads((tmp_path / "fp8_accuracy_tiny.json").read_text())["results"]
+    assert [(row["path"], row["positions"]) for row in rows] == [("prefill", 12), ("decode", 2)]
+    for row in rows:  # the weights' rounding moves the distributions a little (KL up to float32 rounding)
+        assert -1e-6 < row["mean_kl"] < 0.1 and 0 <= row["greedy_agreement"] <= 1 and 0 < row["bf16_top1_prob"] <= 1

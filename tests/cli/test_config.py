@@ -34,6 +34,13 @@ def test_kv_cache_dtype_defaults_to_the_model_dtype_and_takes_fp8():
     assert composed("job=shakespeare", "engine.kv_cache_dtype=fp8").engine.kv_cache_dtype == "fp8"
 
 
+def test_quantization_defaults_to_none_and_takes_fp8():
+    assert composed("job=shakespeare").model.quantization is None
+    assert composed("job=shakespeare", "model.quantization=fp8").model.quantization == "fp8"
+    with pytest.raises(ConfigError, match="model.quantization='awq' is invalid: allowed values are fp8"):
+        composed("job=shakespeare", "model.quantization=awq")
+
+
 def test_engine_options_compose_into_a_frozen_engine_config():
     engine = composed("job=shakespeare", "engine.max_num_seqs=4", "engine.cuda_graph.capture_sizes=[2,1]").engine
     assert (engine.max_num_seqs, engine.cuda_graph_sizes, engine.wanted_backlog) == (4, (1, 2), 8)
@@ -123,6 +130,7 @@ def test_model_configs_compose(model):
         ("engine.cpu_threads=0", "engine.cpu_threads"),
         ("job.task=summarize", "job.task"),
         ("model.pooling=max", "model.pooling"),
+        ("model.quantization=int4", "model.quantization"),
     ],
 )
 def test_invalid_values_name_the_key(override, key):

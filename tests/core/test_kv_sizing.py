@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from batchgen import LLM
 from batchgen.core.kv_sizing import (
+    FUSED_LOGPROBS_BYTES_PER_LOGIT,
     LOGPROBS_BYTES_PER_LOGIT,
     LOGPROBS_SLICE_BYTES,
     KVDemand,
@@ -29,6 +30,11 @@ def test_rows_never_raise_the_limit_above_max_num_seqs_full_sequences() -> None:
     assert job_block_limit(2, 64, 16, demand).num_blocks == 2 * 4
 
 
+def test_only_rows_of_more_than_one_token_decode() -> None:
+    assert KVDemand([(4, 0), (4, 1), (4, 2), (9, 30)]).num_decoding == 2
+    assert KVDemand([]).num_decoding == 0
+
+
 def test_memory_budget_stays_an_upper_bound() -> None:
     limit = job_block_limit(8, 64, 16)
     assert choose_num_blocks(10, "budget", limit).num_blocks == 10
@@ -36,9 +42,11 @@ def test_memory_budget_stays_an_upper_bound() -> None:
 
 
 def test_a_slice_of_logprobs_rows_stays_within_its_memory_bound() -> None:
-    rows = logprobs_slice_rows(151936)  # Qwen3's vocabulary: a 16,384-token step is scored in 47 slices
+    rows = logprobs_slice_rows(151936, LOGPROBS_BYTES_PER_LOGIT)  # Qwen3's vocabulary: 47 slices of 16,384 tokens
     assert rows == 353 and rows * 151936 * LOGPROBS_BYTES_PER_LOGIT <= LOGPROBS_SLICE_BYTES
-    assert logprobs_slice_rows(LOGPROBS_SLICE_BYTES) == 1  # a row wider than the bound is still scored
+    fused_rows = logprobs_slice_rows(151936, FUSED_LOGPROBS_BYTES_PER_LOGIT)  # the fused kernel copies nothing
+    assert fused_rows == 1766 and fused_rows * 151936 * FUSED_LOGPROBS_BYTES_PER_LOGIT <= LOGPROBS_SLICE_BYTES
+    assert logprobs_slice_rows(LOGPROBS_SLICE_BYTES, 1) == 1  # a row wider than the bound is still scored
 
 
 def test_engine_cache_is_sized_to_max_num_seqs_and_override_wins(tiny_model_dir) -> None:

@@ -1,4 +1,5 @@
-"""The fused mixture-of-experts Triton kernels against the torch routing and expert reference.
+"""The fused mixture-of-experts Triton kernels (float and fp8 expert weights) against the torch routing and expert
+reference.
 
 Runs on CUDA; without a GPU, `TRITON_INTERPRET=1 pytest tests/layers/test_moe_triton.py` runs the small cases through
 Triton's CPU interpreter (bf16, the Qwen3-30B-A3B shapes and CUDA-graph capture run on CUDA only).
@@ -15,6 +16,7 @@ import torch
 pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU build has none)")
 
 from batchgen.layers import moe_triton  # noqa: E402
+from batchgen.layers.fp8 import dequantize, quantize_per_channel  # noqa: E402
 from batchgen.layers.moe import StackedExperts, experts_reference, route  # noqa: E402
 from tests.helpers.common import load_ours, random_tokens  # noqa: E402
 from tests.helpers.paged import PagedTestCache  # noqa: E402
@@ -41,27 +43,38 @@ def _inputs(case: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
     return tuple(t.to(dtype).to(DEVICE) for t in (hidden, logits, gate_up, down))
 
 
-def _check_against_reference(case: tuple, dtype: torch.dtype) -> None:
+def _check_against_reference(case: tuple, dtype: torch.dtype, fp8: bool) -> None:
+    """The kernels against the reference; fp8: on weights quantized per expert and row, against the reference on the
+    same weights dequantized."""
     _, _, top_k, _, _, renormalize = case
     hidden, logits, gate_up, down = _inputs(case, dtype)
-    out = moe_triton.sparse_moe(hidden, logits, gate_up, down, top_k, renormalize)
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if fp8:
+        (gate_up, gate_up_scale), (down, down_scale) = quantize_per_channel(gate_up), quantize_per_channel(down)
+        scales = (gate_up_scale, down_scale)
+    out = moe_triton.sparse_moe(hidden, logits, gate_up, down, top_k, renormalize, *scales)
+    if fp8:
+        gate_up, down = dequantize(gate_up, gate_up_scale, dtype), dequantize(down, down_scale, dtype)
     expected = experts_reference(hidden, gate_up, down, route(logits, top_k, renormalize))
     assert out.dtype == dtype and out.shape == expected.shape
-    # Both round at the same points; only the fp32 accumulation order differs (bf16: one rounding apart at most).
-    tolerance = 1e-4 if dtype == f32 else 2e-2
+    # Both round at the same points; only the fp32 accumulation order differs (bf16: one rounding apart at most; fp8:
+    # the reference also rounds each dequantized weight to bf16, where the kernel scales the fp32 sums).
+    tolerance = 1e-4 if dtype == f32 else 3e-2 if fp8 else 2e-2
     scale = float(expected.abs().max())
     torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance * scale)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_sparse_moe_matches_reference_fp32(case: tuple) -> None:
-    _check_against_reference(case, f32)
+def test_sparse_moe_matches_reference_fp32(case: tuple, fp8: bool) -> None:
+    _check_against_reference(case, f32, fp8)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bf16 dots run on CUDA only")
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
 @pytest.mark.parametrize("case", CASES + QWEN3_30B_A3B, ids=str)
-def test_sparse_moe_matches_reference_bf16(case: tuple) -> None:
-    _check_against_reference(case, bf16)
+def test_sparse_moe_matches_reference_bf16(case: tuple, fp8: bool) -> None:
+    _check_against_reference(case, bf16, fp8)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

@@ -35,6 +35,7 @@ from tests.helpers.common import (
     tiny_hf_config,
     with_sliding_window,
 )
+from tests.helpers.fp8_checkpoints import write_float_twin, write_fp8_checkpoint
 from tests.helpers.paged import PagedTestCache
 
 GEMMAS = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
@@ -214,6 +215,17 @@ def test_multimodal_gemma3_checkpoint_runs_its_language_model(multimodal_gemma3:
     model = load_ours(multimodal_gemma3)
     model.load_weights(v5_names.items())
     assert_logits_close(chunked_logits(model, tokens), expected)
+
+
+def test_multimodal_gemma3_fp8_checkpoint_runs_its_language_model_in_fp8(multimodal_gemma3: Path,
+                                                                          tmp_path: Path) -> None:
+    """The quantization_config sits at the top of a multimodal checkpoint's config.json, beside text_config: the
+    language model loads its fp8 tensors (dequantized on CPU), with the logits of the same weights in float."""
+    dequantized = write_fp8_checkpoint(multimodal_gemma3, tmp_path / "fp8", "compressed_tensors_fp8_dynamic")
+    check_checkpoint(ModelConfig(path=str(tmp_path / "fp8")), max_model_len=None)
+    twin = write_float_twin(multimodal_gemma3, tmp_path / "twin", dequantized)
+    tokens = random_tokens(20, seed=26)
+    assert_logits_close(chunked_logits(load_ours(tmp_path / "fp8"), tokens), chunked_logits(load_ours(twin), tokens))
 
 
 def test_gemma_greedy_tokens_equal_transformers_in_the_engine(tiny_model_dir: Callable[..., Path]) -> None:

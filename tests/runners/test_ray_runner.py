@@ -22,7 +22,8 @@ ray_data = pytest.importorskip("batchgen.runners.ray_data", reason="ray.data is 
 
 TIMING_COLUMNS = ["ttft_ms", "tpot_ms", "latency_ms"]
 JOB = ["job=shakespeare", "data.limit=24", "sampling.max_tokens=16", "engine.device=cpu", "job.progress=false"]
-SAMPLING = {"greedy": ["sampling.temperature=0"], "seeded": []}
+SAMPLING = {"greedy": ["sampling.temperature=0"], "seeded": [],
+            "prompt_logprobs": ["sampling.temperature=0", "sampling.prompt_logprobs=2"]}
 
 
 def job_config(*overrides: str) -> Config:
@@ -45,7 +46,7 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", list(SAMPLING))
 def test_ray_runner_equals_a_local_run(tmp_path, local_ray, sampling):
     run_local(job_config(*JOB, *SAMPLING[sampling]), tmp_path / "local")
     # Windows of 16 rows, so the 24 rows cross a window boundary.

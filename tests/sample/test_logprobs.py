@@ -113,3 +113,24 @@ def test_prompt_logprobs_are_complete_for_a_prompt_already_in_the_prefix_cache(t
     assert len(output.prompt_logprobs) == len(prompt)
     for position in range(1, len(prompt)):
         check_entry(output.prompt_logprobs[position], prompt[position], reference[position - 1], 1)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 8])
+def test_prompt_logprobs_are_recorded_once_when_their_requests_are_preempted(tiny_model_dir, max_tokens):
+    """A preempted request recomputes its prompt and scores its positions again: each is recorded once, and equals
+    transformers'."""
+    model_dir = tiny_model_dir("Qwen3ForCausalLM")
+    prompts = [[(5 * i + 11 * p) % 256 for i in range(40 + 4 * p)] for p in range(4)]
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", block_size=4, num_gpu_blocks_override=16,
+              max_num_batched_tokens=32, max_num_seqs=4)  # room for one prompt of these at a time
+    try:
+        params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=1, ignore_eos=True)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.close()
+    assert sum(output.num_preemptions for output in outputs) > 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert len(output.prompt_logprobs) == len(prompt) and output.prompt_logprobs[0] is None
+        reference = hf_logprobs(model_dir, prompt)
+        for position in range(1, len(prompt)):
+            check_entry(output.prompt_logprobs[position], prompt[position], reference[position - 1], 1)

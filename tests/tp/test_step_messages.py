@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
+
+from batchgen.core.prompt_logprobs import PromptLogprobs
 from batchgen.core.request import Request
 from batchgen.core.scheduler import SchedulerOutput
 from batchgen.sample.params import SamplingParams
@@ -22,9 +25,18 @@ class RecordingChannel:
 
 
 def state(request: Request) -> tuple:
+    scored_from = None if request.prompt_logprobs is None else request.prompt_logprobs.next_position
     return (request.request_id, request.sample_index, request.prompt_token_ids, request.output_token_ids,
-            request.block_ids, request.num_computed_tokens, request.num_preemptions, request.eos_token_id,
-            request.prompt_logprobs)
+            request.block_ids, request.num_computed_tokens, request.num_preemptions, request.eos_token_id, scored_from)
+
+
+def record_prompt_logprobs(request: Request, num_scheduled_tokens: int) -> None:
+    """As the engine records a step's prompt logprobs: the positions the step scored, values made up."""
+    recorded = request.prompt_logprobs
+    count = min(num_scheduled_tokens, request.num_prompt_tokens - recorded.next_position)
+    if count > 0:
+        recorded.record(recorded.next_position, np.zeros(count, np.float32), np.ones(count, np.int32),
+                        np.zeros((count, 1), np.int32), np.zeros((count, 1), np.float32))
 
 
 def rebuilt_like(rebuilt: SchedulerOutput, step: SchedulerOutput) -> None:
@@ -44,7 +56,7 @@ def test_the_rebuilt_steps_hold_rank_0s_requests_through_preemption_and_prefix_c
         scheduler.add_request(request)
     requests += shared
     for request in requests[:8]:
-        request.prompt_logprobs = [None]  # as the engine records them: the first prompt token has none
+        request.prompt_logprobs = PromptLogprobs(request.prompt_array, 1, 1)  # the first prompt token has none
     channel, mirror = RecordingChannel(), StepMirror()
     sender = StepSender(channel)
     released: list[Request] = []  # on the follower's side, in the order it frees them
@@ -61,9 +73,8 @@ def test_the_rebuilt_steps_hold_rank_0s_requests_through_preemption_and_prefix_c
             step = None
         if in_flight is not None:  # async scheduling: the step before is committed after this one is launched
             for request, count in zip(in_flight.requests, in_flight.num_scheduled_tokens, strict=True):
-                if request.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens:
-                    request.prompt_logprobs += [None] * min(count, request.num_prompt_tokens -
-                                                            len(request.prompt_logprobs))
+                if request.prompt_logprobs is not None:
+                    record_prompt_logprobs(request, count)
             tokens = [fake_token(r) if sampled else -1 for r, sampled in zip(in_flight.requests, in_flight.samples,
                                                                              strict=True)]
             sender.release(scheduler.commit(in_flight, tokens))

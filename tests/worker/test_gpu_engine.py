@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.config import CudaGraphConfig, EngineConfig, ModelConfig
+from batchgen.core.kv_sizing import KVDemand
+from batchgen.engine.llm_engine import LLMEngine
 from batchgen.worker.cuda_graph import CudaGraphRunner, GraphOutputs
 from batchgen.worker.step_inputs import build_step_inputs
 from tests.helpers.common import ARCHITECTURES, MAX_TOKENS, hf_greedy_on, random_prompts
@@ -81,4 +84,28 @@ def test_capture_out_of_memory_drops_only_that_bucket(tiny_model_dir, monkeypatc
     llm.close()
     eager = LLM(model_dir, dtype="float32", max_num_seqs=16, enforce_eager=True)
     assert outputs == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    eager.close()
+
+
+@pytest.mark.parametrize(("max_tokens", "expected_sizes"),
+                         [([1, 1, 0], []), ([1, 5, 9], [1, 2]), ([9] * 5, [1, 2, 4, 8])])
+def test_capture_takes_only_the_buckets_that_the_jobs_decodes_can_fill(tiny_model_dir, max_tokens, expected_sizes):
+    model_dir = tiny_model_dir("Qwen3ForCausalLM")
+    prompts = random_prompts(256, count=len(max_tokens), seed=4)
+    demand = KVDemand([(len(prompt), tokens) for prompt, tokens in zip(prompts, max_tokens, strict=True)])
+    config = EngineConfig(max_num_seqs=16, cuda_graph=CudaGraphConfig(capture_sizes=tuple(CAPTURE_SIZES)))
+    engine = LLMEngine(ModelConfig(path=str(model_dir), dtype="float32"), config, kv_demand=demand)
+    assert engine.info.get("cuda_graph_sizes", []) == expected_sizes
+    for i, (prompt, tokens) in enumerate(zip(prompts, max_tokens, strict=True)):
+        engine.add_request(i, None, prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,
+                                                          prompt_logprobs=0 if tokens == 0 else None))
+    outputs = {}
+    while engine.has_unfinished_requests:
+        outputs.update((o.request_id, o.token_ids) for o in engine.step()[0])
+    engine.close()
+    eager = LLM(str(model_dir), dtype="float32", max_num_seqs=16, enforce_eager=True)
+    for i, (prompt, tokens) in enumerate(zip(prompts, max_tokens, strict=True)):
+        if tokens:
+            params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+            assert outputs[i] == eager.generate([prompt], params, use_tqdm=False)[0].token_ids
     eager.close()

@@ -119,7 +119,7 @@ class LLMEngine:
                                   model_config.quantization)
             if self.device.type == "cuda" and self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            self.followers = Followers(model_config, engine_config, task, self.device, self._bitmask)
+            self.followers = Followers(model_config, engine_config, task, kv_demand, self.device, self._bitmask)
         try:
             with self._follower_failures():
                 worker = self._worker(model_config, engine_config, task, kv_demand)

@@ -73,7 +73,7 @@ def main() -> None:
     group = RankGroup.create(store, spec.rank, spec.size, device)
     mirror = StepMirror()
     try:
-        worker = ModelWorker(spec.model_config, spec.engine_config, spec.task, device,
+        worker = ModelWorker(spec.model_config, spec.engine_config, spec.task, device, spec.kv_demand,
                              bitmask_provider=mirror.step_bitmask,
                              tp=TensorParallel(spec.rank, spec.size, group.collectives),
                              agree_min=group.control.agree_min)

@@ -28,6 +28,7 @@ import torch
 
 import batchgen
 from batchgen.config import EngineConfig, ModelConfig
+from batchgen.core.kv_sizing import KVDemand
 from batchgen.core.scheduler import SchedulerOutput
 from batchgen.layers.tensor_parallel import TensorParallel
 from batchgen.tp.errors import FollowerExited
@@ -54,6 +55,8 @@ class FollowerSpec:
     model_config: ModelConfig
     engine_config: EngineConfig
     task: str
+    # The job's rows, as rank 0 has them: every rank captures the same CUDA graphs (their collectives pair up).
+    kv_demand: KVDemand | None
 
 
 def follower_device(device: torch.device, rank: int) -> torch.device:
@@ -80,8 +83,8 @@ def describe_exit(code: int) -> str:
 
 
 class Followers:
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, task: str, device: torch.device,
-                 bitmask_provider: BitmaskProvider | None):
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, task: str,
+                 kv_demand: KVDemand | None, device: torch.device, bitmask_provider: BitmaskProvider | None):
         """Starts the followers and builds the groups with them; returns once every follower has joined (each then
         loads its shard while rank 0 loads its own)."""
         size = engine_config.tensor_parallel_size
@@ -92,7 +95,7 @@ class Followers:
         self.group: RankGroup | None = None
         store = serve_store(size)
         self.processes = [self._start(FollowerSpec(rank, size, store.port, str(follower_device(device, rank)),
-                                                   model_config, engine_config, task))
+                                                   model_config, engine_config, task, kv_demand))
                           for rank in range(1, size)]
         atexit.register(self.close, graceful=False)  # an engine never closed
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)

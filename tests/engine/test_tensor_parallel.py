@@ -11,8 +11,12 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.config import EngineConfig, ModelConfig
+from batchgen.core.kv_sizing import KVDemand
+from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.tp.errors import FollowerExited
+from batchgen.tp.ranks import Followers, FollowerSpec
 from tests.helpers.common import KV_SETUPS, NATIVE_ARCHITECTURES, VOCAB, build_tiny_model_dir, random_prompts
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "jobs" / "shakespeare" / "model"
@@ -46,6 +50,26 @@ def test_one_kv_head_replicated_on_both_ranks(tmp_path_factory: pytest.TempPathF
         "num_key_value_heads": 1})
     prompts = random_prompts(VOCAB, 3)
     assert tokens(generate(model, 2, prompts, GREEDY)) == tokens(generate(model, 1, prompts, GREEDY))
+
+
+def test_followers_start_with_the_jobs_rows(monkeypatch: pytest.MonkeyPatch):
+    """Each rank sizes its KV cache and limits its CUDA graphs to the job's rows as rank 0 does: the graphs' captures
+    hold collectives, which pair up only where every rank captures the same sizes."""
+    started: list[FollowerSpec] = []
+    start = Followers._start
+
+    def recording_start(spec: FollowerSpec):
+        started.append(spec)
+        return start(spec)
+
+    monkeypatch.setattr(Followers, "_start", staticmethod(recording_start))
+    demand = KVDemand([(12, 1), (30, 8), (7, 1)])
+    engine = LLMEngine(ModelConfig(path=str(SHAKESPEARE)), EngineConfig(device="cpu", tensor_parallel_size=2),
+                       kv_demand=demand)
+    try:
+        assert [spec.kv_demand for spec in started] == [demand]
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module")

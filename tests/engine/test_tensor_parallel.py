@@ -72,6 +72,15 @@ def test_followers_start_with_the_jobs_rows(monkeypatch: pytest.MonkeyPatch):
         engine.close()
 
 
+def test_fp8_weights_fail_before_the_followers_start(monkeypatch: pytest.MonkeyPatch):
+    def no_followers(*args, **kwargs):
+        raise AssertionError("a follower started")
+
+    monkeypatch.setattr(Followers, "_start", staticmethod(no_followers))
+    with pytest.raises(ValueError, match="engine.tensor_parallel_size=2 with model.quantization=fp8"):
+        LLM(str(SHAKESPEARE), tensor_parallel_size=2, quantization="fp8", device="cpu")
+
+
 @pytest.fixture(scope="module")
 def shakespeare() -> Iterator[tuple[LLM, LLM]]:
     """The Shakespeare model (GPT-2, with its tokenizer) on one process and on two."""

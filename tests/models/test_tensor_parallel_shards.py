@@ -17,6 +17,7 @@ from batchgen.models import loader
 from batchgen.models.loader import load_hf_config, load_model
 from batchgen.models.tp_shapes import check_tensor_parallel
 from tests.helpers.common import NATIVE_ARCHITECTURES, tiny_hf_config
+from tests.helpers.fp8_checkpoints import compressed_tensors_config
 
 TP_ARCHITECTURES = [*NATIVE_ARCHITECTURES, "Qwen2MoeForCausalLM", "GemmaForCausalLM"]
 
@@ -129,3 +130,15 @@ def test_gguf_and_transformers_modules_run_on_one_rank():
     with pytest.raises(ValueError, match=r"engine.tensor_parallel_size=2: transformers' modules \(model.impl"):
         check_tensor_parallel(config, 2, "transformers", gguf=False)
     check_tensor_parallel(config, 2, "native", gguf=False)
+
+
+def test_fp8_weights_run_on_one_rank():
+    config = tiny_hf_config("LlamaForCausalLM").to_dict()
+    with pytest.raises(ValueError, match=r"^engine.tensor_parallel_size=2 with model.quantization=fp8: fp8 weights run "
+                                         r"on one rank; use engine.tensor_parallel_size=1 or leave model.quantization"):
+        check_tensor_parallel(config, 2, "native", gguf=False, quantization="fp8")
+    checkpoint = {**config, "quantization_config": compressed_tensors_config("channel", None)}
+    with pytest.raises(ValueError, match=r"^engine.tensor_parallel_size=2 with an fp8 checkpoint \(quantization_config "
+                                         r"quant_method compressed-tensors\): fp8 weights run on one rank"):
+        check_tensor_parallel(checkpoint, 2, "native", gguf=False)
+    check_tensor_parallel(checkpoint, 1, "native", gguf=False, quantization="fp8")

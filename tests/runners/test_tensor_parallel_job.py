@@ -112,6 +112,13 @@ def test_a_size_that_does_not_split_the_model_is_a_config_error(tmp_path):
         composed("job=shakespeare", "runner=ray", TP)
 
 
+def test_fp8_weights_with_tensor_parallelism_are_a_config_error(tmp_path):
+    result = batchgen(f"hydra.run.dir={tmp_path}", *JOB, "model.quantization=fp8", TP)
+    assert result.returncode == 2
+    assert ("engine.tensor_parallel_size=2 with model.quantization=fp8: fp8 weights run on one rank"
+            in result.stdout + result.stderr)
+
+
 def test_data_parallel_times_tensor_parallel_gpus_must_exist(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 4)

@@ -18,7 +18,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from batchgen.engine.llm_engine import resolve_kv_cache_dtype
+from batchgen.engine.model_worker import resolve_kv_cache_dtype
 from batchgen.layers import attention_triton as at
 from benchmarks.bench_attention import (
     BLOCK_SIZE,

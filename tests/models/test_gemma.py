@@ -31,6 +31,7 @@ from tests.helpers.common import (
     load_ours,
     random_prompts,
     random_tokens,
+    save_perturbed,
     tiny_hf_config,
     with_sliding_window,
 )
@@ -181,12 +182,7 @@ def multimodal_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     text = tiny_hf_config("Gemma3ForCausalLM").to_dict()
     config = Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4)
     model = Gemma3ForConditionalGeneration(config).float()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    directory = tmp_path_factory.mktemp("Gemma3ForConditionalGeneration")
-    model.save_pretrained(directory)
-    return directory
+    return save_perturbed(model, tmp_path_factory.mktemp("Gemma3ForConditionalGeneration"))
 
 
 def test_multimodal_gemma3_checkpoint_runs_its_language_model(multimodal_gemma3: Path) -> None:

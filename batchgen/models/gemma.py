@@ -35,8 +35,8 @@ from batchgen.layers.norms import GemmaRMSNorm, gemma_rms_norm
 from batchgen.layers.parallel_linear import gated_projections, vocab_embedding
 from batchgen.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from batchgen.models.base import CausalLM
-from batchgen.models.llama import LlamaAttention, head_dim_of, layer_sliding_windows
-from batchgen.models.weights import WeightTarget, fused_rows, load_into
+from batchgen.models.llama import LlamaAttention, head_dim_of, layer_sliding_windows, llama_weight_targets
+from batchgen.models.weights import load_into
 
 # Where a Gemma3ForConditionalGeneration checkpoint keeps its language model (transformers 5's names in memory, then
 # the Hub's, which it saves), and the parts of it that the text model does not run.
@@ -207,20 +207,7 @@ class GemmaForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face-named tensors, packing q/k/v and gate/up into the fused projections."""
-        attn = self.model.layers[0].self_attn
-        targets: dict[str, WeightTarget] = {}
-        for name, param in self.named_parameters():  # a tied lm_head is listed once, as embed_tokens
-            if ".qkv_proj." in name:
-                rows = fused_rows([attn.q_size, attn.kv_size, attn.kv_size])
-                for shard, shard_rows in zip(("q_proj", "k_proj", "v_proj"), rows, strict=True):
-                    targets[name.replace("qkv_proj", shard)] = WeightTarget(param, shard_rows)
-            elif ".gate_up_proj." in name:
-                half = param.shape[0] // 2
-                for shard, shard_rows in zip(("gate_proj", "up_proj"), fused_rows([half, half]), strict=True):
-                    targets[name.replace("gate_up_proj", shard)] = WeightTarget(param, shard_rows)
-            else:
-                targets[name] = WeightTarget(param)
-        load_into(targets, weights, ignored=self.unused, rename=self.checkpoint_name)
+        load_into(llama_weight_targets(self), weights, ignored=self.unused, rename=self.checkpoint_name)
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):

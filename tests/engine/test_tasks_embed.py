@@ -16,7 +16,7 @@ from transformers import AutoModel
 
 from batchgen import LLM
 from tests.engine.test_tokenizer import SHAKESPEARE_MODEL
-from tests.helpers.common import batchgen, tiny_hf_config
+from tests.helpers.common import batchgen, save_perturbed, tiny_hf_config
 
 SETUPS = {"chunked": dict(max_num_batched_tokens=7),
           "preemption": dict(block_size=4, num_gpu_blocks_override=10, max_num_seqs=6, max_num_batched_tokens=12)}
@@ -80,10 +80,7 @@ def test_a_bare_decoders_checkpoint_embeds(tmp_path, architecture):
     ships one: its config.json names Qwen3ForCausalLM; transformers' own save names Qwen3Model."""
     torch.manual_seed(0)
     reference = AutoModel.from_config(tiny_hf_config("Qwen3ForCausalLM")).float()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    reference.save_pretrained(tmp_path)
+    save_perturbed(reference, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}))
     prompts = prompts_with_a_repeat(3)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import torch
@@ -159,13 +160,17 @@ def build_tiny_model_dir(architecture: str, directory: Path, max_shard_size: str
         config = with_sliding_window(config, sliding_window)
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
-    model = AutoModelForCausalLM.from_config(config).float()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    return save_perturbed(AutoModelForCausalLM.from_config(config).float(), directory, **kwargs)
+
+
+def save_perturbed(model: nn.Module, directory: Path, **save_kwargs: Any) -> Path:
+    """Saves the model into `directory` after adding seeded-RNG noise to every parameter: transformers initializes
+    biases to zero and norms to one, and the noise makes every parameter matter."""
     with torch.no_grad():
-        # transformers initializes biases to zero and norms to one; noise makes every parameter matter.
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(directory, **kwargs)
+    model.save_pretrained(directory, **save_kwargs)
     return directory
 
 
@@ -178,12 +183,7 @@ def build_tiny_classifier_dir(architecture: str, directory: Path, num_labels: in
     config.architectures = [architecture.replace("ForCausalLM", "ForSequenceClassification")]
     config.num_labels = num_labels
     config.pad_token_id = pad_token_id
-    model = AutoModelForSequenceClassification.from_config(config).float()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(directory)
-    return directory
+    return save_perturbed(AutoModelForSequenceClassification.from_config(config).float(), directory)
 
 
 MAX_TOKENS = 12

@@ -98,6 +98,15 @@ TOLERANCE = {  # (atol, rtol); bf16/fp16 kernels round P to the input dtype befo
 FP8 = attention_torch.FP8_DTYPE
 
 
+def prefill_then_decode_logits(model: nn.Module, tokens: list[int]) -> torch.Tensor:
+    """(len(tokens), vocab): a fresh cache, the first five tokens in one prefill step, then one decode step per token
+    with two padding rows (every step at most 8 rows: the small-M GEMV's)."""
+    cache = PagedTestCache(model)
+    steps = [cache.run(model, [(0, tokens[:5])])[0]]
+    steps += [cache.run(model, [(0, [t])], num_padding_rows=2)[0] for t in tokens[5:]]
+    return torch.cat(steps)
+
+
 KV_CACHE_DTYPES = ["auto", "fp8"]  # engine.kv_cache_dtype: the query's dtype, or float8_e4m3fn
 
 

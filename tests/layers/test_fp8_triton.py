@@ -29,7 +29,7 @@ from batchgen.layers.linear_triton import MAX_M, LinearConfig, add_rms_norm_line
 from batchgen.layers.moe import StackedExperts  # noqa: E402
 from batchgen.layers.norms import rms_norm  # noqa: E402
 from batchgen.models.loader import load_hf_config, load_model  # noqa: E402
-from tests.helpers.paged import PagedTestCache  # noqa: E402
+from tests.helpers.paged import prefill_then_decode_logits  # noqa: E402
 from tests.helpers.triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 
 pytestmark = TRITON_MARKS
@@ -196,12 +196,6 @@ def test_model_with_fp8_gemv(architecture: str, tiny_model_dir: Callable[..., Pa
     model = load_model(model_config, load_hf_config(model_config), f32, torch.device(DEVICE))
     tokens = [3, 1, 4, 1, 5, 9, 2]
 
-    def logits() -> torch.Tensor:  # (len(tokens), vocab)
-        cache = PagedTestCache(model)
-        steps = [cache.run(model, [(0, tokens[:5])])[0]]
-        steps += [cache.run(model, [(0, [t])], num_padding_rows=2)[0] for t in tokens[5:]]
-        return torch.cat(steps)
-
     with torch.no_grad():
         fp8_layers = []
         for parent, name in quantizable_layers(model):
@@ -217,10 +211,10 @@ def test_model_with_fp8_gemv(architecture: str, tiny_model_dir: Callable[..., Pa
                 fp8_layer.use_triton(DEVICE)
                 layer.weight.copy_(dequantize(fp8_layer.weight, fp8_layer.weight_scale, f32))
             fp8_layers.append((parent, name, fp8_layer))
-        expected = logits()
+        expected = prefill_then_decode_logits(model, tokens)
         for parent, name, layer in fp8_layers:
             setattr(parent, name, layer)
-        assert_close(logits(), expected, f32)
+        assert_close(prefill_then_decode_logits(model, tokens), expected, f32)
     gemma = architecture.startswith("Gemma")
     assert fused_calls == [gemma] * FUSED_NORMS_PER_LAYER[architecture] * model.config.num_hidden_layers * (
         1 + len(tokens[5:]))

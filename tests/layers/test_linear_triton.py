@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.paged import PagedTestCache
+from tests.helpers.paged import prefill_then_decode_logits
 
 pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU build has none)")
 
@@ -206,15 +206,9 @@ def test_model_with_triton_linears(architecture: str, tiny_model_dir: Callable[.
     model = load_model(model_config, load_hf_config(model_config), f32, torch.device(DEVICE))
     tokens = [3, 1, 4, 1, 5, 9, 2, 6]
 
-    def logits() -> torch.Tensor:  # (len(tokens), vocab)
-        cache = PagedTestCache(model)
-        steps = [cache.run(model, [(0, tokens[:5])])[0]]
-        steps += [cache.run(model, [(0, [t])], num_padding_rows=2)[0] for t in tokens[5:]]
-        return torch.cat(steps)
-
-    expected = logits()
+    expected = prefill_then_decode_logits(model, tokens)
     use_triton_layers(model, gemv=True)
-    assert_close(logits(), expected, f32)
+    assert_close(prefill_then_decode_logits(model, tokens), expected, f32)
 
 
 def _check_silu_and_mul(m: int, n: int, k: int, dtype: torch.dtype, bias: bool,
@@ -364,18 +358,12 @@ def test_model_with_fused_linears(architecture: str, fuse: bool, tiny_model_dir:
     model = load_model(model_config, load_hf_config(model_config), f32, torch.device(DEVICE))
     tokens = [3, 1, 4, 1, 5, 9, 2]
 
-    def logits() -> torch.Tensor:  # (len(tokens), vocab)
-        cache = PagedTestCache(model)
-        steps = [cache.run(model, [(0, tokens[:5])])[0]]
-        steps += [cache.run(model, [(0, [t])], num_padding_rows=2)[0] for t in tokens[5:]]
-        return torch.cat(steps)
-
     with torch.no_grad():
-        expected = logits()
+        expected = prefill_then_decode_logits(model, tokens)
         for layer in model.modules():
             if isinstance(layer, Linear):
                 layer.use_triton(DEVICE)
-        assert_close(logits(), expected, f32)
+        assert_close(prefill_then_decode_logits(model, tokens), expected, f32)
     steps = 1 + len(tokens[5:])
     layers = model.config.num_hidden_layers
     fused_calls = layers * steps if fuse else 0

@@ -24,7 +24,6 @@ from batchgen.layers.norms import GemmaRMSNorm, rms_norm
 from batchgen.layers.rotary import RotaryEmbedding
 from batchgen.models.hf_config import check_checkpoint
 from batchgen.models.loader import load_hf_config, load_model
-from batchgen.worker.step_inputs import build_step_inputs
 from tests.helpers.common import (
     MAX_TOKENS,
     assert_logits_close,
@@ -32,10 +31,12 @@ from tests.helpers.common import (
     load_ours,
     random_prompts,
     random_tokens,
+    save_perturbed,
     tiny_hf_config,
     with_sliding_window,
 )
 from tests.helpers.fp8_checkpoints import write_float_twin, write_fp8_checkpoint
+from tests.helpers.graph_replay import first_decode_logits
 from tests.helpers.paged import PagedTestCache
 
 GEMMAS = ["GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
@@ -181,12 +182,7 @@ def multimodal_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     text = tiny_hf_config("Gemma3ForCausalLM").to_dict()
     config = Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=4)
     model = Gemma3ForConditionalGeneration(config).float()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    directory = tmp_path_factory.mktemp("Gemma3ForConditionalGeneration")
-    model.save_pretrained(directory)
-    return directory
+    return save_perturbed(model, tmp_path_factory.mktemp("Gemma3ForConditionalGeneration"))
 
 
 def test_multimodal_gemma3_checkpoint_runs_its_language_model(multimodal_gemma3: Path) -> None:
@@ -285,28 +281,13 @@ def test_graph_replay_equals_eager_on_gpu(tiny_model_dir: Callable[..., Path], a
     each bucket's graph replay gives the eager forward's logits."""
     llm = LLM(str(tiny_model_dir(architecture, sliding_window=8)), dtype=dtype, max_num_seqs=8, max_model_len=128,
               cuda_graph_capture_sizes=[1, 2, 4, 8])
-    engine, runner = llm.engine, llm.engine.runner
     prompts = [p + p for p in random_prompts(256, count=8, seed=27)]  # most past the window
     for num_seqs in (1, 3, 8):
-        for i, prompt in enumerate(prompts[:num_seqs]):
-            engine.add_request(i, None, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        while True:  # prefill everything, then stop at the first pure-decode step
-            step = engine.scheduler.schedule()
-            if step.kind == "decode":
-                break
-            launched = runner.launch(step)
-            engine.scheduler.advance(step)
-            engine.scheduler.commit(step, runner.collect(launched).sampled_token_ids)
-        with torch.inference_mode():
-            inputs = build_step_inputs(step, runner.config.block_size, runner.block_tables, runner.block_table_width)
-            graph_logits = runner.graphs.replay(inputs, runner.graphs.padded_size(num_seqs)).logits[:num_seqs].clone()
-            eager_logits = runner._eager_forward(inputs, *runner._to_device(inputs))[1]
+        graph_logits, eager_logits = first_decode_logits(llm, prompts[:num_seqs])
         tolerance = 1e-4 if dtype == "float32" else 2e-2
         torch.testing.assert_close(graph_logits.float(), eager_logits.float(), rtol=tolerance, atol=tolerance)
         if dtype == "float32":
             assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
-        for request in list(step.requests):
-            engine.scheduler.finish_request(request, "length")
     llm.close()
 
 

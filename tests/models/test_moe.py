@@ -22,6 +22,7 @@ from tests.helpers.common import (
     load_ours,
     random_tokens,
     reference_logits,
+    save_perturbed,
     tiny_hf_config,
 )
 from tests.helpers.paged import PagedTestCache
@@ -30,12 +31,7 @@ from tests.helpers.paged import PagedTestCache
 def save_tiny(config: PretrainedConfig, directory: Path) -> Path:
     """A seeded random checkpoint of `config`, every parameter perturbed (as build_tiny_model_dir does)."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(directory)
-    return directory
+    return save_perturbed(AutoModelForCausalLM.from_config(config).float(), directory)
 
 
 def check_steps_match_transformers(directory: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from batchgen import LLM, SamplingParams
-from tests.helpers.common import LLAMA_LIKE, hf_greedy_on, random_tokens
+from tests.helpers.common import LLAMA_LIKE, hf_greedy_on, random_tokens, save_perturbed
 
 MAX_POSITIONS = 32
 ROPE = {
@@ -23,12 +23,7 @@ def build_checkpoint(directory: Path, rope: dict) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(**{**LLAMA_LIKE, "max_position_embeddings": MAX_POSITIONS},
                          rope_parameters={"rope_theta": 10000.0, **rope})
-    model = AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(directory)
-    return directory
+    return save_perturbed(AutoModelForCausalLM.from_config(config).float(), directory)
 
 
 @pytest.mark.parametrize("name", list(ROPE))

@@ -10,8 +10,8 @@ from batchgen.config import CudaGraphConfig, EngineConfig, ModelConfig
 from batchgen.core.kv_sizing import KVDemand
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.worker.cuda_graph import CudaGraphRunner, GraphOutputs
-from batchgen.worker.step_inputs import build_step_inputs
 from tests.helpers.common import ARCHITECTURES, MAX_TOKENS, hf_greedy_on, random_prompts
+from tests.helpers.graph_replay import first_decode_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -39,28 +39,13 @@ def test_greedy_tokens_equal_transformers_on_gpu(tiny_model_dir, architecture):
 def test_graph_replay_equals_eager_for_every_bucket(tiny_model_dir, architecture, kv_cache_dtype):
     llm = LLM(str(tiny_model_dir(architecture)), dtype="float32", max_num_seqs=16,
               cuda_graph_capture_sizes=CAPTURE_SIZES, kv_cache_dtype=kv_cache_dtype)
-    engine, runner = llm.engine, llm.engine.runner
+    runner = llm.engine.runner
     assert runner.graphs.sizes == CAPTURE_SIZES
     for num_seqs in range(1, 17):
-        for i, prompt in enumerate(random_prompts(256, count=num_seqs, seed=num_seqs)):
-            engine.add_request(i, None, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        while True:  # prefill everything, then stop at the first pure-decode step
-            step = engine.scheduler.schedule()
-            if step.kind == "decode":
-                break
-            launched = runner.launch(step)
-            engine.scheduler.advance(step)
-            engine.scheduler.commit(step, runner.collect(launched).sampled_token_ids)
-        size = runner.graphs.padded_size(num_seqs)
-        assert size == min(s for s in CAPTURE_SIZES if s >= num_seqs)
-        with torch.inference_mode():
-            inputs = build_step_inputs(step, runner.config.block_size, runner.block_tables, runner.block_table_width)
-            graph_logits = runner.graphs.replay(inputs, size).logits[:num_seqs].clone()
-            eager_logits = runner._eager_forward(inputs, *runner._to_device(inputs))[1]
+        assert runner.graphs.padded_size(num_seqs) == min(s for s in CAPTURE_SIZES if s >= num_seqs)
+        graph_logits, eager_logits = first_decode_logits(llm, random_prompts(256, count=num_seqs, seed=num_seqs))
         torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-4, atol=1e-4)
         assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
-        for request in list(step.requests):
-            engine.scheduler.finish_request(request, "length")
     llm.close()
 
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM
 from batchgen.config import ModelConfig
 from batchgen.layers.fp8 import Fp8Linear, dequantize
 from batchgen.layers.fp8_loading import quantizable_layers
 from batchgen.layers.moe import StackedExperts
 from batchgen.models.loader import load_hf_config, load_model
-from batchgen.worker.step_inputs import build_step_inputs
 from tests.helpers.common import random_prompts, random_tokens
 from tests.helpers.fp8_checkpoints import write_fp8_checkpoint
+from tests.helpers.graph_replay import first_decode_logits
 from tests.helpers.paged import PagedTestCache
 
 pytestmark = [
@@ -99,27 +99,13 @@ def test_graph_replay_equals_eager_for_every_bucket(architecture: str, tiny_mode
     replayed from their bucket's graph and run eagerly."""
     llm = LLM(str(tiny_model_dir(architecture)), dtype="bfloat16", quantization="fp8", max_num_seqs=16,
               cuda_graph_capture_sizes=CAPTURE_SIZES)
-    engine, runner = llm.engine, llm.engine.runner
+    runner = llm.engine.runner
     assert all(_is_fp8(getattr(parent, name)) for parent, name in quantizable_layers(runner.model))
     assert runner.graphs.sizes == CAPTURE_SIZES
     for num_seqs in range(1, 17):
-        for i, prompt in enumerate(random_prompts(256, count=num_seqs, seed=num_seqs)):
-            engine.add_request(i, None, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        while True:  # prefill everything, then stop at the first pure-decode step
-            step = engine.scheduler.schedule()
-            if step.kind == "decode":
-                break
-            launched = runner.launch(step)
-            engine.scheduler.advance(step)
-            engine.scheduler.commit(step, runner.collect(launched).sampled_token_ids)
-        size = runner.graphs.padded_size(num_seqs)
-        with torch.inference_mode():
-            inputs = build_step_inputs(step, runner.config.block_size, runner.block_tables, runner.block_table_width)
-            graph_logits = runner.graphs.replay(inputs, size).logits[:num_seqs].float().clone()
-            eager_logits = runner._eager_forward(inputs, *runner._to_device(inputs))[1].float()
+        graph_logits, eager_logits = first_decode_logits(llm, random_prompts(256, count=num_seqs, seed=num_seqs))
+        graph_logits, eager_logits = graph_logits.float(), eager_logits.float()
         scale = float(eager_logits.abs().max())
         torch.testing.assert_close(graph_logits, eager_logits, rtol=0, atol=1e-2 * scale)
-        for request in list(step.requests):
-            engine.scheduler.finish_request(request, "length")
     llm.close()
 

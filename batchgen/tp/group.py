@@ -58,14 +58,21 @@ class DeviceCollectives:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         options = AllreduceOptions()
         options.asyncOp = False  # NCCL runs a synchronous collective on the current stream
-        self.backend.allreduce([tensor], options).wait()
+        _wait(self.backend.allreduce([tensor], options))
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         gathered = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
         options = AllgatherOptions()
         options.asyncOp = False
-        self.backend._allgather_base(gathered, tensor, options).wait()
+        _wait(self.backend._allgather_base(gathered, tensor, options))
         return gathered
+
+
+def _wait(work: dist.Work | None) -> None:
+    """NCCL returns no work for a synchronous collective (it is already ordered on the current stream); gloo
+    returns one to wait on."""
+    if work is not None:
+        work.wait()
 
 
 class ControlChannel:

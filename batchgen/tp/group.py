@@ -151,6 +151,12 @@ class RankGroup:
             backend.abort()
 
     def shutdown(self) -> None:
-        """Releases the communicators once every rank is done with them (NCCL warns of a group left undestroyed)."""
-        for backend in (self.collectives.backend, self.control.backend):
-            backend.shutdown()
+        """Releases the communicators once every rank is done with them (NCCL warns of a group left undestroyed).
+        An NCCL group is aborted rather than shut down: nothing runs on it after the stop, and shutting down one
+        that CUDA graphs captured did not return on two H100s."""
+        device_backend = self.collectives.backend
+        if device_backend.name() == "nccl":
+            device_backend.abort()
+        else:
+            device_backend.shutdown()
+        self.control.backend.shutdown()

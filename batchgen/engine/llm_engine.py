@@ -127,6 +127,8 @@ class LLMEngine:
             self._close_followers(graceful=False)
             raise
         self.worker = worker
+        if self.followers is not None:
+            worker.runner.wait_for_step = self.followers.wait_for_step
         self.hf_config, self.dtype, self.config, self.info = worker.hf_config, worker.dtype, worker.config, worker.info
         self.runner, self.pooler = worker.runner, worker.pooler
         self.detokenizer = detokenizer or Detokenizer.load(model_config)

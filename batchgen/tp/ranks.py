@@ -164,6 +164,13 @@ class Followers:
             raise failure from None
         self.check()
 
+    def wait_for_step(self, done: torch.cuda.Event) -> None:
+        """Waits for a step's event, raising the failure the watchdog saw: a step whose NCCL collective waits for
+        a dead follower never completes, so a blocking synchronize would never return."""
+        while not done.query():
+            self.check()
+            time.sleep(0)  # lets the watchdog thread run
+
     def send(self, step: SchedulerOutput, pooling: bool = False) -> None:
         self.sender.send(step, pooling)
 

@@ -144,6 +144,8 @@ class ModelRunner:
         # The latest step's sampled ids stay on the device as the next step's inputs; the host learns them later.
         self.pending_tokens = PendingTokens(config.max_step_rows, device)
         self._pinned = device.type == "cuda"
+        # How `collect` waits for a step's event; tensor-parallel rank 0 watches its followers while it waits.
+        self.wait_for_step: Callable[[torch.cuda.Event], None] = torch.cuda.Event.synchronize
         self.vocab_size = model.config.vocab_size
         # Rows of logits scored at once: by torch, and by the fused kernel (which makes no copy of them)
         self.logprobs_slice_rows = SliceRows(logprobs_slice_rows(self.vocab_size, LOGPROBS_BYTES_PER_LOGIT),
@@ -355,7 +357,7 @@ class ModelRunner:
         """Waits for a launched step; its sampled ids are parallel to the step's requests."""
         start = time.perf_counter()
         if launched.done is not None:
-            launched.done.synchronize()
+            self.wait_for_step(launched.done)
         wait_ms = (time.perf_counter() - start) * 1000
         forward_ms, sample_ms = launched.timer.intervals_ms()
         token_ids = [-1] * launched.num_seqs

@@ -78,11 +78,14 @@ def main() -> None:
                              tp=TensorParallel(spec.rank, spec.size, group.collectives),
                              agree_min=group.control.agree_min)
         follow(worker, group.control, mirror)
-        group.shutdown()
     except RuntimeError:
         if rank_0_alive(parent):
             raise
         sys.exit(1)  # rank 0 went away mid-collective: it reports what happened
+    # The communicators and the CUDA state end with the process: a follower that tore its groups down first did
+    # not exit within ranks.EXIT_SECONDS on two H100s. Rank 0 releases its side once this process is gone.
+    logging.shutdown()
+    os._exit(0)
 
 
 def rank_0_alive(parent: int) -> bool:

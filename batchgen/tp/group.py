@@ -151,9 +151,9 @@ class RankGroup:
             backend.abort()
 
     def shutdown(self) -> None:
-        """Releases the communicators once every rank is done with them (NCCL warns of a group left undestroyed).
-        An NCCL group is aborted rather than shut down: nothing runs on it after the stop, and shutting down one
-        that CUDA graphs captured did not return on two H100s."""
+        """Rank 0, once its followers have exited: releases its side of the communicators (NCCL warns of a group
+        left undestroyed). An NCCL group is aborted rather than shut down: nothing runs on it any more, and shutting
+        down one that CUDA graphs captured did not return on two H100s."""
         device_backend = self.collectives.backend
         if device_backend.name() == "nccl":
             device_backend.abort()

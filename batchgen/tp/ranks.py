@@ -182,11 +182,12 @@ class Followers:
             return
         self._closing = True
         atexit.unregister(self.close)
+        stopped = False
         if graceful and self.group is not None and self.failure is None and all(p.poll() is None
                                                                                  for p in self.processes):
             with contextlib.suppress(RuntimeError):  # a follower that just died: the others are killed below
                 self.sender.stop()
-                self.group.shutdown()  # as the followers do theirs, on the stop
+                stopped = True
         deadline = time.monotonic() + (EXIT_SECONDS if graceful else 0.0)
         for process in self.processes:
             try:
@@ -196,3 +197,6 @@ class Followers:
                     log.warning("tensor-parallel follower pid %d did not stop: killing it", process.pid)
                 process.kill()
                 process.wait()
+        if stopped:
+            with contextlib.suppress(RuntimeError):
+                self.group.shutdown()  # the followers have exited: nothing runs on the groups any more

@@ -177,15 +177,23 @@ class LastPacked:
         """SamplingBatch.prepare, reusing the previous step's rows where it can."""
         if histories is not None:
             return SamplingBatch.prepare(params, positions, state, histories)
-        last = self.batch
-        if last is not None and len(params) == len(self.params) and all(map(operator.is_, params, self.params)):
-            ints = last.ints.copy()  # the floats are never written, the ints only here, on a copy
-            ints[_POSITION] = positions
-            batch = replace(last, ints=ints)
-        else:
+        batch = self.repeat(params, positions)
+        if batch is None:
             batch = SamplingBatch.prepare(params, positions)
-        self.params, self.batch = params, batch
+            self.params, self.batch = params, batch
         return batch
+
+    def repeat(self, params: list[SamplingParams], positions: Sequence[int] | np.ndarray) -> SamplingBatch | None:
+        """The previous batch with these positions, when its rows had these very parameters; else None. Such rows use
+        no penalty state (the previous batch had none, and that depends on the parameters alone), so a caller may
+        ask this before it gathers the rows' token histories."""
+        last = self.batch
+        if last is None or len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
+            return None
+        ints = last.ints.copy()  # the floats are never written, the ints only here, on a copy
+        ints[_POSITION] = positions
+        self.params, self.batch = params, replace(last, ints=ints)
+        return self.batch
 
 
 @dataclass(frozen=True)

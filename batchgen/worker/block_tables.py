@@ -6,6 +6,7 @@ that was the largest host cost of a decode step. A request's row is rewritten fr
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,23 +19,40 @@ class BlockTables:
     def __init__(self, width: int, rows: int = 64):
         self.table = np.zeros((rows, width), dtype=np.int32)  # (rows, max_blocks_per_seq)
         self._rows = RequestRows(_Entry, range(rows))
+        self._last: _LastStep | None = None
 
     def rows(self, requests: list[Request]) -> np.ndarray:
         """The table row of each request, its new blocks written first."""
-        rows = []
-        held = self._rows.held  # bound once: this runs for every row of every step
-        for request in requests:
-            entry = held(request) or self._rows.entry(request, self._grow)[0]
-            if entry.preemptions != request.num_preemptions:  # recomputed into new blocks: rewrite the row
-                entry.written, entry.preemptions = 0, request.num_preemptions
-            blocks = request.block_ids
-            if len(blocks) > entry.written:
-                self.table[entry.row, entry.written:len(blocks)] = blocks[entry.written:]
-                entry.written = len(blocks)
-            rows.append(entry.row)
-        return np.array(rows, dtype=np.int64)
+        num_blocks = np.array([len(request.block_ids) for request in requests], dtype=np.int64)
+        preemptions = [request.num_preemptions for request in requests]
+        last = self._last
+        if (last is not None and len(requests) == len(last.requests)
+                and all(map(operator.is_, requests, last.requests)) and preemptions == last.preemptions):
+            # The previous call's requests, none preempted since (most decode steps): blocks are only appended, so
+            # only the rows whose block count grew are written.
+            for index in np.flatnonzero(num_blocks != last.num_blocks).tolist():
+                self._write(requests[index])
+            rows = last.rows
+        else:
+            write = self._write
+            rows = np.array([write(request) for request in requests], dtype=np.int64)
+        self._last = _LastStep(requests, preemptions, num_blocks, rows)
+        return rows
+
+    def _write(self, request: Request) -> int:
+        """Writes the request's blocks not yet in its row (all of them after a preemption); returns the row."""
+        entry = self._rows.held(request) or self._rows.entry(request, self._grow)[0]
+        if entry.preemptions != request.num_preemptions:  # recomputed into new blocks: rewrite the row
+            entry.written, entry.preemptions = 0, request.num_preemptions
+        blocks = request.block_ids
+        if len(blocks) > entry.written:
+            self.table[entry.row, entry.written:len(blocks)] = blocks[entry.written:]
+            entry.written = len(blocks)
+        return entry.row
 
     def release(self, requests: list[Request]) -> None:
+        if requests:
+            self._last = None  # a released row may go to another request
         self._rows.release(requests)
 
     def _grow(self) -> range:
@@ -48,3 +66,13 @@ class _Entry:
     row: int
     written: int = 0  # blocks of the request already in the row
     preemptions: int = 0
+
+
+@dataclass(slots=True)
+class _LastStep:
+    """The requests of the latest `rows` call, their preemption and block counts then, and their rows."""
+
+    requests: list[Request]
+    preemptions: list[int]
+    num_blocks: np.ndarray
+    rows: np.ndarray

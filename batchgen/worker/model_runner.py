@@ -231,8 +231,12 @@ class ModelRunner:
     def launch(self, step: SchedulerOutput) -> LaunchedStep:
         """Queues the step's forward and sampling on the device without waiting for them."""
         start = time.perf_counter()
-        sample_requests = [r for r, samples in zip(step.requests, step.samples, strict=True) if samples]
-        sampling = self._step_sampling(sample_requests)
+        if all(step.samples):  # every decode step
+            sample_requests, positions = step.requests, step.computed_ends
+        else:
+            sample_requests = [r for r, samples in zip(step.requests, step.samples, strict=True) if samples]
+            positions = [end for end, samples in zip(step.computed_ends, step.samples, strict=True) if samples]
+        sampling = self._step_sampling(sample_requests, positions)
         graphed = self.graphs is not None and _is_pure_decode(step) and sampling.fixed_shape
         graph_size = self.graphs.padded_size(step.num_seqs) if graphed else None
         width = self.block_table_width if graph_size else None
@@ -297,9 +301,11 @@ class ModelRunner:
         return LaunchedStep(step.num_seqs, [], torch.empty(0, dtype=torch.int64), done, timer, prepare_ms, None,
                             False, pooled=pooled)
 
-    def _step_sampling(self, requests: list[Request]) -> SamplingBatch:
+    def _step_sampling(self, requests: list[Request], positions: list[int]) -> SamplingBatch:
+        """positions: each request's num_tokens, the index of the token it samples (its step's computed end)."""
         params = [r.sampling_params for r in requests]
-        positions = [r.num_tokens for r in requests]
+        if (batch := self._last_packed.repeat(params, positions)) is not None:  # most decode steps
+            return batch
         histories = token_histories(requests, params)
         if histories is not None and self.sampling_state is None:
             self.sampling_state = SamplingState(self.vocab_size, self.device)

@@ -4,6 +4,8 @@ embedding reads them where the sampler wrote them (`InputIdsWithPending`), so no
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 
@@ -17,20 +19,32 @@ class PendingTokens:
 
     def __init__(self, max_rows: int, device: torch.device):
         self.ids = torch.zeros(max_rows, dtype=torch.int64, device=device)  # the latest step's, by sampling row
-        self._rows: dict[int, int] = {}  # id(request) -> its row in ids
+        self._sampled: list[Request] = []  # the latest step's sampling requests, by their row in ids
+        self._rows: dict[int, int] | None = {}  # id(request) -> its row in ids; None until a lookup needs it
 
     def sampled(self, requests: list[Request], sample_rows: list[int]) -> None:
         """The step just launched samples requests[sample_rows[i]]'s next token into ids[i]."""
-        self._rows = {id(requests[row]): i for i, row in enumerate(sample_rows)}
+        # sample_rows ascend, so when every request samples (a decode step), row i is request i.
+        self._sampled = requests if len(sample_rows) == len(requests) else [requests[row] for row in sample_rows]
+        self._rows = None
 
     def row(self, request: Request) -> int:
-        return self._rows[id(request)]
+        return self._row_of()[id(request)]
 
     def rows(self, requests: list[Request], token_ids: list[int]) -> np.ndarray:
         """(T,) int64 for one token per request: its row in ids where it is pending, else -1."""
-        rows = self._rows
+        sampled = self._sampled
+        if (len(requests) == len(sampled) and all(map(operator.is_, requests, sampled))
+                and token_ids.count(PENDING_TOKEN) == len(token_ids)):
+            return np.arange(len(requests), dtype=np.int64)  # the previous decode step's rows, all still pending
+        rows = self._row_of()
         return np.array([rows[id(request)] if token_id == PENDING_TOKEN else -1
                          for request, token_id in zip(requests, token_ids, strict=True)], dtype=np.int64)
+
+    def _row_of(self) -> dict[int, int]:
+        if self._rows is None:
+            self._rows = {id(request): i for i, request in enumerate(self._sampled)}
+        return self._rows
 
     def input_ids(self, ids: torch.Tensor, pending_rows: torch.Tensor) -> InputIdsWithPending:
         """A step's ids on the device as the model takes them."""

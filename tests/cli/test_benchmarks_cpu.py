@@ -36,6 +36,14 @@ def test_profile_prefill_host_times_every_part_of_both_step_kinds(tmp_path):
                                               "forward_launch", "sample_launch", "commit"))
 
 
+def test_decode_host_tiny_splits_the_full_decode_steps_host_time(tmp_path):
+    run_benchmark("decode_host", tmp_path, "--tiny")
+    result = json.loads((tmp_path / "decode_host_tiny.json").read_text())["result"]
+    assert result["full_decode_steps"] > 0 and result["num_seqs"] >= 0.9 * 64
+    assert result["host_ms"] == pytest.approx(result["schedule_ms"] + result["prepare_ms"] + result["outside_ms"])
+    assert result["schedule_ms"] > 0 and result["prepare_ms"] > 0
+
+
 def test_pytest_gpu_deals_every_file_once_into_balanced_groups():
     from collections import Counter
 

@@ -234,6 +234,20 @@ def test_a_repeated_step_reuses_its_packed_rows_with_the_new_positions():
     assert previous.floats is not reused_floats  # other rows, or another order: packed afresh
 
 
+def test_repeat_moves_the_previous_batch_only_for_the_very_same_parameters():
+    params, others = mixed_params(4), mixed_params(4)
+    for i, (p, other) in enumerate(zip(params, others, strict=True)):
+        p.seed = other.seed = 7 + i
+    last = LastPacked()
+    assert last.repeat(params, np.arange(4)) is None  # nothing packed yet
+    packed = last.prepare(params, np.arange(4))
+    moved = last.repeat(list(params), np.arange(4) + 1)
+    assert moved.floats is packed.floats
+    assert np.array_equal(moved.ints, SamplingBatch.prepare(params, np.arange(4) + 1).ints)
+    assert last.repeat(others, np.arange(4)) is None  # equal values, other objects
+    assert last.repeat(params[:3], np.arange(3)) is None
+
+
 def test_each_field_reaches_the_device_under_its_name():
     params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
                              presence_penalty=0.5, frequency_penalty=-0.25, min_tokens=4),

@@ -68,3 +68,22 @@ def test_held_finds_only_requests_that_hold_a_row():
     assert taken and rows.held(a) is entry
     rows.release([a])
     assert rows.held(a) is None
+
+
+def test_the_same_requests_again_write_only_their_new_blocks_and_a_preemption_still_rewrites():
+    tables = BlockTables(width=8)
+    a, b = request(0, [5]), request(1, [7, 3])
+    rows = tables.rows([a, b]).tolist()
+    b.block_ids.append(4)
+    assert tables.rows([a, b]).tolist() == rows and table_of(tables, [a, b]) == [[5], [7, 3, 4]]
+    a.block_ids, a.num_preemptions = [6], 1  # recomputed into as many blocks as it held
+    assert table_of(tables, [a, b]) == [[6], [7, 3, 4]]
+
+
+def test_a_released_row_given_to_a_new_request_is_written_for_it():
+    tables = BlockTables(width=4, rows=1)
+    old = request(0, [5, 6])
+    tables.rows([old])
+    tables.release([old])
+    new = request(1, [8, 9])
+    assert table_of(tables, [new]) == [[8, 9]]

@@ -26,3 +26,12 @@ def test_the_next_launch_replaces_the_rows():
     pending.sampled([first, second], [0, 1])
     pending.sampled([first, second], [1])
     assert pending.rows([first, second], [5, PENDING_TOKEN]).tolist() == [-1, 0]
+
+
+def test_a_decode_step_of_the_previous_steps_requests_reads_row_i_for_request_i():
+    requests = [Request(i, [1], SamplingParams()) for i in range(3)]
+    pending = PendingTokens(3, torch.device("cpu"))
+    pending.sampled(requests, [0, 1, 2])
+    assert pending.rows(list(requests), [PENDING_TOKEN] * 3).tolist() == [0, 1, 2]
+    assert pending.rows(requests[::-1], [PENDING_TOKEN] * 3).tolist() == [2, 1, 0]
+    assert pending.rows(requests, [PENDING_TOKEN, 4, PENDING_TOKEN]).tolist() == [0, -1, 2]

@@ -191,7 +191,8 @@ def main() -> None:
     for name, (n, k, per_step) in shapes.items():
         weights = weight_copies(n, k, dtype, args.rotate_mib * 2**20)
         for m in args.ms:
-            config = default_config(n, k, dtype.itemsize, launch_thread_cap(torch.device("cuda")), block_m(m))
+            cap = launch_thread_cap(torch.device("cuda"))
+            config = default_config(n, k, dtype.itemsize, cap, block_m(m))
             x = torch.randn(m, k, device="cuda").to(dtype)
             check(x, weights[0])
             cublas_ms = graph_ms_per_call(lambda w, x=x: F.linear(x, w), weights, args.calls, args.replays)
@@ -200,7 +201,7 @@ def main() -> None:
             results.append({"layer": name, "n": n, "k": k, "m": m, "per_step": per_step, "config": config._asdict(),
                             "cublas_ms": cublas_ms, "triton_ms": triton_ms, "cublas_gbs": gb / cublas_ms * 1e3,
                             "triton_gbs": gb / triton_ms * 1e3,
-                            "engine_path": "triton" if beats_cublas(m, n, n * k * dtype.itemsize) else "cuBLAS"})
+                            "engine_path": "triton" if beats_cublas(m, n, k, dtype.itemsize, cap) else "cuBLAS"})
             print(f"done {name} m={m}", file=sys.stderr, flush=True)
         del weights
         torch.cuda.empty_cache()

@@ -1,11 +1,12 @@
 """Linear layers with fp8 weights: float8_e4m3fn values and one float32 scale per output channel.
 
 `Fp8Linear` computes x @ (weight * weight_scale[:, None]).T + bias in two ways, by the number of rows of x:
-- at most linear_triton.MAX_M rows (decode): the Triton GEMV reads the fp8 weight, half the bytes of bf16, and
+- one row, or at most linear_triton.MAX_M rows whose tile fits in registers (`linear_triton.tile_fits`; decode):
+  the Triton GEMV reads the fp8 weight, half the bytes of bf16, and
   upcasts it in the kernel; x stays in the model's dtype (weight-only quantization). It runs in eager steps too, so
   that eager and graph decode compute the same; it also takes the residual add + RMSNorm and SiLU-and-mul fusions
   (layers/fused.py), as `Linear`'s GEMV does.
-- more rows (prefill, large decode batches): x is quantized to fp8 with one scale per row (token), and
+- other row counts (prefill, larger decode batches): x is quantized to fp8 with one scale per row (token), and
   torch._scaled_mm multiplies on the tensor cores, with the row and channel scales applied to its fp32 sums.
 Both need a GPU of compute capability 8.9 or later (Ada, Hopper): elsewhere `fp8_loading` dequantizes the weights at
 load. On CPU, `forward` runs the _scaled_mm path through torch's CPU kernels (for tests).
@@ -127,7 +128,9 @@ class Fp8Linear(nn.Module):
         """Whether a (rows, features) input x goes through the Triton GEMV."""
         if x.device.type != self._gemv_device_type or x.dim() != 2 or x.shape[0] == 0:
             return False
-        return x.shape[0] <= self._kernels().MAX_M
+        kernels, rows = self._kernels(), x.shape[0]
+        return rows == 1 or (rows <= kernels.MAX_M and kernels.tile_fits(
+            rows, self.out_features, self.in_features, 1, kernels.launch_thread_cap(x.device)))
 
     @staticmethod
     def _kernels() -> ModuleType:

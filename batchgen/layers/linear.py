@@ -36,7 +36,8 @@ class Linear(nn.Linear):
         """Whether a (rows, features) input x goes through the Triton GEMV."""
         return (self._kernels is not None and x.device.type == self._kernel_device_type and x.dim() == 2
                 and x.shape[0] > 0
-                and self._kernels.beats_cublas(x.shape[0], self.out_features, self.weight.nbytes))
+                and self._kernels.beats_cublas(x.shape[0], self.out_features, self.in_features,
+                                               self.weight.element_size(), self._kernels.launch_thread_cap(x.device)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         return self.project(x, self.bias)

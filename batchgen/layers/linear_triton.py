@@ -36,12 +36,29 @@ def block_m(m: int) -> int:
     return triton.next_power_of_2(m)
 
 
-def beats_cublas(m: int, n: int, weight_bytes: int) -> bool:
-    """Whether an m-row launch on an (n, k) weight of weight_bytes should take this kernel rather than cuBLAS: for
-    weights that are not tiny, at M = 1 always, else if the launch's row tile times N is small."""
-    if weight_bytes < MIN_WEIGHT_BYTES or m > MAX_M:
+def beats_cublas(m: int, n: int, k: int, element_size: int, max_threads: int | None = None) -> bool:
+    """Whether an m-row launch on an (n, k) weight should take this kernel rather than cuBLAS: for weights that are
+    not tiny, at M = 1 always, else if the launch's row tile times N is small and its tile fits (`tile_fits`).
+    max_threads: as default_config's."""
+    if n * k * element_size < MIN_WEIGHT_BYTES or m > MAX_M:
         return False
-    return m == 1 or block_m(m) * n <= MAX_OUTPUTS
+    return m == 1 or (block_m(m) * n <= MAX_OUTPUTS and tile_fits(m, n, k, element_size, max_threads))
+
+
+# The most products (row tile x BLOCK_N x BLOCK_K, fp32) that one thread of a multi-row launch holds in a K step.
+# Past it the tile spills out of registers and the launch runs many times slower than cuBLAS: Llama-3.1-8B's o_proj
+# and down_proj at M = 4 hold 2,048 and doubled the step, its fp8 weights at M = 8 made it 80 times slower
+# (benchmarks/RESULTS.md, 2026-11-27), while Qwen3-0.6B's gate/up at M = 4 (1,024) still beat cuBLAS.
+MAX_TILE_PER_THREAD = 1024
+
+
+@functools.cache
+def tile_fits(m: int, n: int, k: int, element_size: int, max_threads: int | None = None) -> bool:
+    """Whether an m-row launch's tile, with default_config's launch parameters, stays within MAX_TILE_PER_THREAD
+    products a thread."""
+    rows = block_m(m)
+    config = default_config(n, k, element_size, max_threads, rows)
+    return rows * config.block_n * config.block_k <= MAX_TILE_PER_THREAD * 32 * config.num_warps
 
 
 class LinearConfig(NamedTuple):

@@ -22,6 +22,7 @@ from tests.helpers.common import MOE_ARCHITECTURES, NATIVE_ARCHITECTURES
 from tests.helpers.paged import PagedTestCache
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+H100_THREAD_CAP = 132 * 2048 // 4  # linear_triton.launch_thread_cap on an H100 or H200: 132 SMs of 2,048 threads
 
 
 def test_linear_is_a_drop_in_nn_linear() -> None:
@@ -125,14 +126,32 @@ def test_models_build_their_projections_from_linear(
 def test_gemv_takes_single_rows_and_small_launches_only() -> None:
     from batchgen.layers.linear_triton import MAX_M, beats_cublas
 
-    mib = 2**20
-    assert beats_cublas(1, 151936, 300 * mib) and not beats_cublas(2, 151936, 300 * mib)  # lm_head: a single row only
-    assert beats_cublas(MAX_M, 1024, 2 * mib) and not beats_cublas(MAX_M + 1, 1024, 2 * mib)
+    bf16 = 2
+    assert beats_cublas(1, 151936, 1024, bf16) and not beats_cublas(2, 151936, 1024, bf16)  # lm_head: a single row
+    assert beats_cublas(MAX_M, 1024, 1024, bf16) and not beats_cublas(MAX_M + 1, 1024, 1024, bf16)
     # Qwen3-0.6B's qkv (4096 rows) and gate/up (6144) projections: up to M = 4 (a tile of 4 rows for M = 3 too).
     for n in (4096, 6144):
-        assert all(beats_cublas(m, n, n * 2048) for m in (2, 3, 4)) and not beats_cublas(MAX_M, n, n * 2048)
+        assert all(beats_cublas(m, n, 1024, bf16, H100_THREAD_CAP) for m in (2, 3, 4))
+        assert not beats_cublas(MAX_M, n, 1024, bf16, H100_THREAD_CAP)
     # The main job's 128-wide GPT-2: every weight is tiny, cuBLAS reads it as fast and nothing compiles.
-    assert not beats_cublas(1, 512, 512 * 128 * 4) and not beats_cublas(1, 66, 66 * 128 * 4)
+    assert not beats_cublas(1, 512, 128, 4) and not beats_cublas(1, 66, 128, 4)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the dispatch rule lives beside the Triton kernel")
+def test_gemv_leaves_tiles_that_would_spill_to_cublas() -> None:
+    from batchgen.layers.linear_triton import MAX_TILE_PER_THREAD, beats_cublas, block_m, default_config, tile_fits
+
+    bf16 = 2
+    # Llama-3.1-8B's o_proj (4096 x 4096) at M = 4 on an H100: 16-row programs hold 2,048 products a thread.
+    config = default_config(4096, 4096, bf16, H100_THREAD_CAP, block_m(4))
+    assert 4 * config.block_n * config.block_k > MAX_TILE_PER_THREAD * 32 * config.num_warps
+    assert not beats_cublas(4, 4096, 4096, bf16, H100_THREAD_CAP)
+    assert beats_cublas(1, 4096, 4096, bf16, H100_THREAD_CAP)  # a single row keeps the kernel
+    assert beats_cublas(4, 6144, 4096, bf16, H100_THREAD_CAP)  # its qkv's programs are 2 rows: it fits
+    # Its qkv split over two tensor-parallel ranks (3072 x 4096) at M = 8.
+    assert not beats_cublas(8, 3072, 4096, bf16, H100_THREAD_CAP)
+    # fp8 weights (one byte): down_proj (4096 x 14336) at M = 8 does not fit, at M = 1 the rule does not apply.
+    assert not tile_fits(8, 4096, 14336, 1, H100_THREAD_CAP)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the row tile lives beside the Triton kernel")

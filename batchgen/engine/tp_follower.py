@@ -85,6 +85,8 @@ def main() -> None:
     # The communicators and the CUDA state end with the process: a follower that tore its groups down first did
     # not exit within ranks.EXIT_SECONDS on two H100s. Rank 0 releases its side once this process is gone.
     logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 

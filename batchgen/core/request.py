@@ -60,6 +60,11 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None
     # prompt_array's value, made on its first use (a slots class has no instance dict for cached_property).
     _prompt_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    # Set by the scheduler when it receives the request, so that its per-step checks read one attribute each: the
+    # output count that ends it on length (max_tokens, or the tokens max_model_len leaves after the prompt), and the
+    # sampled ids that end it on stop (its eos_token_id unless ignore_eos, and stop_token_ids).
+    max_num_outputs: int = field(default=0, init=False, repr=False, compare=False)
+    stop_token_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     @property
     def num_prompt_tokens(self) -> int:

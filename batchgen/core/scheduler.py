@@ -114,12 +114,6 @@ class _StepBuilder:
     preempted: list[Request] = field(default_factory=list)
     num_cached_tokens: int = 0
 
-    def add_decode(self, request: Request) -> None:
-        self.decodes.append(request)
-        self.decode_ends.append(request.num_computed_tokens + 1)
-        self.decode_slots.append(len(request.output_token_ids))
-        self.budget -= 1
-
     def add_prefill(self, request: Request, num_tokens: int) -> None:
         self.prefills.append((request, num_tokens))
         self.budget -= num_tokens
@@ -189,6 +183,10 @@ class Scheduler:
         if error is not None:
             raise ValueError(f"request {request.request_id} can never run: {error}")
         request.status = RequestStatus.WAITING
+        params = request.sampling_params
+        request.max_num_outputs = min(params.max_tokens, self.config.max_model_len - request.num_prompt_tokens)
+        eos = () if request.eos_token_id is None or params.ignore_eos else (request.eos_token_id,)
+        request.stop_token_set = frozenset((*eos, *params.stop_token_ids))
         self.block_manager.hash_prompt(request)
         request.prompt_array  # noqa: B018 (made now, between steps: the prefill step slices it)
         if self._waits_for_first_sample(request):
@@ -218,16 +216,24 @@ class Scheduler:
 
     def advance(self, output: SchedulerOutput) -> None:
         """The step is launched: its tokens count as computed, and each sampled token gets a pending slot."""
-        for request, num_tokens, samples in zip(output.requests, output.num_scheduled_tokens, output.samples,
-                                                strict=True):
+        # The decodes come first, each one token that samples; then the prefill chunks.
+        requests, first_chunk = output.requests, output.num_decode_tokens
+        for request in islice(requests, first_chunk):
+            request.num_computed_tokens += 1
+            request.output_token_ids.append(PENDING_TOKEN)
+        if first_chunk == len(requests):
+            return
+        chunks = requests[first_chunk:]
+        for request, num_tokens, samples in zip(chunks, output.num_scheduled_tokens[first_chunk:],
+                                                output.samples[first_chunk:], strict=True):
             request.num_computed_tokens += num_tokens
             if samples:
                 request.output_token_ids.append(PENDING_TOKEN)
-        # The prefill chunks follow the decodes. A request whose KV now lacks only its last token decodes from here on:
-        # one that samples, or a recompute whose chunk stopped one token short of its sequence.
-        prefilling, first_chunk = self._prefilling, output.num_decode_tokens
+        # A request whose KV now lacks only its last token decodes from here on: one that samples, or a recompute
+        # whose chunk stopped one token short of its sequence.
+        prefilling = self._prefilling
         if prefilling:
-            for request, samples in zip(output.requests[first_chunk:], output.samples[first_chunk:], strict=True):
+            for request, samples in zip(chunks, output.samples[first_chunk:], strict=True):
                 if samples or request.is_decoding:
                     prefilling.pop(id(request), None)
 
@@ -240,7 +246,7 @@ class Scheduler:
         finished = []
         block_manager = self.block_manager
         caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
-        max_model_len, finished_status = self.config.max_model_len, RequestStatus.FINISHED
+        finished_status = RequestStatus.FINISHED
         for request, samples, slot, computed_end, token_id in zip(
             output.requests, output.samples, output.output_slots, output.computed_ends, sampled_token_ids, strict=True
         ):
@@ -251,8 +257,9 @@ class Scheduler:
                 block_manager.cache_full_blocks(request, min(computed_end, request.num_computed_tokens))
             if not samples:
                 continue
-            params = request.sampling_params
-            if params.max_tokens == 0:  # scoring: its prompt is computed, the prompt logprobs are the result
+            max_num_outputs = request.max_num_outputs
+            if max_num_outputs == 0 and request.sampling_params.max_tokens == 0:
+                # scoring: its prompt is computed, the prompt logprobs are the result
                 self._mark_finished(request, "length", now)
                 finished.append(request)
                 if self._siblings:
@@ -263,11 +270,9 @@ class Scheduler:
                 request.first_token_time = now
                 if self._siblings:
                     self._release_siblings(request)
-            num_outputs = slot + 1
-            if (token_id == request.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+            if token_id in request.stop_token_set:
                 reason = "stop"
-            elif (num_outputs >= params.max_tokens
-                  or len(request.prompt_token_ids) + num_outputs >= max_model_len):
+            elif slot >= max_num_outputs - 1:  # slot + 1 outputs
                 reason = "length"
             else:
                 continue
@@ -335,30 +340,36 @@ class Scheduler:
         # Preemption pops the latest admitted requests off `running`: iterating it directly they are never reached;
         # in the copy of the prefilling ones their status says they left.
         candidates = self.running if decodes else list(prefilling.values())
-        block_size, max_model_len = self.block_manager.block_size, self.config.max_model_len
+        block_size = self.block_manager.block_size
+        # The step's decode rows and budget, kept in locals: this loop runs for every row of a decode step.
+        add_decode, add_end, add_slot = step.decodes.append, step.decode_ends.append, step.decode_slots.append
+        budget = step.budget
         for request in candidates:
-            if step.budget <= 0:
-                return
+            if budget <= 0:
+                break
             if request.status is not running_status:
                 continue
             decoding = not prefilling or id(request) not in prefilling
             if not (decodes if decoding else prefills):
                 continue
-            outputs = request.output_token_ids
-            num_prompt_tokens = len(request.prompt_token_ids)
-            if outputs and (len(outputs) >= request.sampling_params.max_tokens
-                            or num_prompt_tokens + len(outputs) >= max_model_len):
+            num_outputs = len(request.output_token_ids)
+            if num_outputs and num_outputs >= request.max_num_outputs:
                 continue  # its pending token ends it, whatever the token is
             num_computed = request.num_computed_tokens
-            num_new = 1 if decoding else min(num_prompt_tokens + len(outputs) - num_computed, step.budget)
+            num_new = 1 if decoding else min(len(request.prompt_token_ids) + num_outputs - num_computed, budget)
             # Most decodes: the token fits the request's last block.
             if (num_computed + num_new > len(request.block_ids) * block_size
                     and not self._allocate_or_preempt(request, num_new, step)):
-                return  # it preempted itself: it was the last running request
+                break  # it preempted itself: it was the last running request
             if decoding:
-                step.add_decode(request)
+                add_decode(request)
+                add_end(num_computed + 1)
+                add_slot(num_outputs)
+                budget -= 1
             else:
-                step.add_prefill(request, num_new)
+                step.prefills.append((request, num_new))
+                budget -= num_new
+        step.budget = budget
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
         """Allocates blocks for the request's next tokens, preempting the latest admitted requests until they fit."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, islice
 from typing import NamedTuple
 
 import numpy as np
@@ -59,9 +59,12 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
     rows = tables.rows(requests)  # before reading tables.table: it may grow
     block_tables = tables.table[rows, :width]
     seq_lens = np.array(ends, dtype=np.int64)
-    sample_rows = [row for row, samples in enumerate(step.samples) if samples]
+    # The decodes come first, each sampling; then the prefill chunks.
+    num_decodes, samples = step.num_decode_tokens, step.samples
+    sample_rows = list(range(num_decodes))
+    sample_rows += [row for row in range(num_decodes, num_rows) if samples[row]]
     if sum(counts) == num_rows:  # one token each: the decode shape, whose token i is query i
-        tokens = _one_token_each(requests, ends, seq_lens, pending)
+        tokens = _one_token_each(requests, num_decodes, ends, seq_lens, pending)
         query_start_loc = np.arange(num_rows + 1, dtype=np.int32)
         sample_token_index = np.array(sample_rows, dtype=np.int64)
         max_query_len = 1
@@ -96,13 +99,14 @@ class _Tokens(NamedTuple):
     pending_rows: np.ndarray | None  # as StepInputs.pending_rows
 
 
-def _one_token_each(requests: list[Request], ends: list[int], seq_lens: np.ndarray,
+def _one_token_each(requests: list[Request], num_decodes: int, ends: list[int], seq_lens: np.ndarray,
                     pending: PendingTokens | None) -> _Tokens:
     """The decode-shaped step: each request's token at position end - 1 (Request.token_id, inlined: this runs for
-    every row of every decode step)."""
-    token_ids = [request.output_token_ids[end - 1 - len(request.prompt_token_ids)]
-                 if end > len(request.prompt_token_ids) else request.prompt_token_ids[end - 1]
-                 for request, end in zip(requests, ends, strict=True)]
+    every row of every decode step). A decode's token is its last output slot: only that token's KV is missing."""
+    token_ids = [request.output_token_ids[-1] for request in islice(requests, num_decodes)]
+    token_ids += [request.output_token_ids[end - 1 - len(request.prompt_token_ids)]
+                  if end > len(request.prompt_token_ids) else request.prompt_token_ids[end - 1]
+                  for request, end in zip(requests[num_decodes:], ends[num_decodes:], strict=True)]
     # Only the previous step's tokens can still be pending: earlier ones are committed.
     pending_rows = pending.rows(requests, token_ids) if PENDING_TOKEN in token_ids else None
     return _Tokens(np.array(token_ids, dtype=np.int64), seq_lens - 1, np.arange(len(ends)), pending_rows)

@@ -264,6 +264,17 @@ def test_max_model_len_stops_with_length():
     assert short.first_token_time is not None and short.finish_time >= short.first_token_time
 
 
+def test_a_pending_token_that_reaches_max_model_len_is_not_scheduled_past():
+    # Launched steps not yet committed (async scheduling): the second output fills max_model_len whatever it is.
+    scheduler = make_scheduler(max_model_len=12)
+    (request,) = add_requests(scheduler, [10], max_tokens=100)
+    for kind in ("prefill", "decode"):
+        step = scheduler.schedule()
+        assert step.kind == kind
+        scheduler.advance(step)
+    assert scheduler.schedule().is_empty and request.output_token_ids == [PENDING_TOKEN, PENDING_TOKEN]
+
+
 def test_admission_error():
     scheduler = make_scheduler(max_model_len=100, num_blocks=10, block_size=4)
     assert scheduler.admission_error(make_request(0, 100, max_tokens=1)) is not None  # 101 tokens > 40 slots

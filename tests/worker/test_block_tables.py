@@ -52,7 +52,7 @@ def test_step_inputs_survive_the_table_growing_mid_step():
     requests = [request(i, [i, 100 + i]) for i in range(5)]
     for r in requests:
         r.num_computed_tokens = 2
-    step = SchedulerOutput(requests, [1] * 5, [], 0, 5)
+    step = SchedulerOutput(requests, [1] * 5, [], 5, 0)  # each request's last prompt token
     inputs = build_step_inputs(step, block_size=2, tables=BlockTables(width=4, rows=2))
     assert inputs.block_tables[:, :2].tolist() == [[i, 100 + i] for i in range(5)]
     assert inputs.slot_mapping.tolist() == [(100 + i) * 2 for i in range(5)]

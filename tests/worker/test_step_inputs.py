@@ -48,3 +48,21 @@ def test_a_chunk_past_the_prompt_joins_prompt_slices_in_order():
     assert inputs.input_ids.tolist() == [10, 11, 20, 21, 40, 41, 52, 53]
     assert inputs.positions.tolist() == [0, 1, 0, 1, 2, 3, 2, 3]
     assert not inputs.has_pending_tokens
+
+
+def test_a_decode_shaped_step_reads_decodes_last_slots_and_chunks_by_position():
+    # Two decodes (their last output slot: one committed, one pending) before a one-token chunk, a prompt's last
+    # token left after its cached blocks; the chunk samples too.
+    committed = Request(0, [10, 11], SamplingParams(), output_token_ids=[30, 31], block_ids=[0, 1],
+                        num_computed_tokens=3)
+    waiting = Request(1, [20, 21], SamplingParams(), output_token_ids=[40, PENDING_TOKEN], block_ids=[2, 3],
+                      num_computed_tokens=3)
+    chunk = Request(2, [50, 51, 52], SamplingParams(), block_ids=[4, 5], num_computed_tokens=2)
+    step = SchedulerOutput([committed, waiting, chunk], [1, 1, 1], [], 1, 2)
+    pending = PendingTokens(8, torch.device("cpu"))
+    pending.sampled([waiting], [0])
+    inputs = build_step_inputs(step, block_size=2, tables=BlockTables(width=2), pending=pending)
+    assert inputs.input_ids.tolist() == [31, PENDING_TOKEN, 52]
+    assert inputs.positions.tolist() == [3, 3, 2]
+    assert inputs.pending_rows.tolist() == [-1, 0, -1]
+    assert inputs.sample_rows == [0, 1, 2] and inputs.is_decode

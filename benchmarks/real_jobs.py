@@ -36,11 +36,16 @@ Each workload reports, from the process's wall clock and the run's summary.json 
   (padded_size), or, for eager decode steps (CPU, or rows a graph cannot run), of those with the same number of rows.
   Sampling is not in the floor. floor_ratio = process_s / floor_s.
 
+Bytecode: an ordinary pip install writes every package's bytecode at install time, but the GPU image's packages have
+none, so each process there would compile about 1,150 source files (2.2-2.4 s) first. The workloads share one
+PYTHONPYCACHEPREFIX folder (--pycache, kept between runs; written even where PYTHONDONTWRITEBYTECODE is set) so that
+only a process that finds it empty pays that, and each result says whether it found bytecode there (bytecode_warm).
+
 A workload that fails (a non-zero exit, or no result within --timeout) is reported as failed with its exit status and
 the last line of its output, and the next one runs. The table is printed last; the JSON goes to --out as
 real_jobs[_tiny][_<names>].json (names only when not every workload ran).
 
-Usage: python -m benchmarks.real_jobs [NAME ...] [--tiny] [--rows N] [--timeout S] [--out DIR]
+Usage: python -m benchmarks.real_jobs [NAME ...] [--tiny] [--rows N] [--timeout S] [--pycache DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -166,8 +171,9 @@ def last_line(output: str) -> str:
 
 
 def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float,
-                 extra: Sequence[str] = ()) -> dict[str, Any]:
-    """Writes the input, runs the job; its figures, or {"failed": ...} with the exit status and last output line."""
+                 extra: Sequence[str] = (), pycache: Path | None = None) -> dict[str, Any]:
+    """Writes the input, runs the job; its figures, or {"failed": ...} with the exit status and last output line.
+    pycache: the PYTHONPYCACHEPREFIX folder the job's bytecode is read from and written to (None: Python's own)."""
     directory.mkdir(parents=True)
     input_path = directory / "input.jsonl"
     if isinstance(workload.rows, TextRows):
@@ -180,6 +186,9 @@ def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float
         env = {"TRITON_CACHE_DIR": str(directory / "triton_cache"),
                "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor_cache")}
     result: dict[str, Any] = {"workload": workload.name, "rows": workload.rows.rows}
+    if pycache is not None:
+        env.update(PYTHONPYCACHEPREFIX=str(pycache), PYTHONDONTWRITEBYTECODE="")  # empty: unset, as pip install has it
+        result["bytecode_warm"] = pycache.is_dir() and any(pycache.iterdir())
     try:
         run = run_process(job_arguments(workload, input_path, run_dir, tiny, extra), env, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -279,6 +288,8 @@ def main() -> None:
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override for every workload (repeatable), e.g. engine.min_admit_rows=1")
     parser.add_argument("--tag", default="", help="a suffix for the JSON's name, to tell runs with --set apart")
+    parser.add_argument("--pycache", type=Path, default=Path(tempfile.gettempdir()) / "batchgen_real_jobs_pycache",
+                        help="the jobs' PYTHONPYCACHEPREFIX, kept between runs (default: %(default)s)")
     add_out_argument(parser)
     args = parser.parse_args()
     unknown = [name for name in args.names if name not in WORKLOADS]
@@ -292,13 +303,15 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="batchgen_real_jobs_") as tmp:
         for workload in workloads:
-            result = run_workload(workload, Path(tmp) / workload.name, args.tiny, args.timeout, args.extra)
+            result = run_workload(workload, Path(tmp) / workload.name, args.tiny, args.timeout, args.extra,
+                                  args.pycache)
             outcome = result.get("failed") or f"{result['process_s']:.1f} s"
             print(f"{workload.name}: {outcome}", flush=True)
             results.append(result)
     suffix = (("_tiny" if args.tiny else "") + ("" if names == list(catalogue) else "_" + "_".join(names))
               + (f"_{args.tag}" if args.tag else ""))
     settings = {"tiny": args.tiny, "rows": args.rows, "timeout": args.timeout, "overrides": args.extra,
+                "pycache": str(args.pycache),
                 "workloads": [asdict(w) for w in workloads]}
     env = environment()
     save_json(args.out, f"real_jobs{suffix}", {"environment": env, "settings": settings, "results": results})

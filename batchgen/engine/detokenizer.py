@@ -20,9 +20,9 @@ class Detokenizer:
         """tokenizer: a FastTokenizer or a transformers tokenizer (both encode, decode and know their eos)."""
         self.tokenizer = tokenizer
         self._stop_texts: dict[tuple[int, int], str] = {}  # text cut before the stop string, by (request id, sample)
-        # Requests with stop strings between add_request and remove_request: while there are none, a step's stop
-        # check is skipped instead of visiting each of its rows.
-        self._num_with_stop_strings = 0
+        # The keys of requests with stop strings between add_request and remove_request: while there are none, a
+        # step's stop check is skipped instead of visiting each of its rows.
+        self._with_stop_strings: set[tuple[int, int]] = set()
 
     @classmethod
     def load(cls, model: ModelConfig) -> Detokenizer | None:
@@ -62,17 +62,16 @@ class Detokenizer:
     def add_request(self, request: Request) -> None:
         """Counts a request whose stop strings the steps check, until `remove_request`."""
         if request.sampling_params.stop:
-            self._num_with_stop_strings += 1
+            self._with_stop_strings.add(request.key)
 
     def remove_request(self, request: Request) -> None:
         """The request's output is handed back: no later step checks its stop strings."""
-        if request.sampling_params.stop:
-            self._num_with_stop_strings -= 1
+        self._with_stop_strings.discard(request.key)
 
     @property
     def checks_stop_strings(self) -> bool:
         """Whether a request added and not yet removed has stop strings: else steps skip the stop check."""
-        return self._num_with_stop_strings > 0
+        return bool(self._with_stop_strings)
 
     def apply_stop_strings(self, step: SchedulerOutput, scheduler: Scheduler) -> list[Request]:
         """After `Scheduler.commit`: finishes requests whose text now ends in a stop string; returns those not

@@ -20,6 +20,9 @@ class Detokenizer:
         """tokenizer: a FastTokenizer or a transformers tokenizer (both encode, decode and know their eos)."""
         self.tokenizer = tokenizer
         self._stop_texts: dict[tuple[int, int], str] = {}  # text cut before the stop string, by (request id, sample)
+        # The keys of requests with stop strings between add_request and remove_request: while there are none, a
+        # step's stop check is skipped instead of visiting each of its rows.
+        self._with_stop_strings: set[tuple[int, int]] = set()
 
     @classmethod
     def load(cls, model: ModelConfig) -> Detokenizer | None:
@@ -56,9 +59,25 @@ class Detokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def add_request(self, request: Request) -> None:
+        """Counts a request whose stop strings the steps check, until `remove_request`."""
+        if request.sampling_params.stop:
+            self._with_stop_strings.add(request.key)
+
+    def remove_request(self, request: Request) -> None:
+        """The request's output is handed back: no later step checks its stop strings."""
+        self._with_stop_strings.discard(request.key)
+
+    @property
+    def checks_stop_strings(self) -> bool:
+        """Whether a request added and not yet removed has stop strings: else steps skip the stop check."""
+        return bool(self._with_stop_strings)
+
     def apply_stop_strings(self, step: SchedulerOutput, scheduler: Scheduler) -> list[Request]:
         """After `Scheduler.commit`: finishes requests whose text now ends in a stop string; returns those not
         already finished."""
+        if not self.checks_stop_strings:
+            return []
         newly_finished = []
         for request, samples, slot in zip(step.requests, step.samples, step.output_slots, strict=True):
             stops = request.sampling_params.stop

@@ -191,6 +191,8 @@ class LLMEngine:
                            eos_token_id=eos[0] if eos else None, sample_index=i) for i in indices]
         for sample in samples:
             self._prompts[sample.key] = prompt
+            if self.detokenizer is not None:
+                self.detokenizer.add_request(sample)
             sample.first_sample = samples[0] if sample is not samples[0] else None
         try:
             token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
@@ -426,8 +428,10 @@ class LLMEngine:
         prompt = self._prompts.pop(request.key)
         task_fields = self._task_fields(request)
         text = None
-        if self.detokenizer is not None and request.finish_reason != "error" and not task_fields:
-            text = self.detokenizer.final_text(request)
+        if self.detokenizer is not None:
+            self.detokenizer.remove_request(request)
+            if request.finish_reason != "error" and not task_fields:
+                text = self.detokenizer.final_text(request)
         ttft = tpot = latency = None
         if request.first_token_time is not None:
             ttft = (request.first_token_time - request.arrival_time) * 1000

@@ -61,6 +61,24 @@ def test_stop_string_is_excluded_from_the_text(llm, prompts):
     assert stop not in stopped.text
 
 
+def test_stop_strings_apply_to_their_rows_only_and_the_check_ends_with_them(llm, prompts):
+    """Steps skip the stop check while no unfinished row has stop strings; rows with them, mixed with rows
+    without, in a batch or after an error row, still stop as alone."""
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = [o.text for o in llm.generate(prompts[:4], greedy, use_tqdm=False)]
+    assert not llm.engine.detokenizer.checks_stop_strings
+    stops = [full[0][10:13], full[2][5:8]]
+    stopping = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]) for stop in stops]
+    too_long = "x" * 5000  # finishes as an error on arrival, its stop string never checked
+    outputs = llm.generate([prompts[0], prompts[1], prompts[2], prompts[3], too_long],
+                           [stopping[0], greedy, stopping[1], greedy, stopping[0]], use_tqdm=False)
+    assert [o.finish_reason for o in outputs] == ["stop", "length", "stop", "length", "error"]
+    assert outputs[0].text == full[0][:full[0].index(stops[0])]
+    assert outputs[2].text == full[2][:full[2].index(stops[1])]
+    assert [outputs[1].text, outputs[3].text] == [full[1], full[3]]
+    assert not llm.engine.detokenizer.checks_stop_strings
+
+
 def test_seeded_sampling_reproduces_regardless_of_batch(llm, prompts):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=123)
     alone = llm.generate(prompts[3], params, use_tqdm=False)[0].token_ids

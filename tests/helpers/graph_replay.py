@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.worker.step_inputs import build_step_inputs
+
+T = TypeVar("T")
+
+
+def capture_graph(launch: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """launch() run once on a side stream (its kernels compile outside the capture), then captured into a graph;
+    returns the graph and what the captured launch returned (the tensors each replay rewrites)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = launch()
+    return graph, outputs
 
 
 def first_decode_logits(llm: LLM, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ from tests.helpers.paged import (
 pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU build has none)")
 
 from batchgen.layers import attention_torch, attention_triton, pdl
+from tests.helpers.graph_replay import capture_graph  # noqa: E402
 from tests.helpers.triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 
 pytestmark = TRITON_MARKS
@@ -322,14 +323,7 @@ def test_decode_replays_in_cuda_graph(batch: int, num_splits: int | None, kv_cac
                 q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits
             )
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
 
     rng = random.Random(3)
     for _ in range(3):

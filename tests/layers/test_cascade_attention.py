@@ -14,6 +14,7 @@ pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU bu
 
 from batchgen.layers import attention_torch, attention_triton
 from batchgen.layers.shared_prefix import shared_prefix_len
+from tests.helpers.graph_replay import capture_graph  # noqa: E402
 from tests.helpers.paged import KV_CACHE_DTYPES, assert_close, cache_dtype, paged_cache, skip_bf16_dot_in_interpreter
 from tests.helpers.triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 
@@ -128,14 +129,7 @@ def test_cascade_decode_replays_in_cuda_graph() -> None:
         return attention_triton.decode_attention(q, k_cache, v_cache, block_tables, lens, scale,
                                                  shared_prefix_len=shared)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     for tables in (own_tables, shared_tables):
         block_tables.copy_(tables)
         q.copy_(torch.randn(q.shape, generator=gen).to(bf16))

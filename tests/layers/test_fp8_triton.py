@@ -29,6 +29,7 @@ from batchgen.layers.linear_triton import MAX_M, LinearConfig, add_rms_norm_line
 from batchgen.layers.moe import StackedExperts  # noqa: E402
 from batchgen.layers.norms import rms_norm  # noqa: E402
 from batchgen.models.loader import load_hf_config, load_model  # noqa: E402
+from tests.helpers.graph_replay import capture_graph  # noqa: E402
 from tests.helpers.paged import prefill_then_decode_logits  # noqa: E402
 from tests.helpers.triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 
@@ -232,14 +233,7 @@ def test_fp8_kernels_replay_in_cuda_graph() -> None:
                 *add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight, weight_scale=scale, silu_and_mul=True),
                 *quantize_rows(x))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        launches()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = launches()
+    graph, captured = capture_graph(launches)
     for _ in range(3):
         for tensor in (x, residual):
             tensor.copy_(torch.randn_like(tensor))

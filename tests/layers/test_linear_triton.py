@@ -32,6 +32,7 @@ from batchgen.layers.linear_triton import (
 from batchgen.layers.norms import gemma_rms_norm, rms_norm
 from batchgen.layers.triton_layers import use_triton_layers
 from batchgen.models.loader import load_hf_config, load_model
+from tests.helpers.graph_replay import capture_graph  # noqa: E402
 from tests.helpers.triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 
 pytestmark = TRITON_MARKS
@@ -317,14 +318,7 @@ def test_fused_kernels_replay_in_cuda_graph() -> None:
         return (*add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight),
                 *add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight, silu_and_mul=True))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        launches()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = launches()
+    graph, captured = capture_graph(launches)
     for _ in range(3):
         for tensor in (x, residual):
             tensor.copy_(torch.randn_like(tensor))

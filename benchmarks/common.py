@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 import yaml
@@ -41,6 +42,7 @@ Request = tuple[list[int], SamplingParams]
 QWEN3 = "qwen3_0_6b"
 LLAMA31_8B = "llama3_1_8b"
 SHAKESPEARE = "shakespeare"  # the main job's model
+SHAKESPEARE_TEXT = REPO / "jobs" / "shakespeare" / "tinyshakespeare.txt"
 # A Qwen3 small enough for a CPU smoke test; the vocabulary still holds the benchmarks' prompt ids (< 10001).
 TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=10240, max_position_embeddings=4096,
@@ -338,3 +340,12 @@ def save_json(out_dir: Path, name: str, obj: Any) -> Path:
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
     return path
+
+
+def text_windows(rows: int, chars: tuple[int, int], seed: int = 0) -> list[str]:
+    """Windows of the play text starting anywhere, their lengths uniform over an inclusive range."""
+    text = SHAKESPEARE_TEXT.read_text()
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(chars[0], chars[1] + 1, rows)
+    starts = rng.integers(0, len(text) - chars[1], rows)
+    return [text[start:start + length] for start, length in zip(starts, lengths, strict=True)]

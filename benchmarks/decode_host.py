@@ -26,7 +26,6 @@ import numpy as np
 from batchgen.engine.outputs import RequestOutput
 from batchgen.sample.params import SamplingParams
 from benchmarks.common import (
-    REPO,
     SHAKESPEARE,
     add_out_argument,
     build_engine,
@@ -35,19 +34,11 @@ from benchmarks.common import (
     markdown_table,
     run_engine,
     save_json,
+    text_windows,
 )
 
 TIMED = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "wait_ms")
 FULL_SHARE = 0.9  # decode steps with at least this share of max_num_seqs rows count as full
-
-
-def text_windows(rows: int, chars: tuple[int, int], seed: int = 0) -> list[str]:
-    """Windows of the play text starting anywhere, their lengths uniform over an inclusive range."""
-    text = (REPO / "jobs" / "shakespeare" / "tinyshakespeare.txt").read_text()
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(chars[0], chars[1] + 1, rows)
-    starts = rng.integers(0, len(text) - chars[1], rows)
-    return [text[start:start + length] for start, length in zip(starts, lengths, strict=True)]
 
 
 def main() -> None:

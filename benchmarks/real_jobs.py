@@ -64,10 +64,17 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from benchmarks.common import QWEN3, REPO, TINY_QWEN3, add_out_argument, environment, markdown_table, save_json
+from benchmarks.common import (
+    QWEN3,
+    TINY_QWEN3,
+    add_out_argument,
+    environment,
+    markdown_table,
+    save_json,
+    text_windows,
+)
 from benchmarks.process_timing import run_process
 
-SHAKESPEARE_TEXT = REPO / "jobs" / "shakespeare" / "tinyshakespeare.txt"
 PROMPT_ID_LIMIT = 10_000  # prompt token ids are drawn below this, as in the other Qwen3 benchmarks
 
 
@@ -142,13 +149,9 @@ def write_token_rows(path: Path, spec: TokenRows, seed: int = 0) -> None:
 
 def write_text_rows(path: Path, spec: TextRows, seed: int = 0) -> None:
     """JSONL rows {id, prompt}: windows starting anywhere in the text."""
-    text = SHAKESPEARE_TEXT.read_text()
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(spec.chars[0], spec.chars[1] + 1, spec.rows)
-    starts = rng.integers(0, len(text) - spec.chars[1], spec.rows)
     with path.open("w") as file:
-        for index, (start, length) in enumerate(zip(starts, lengths, strict=True)):
-            file.write(json.dumps({"id": f"s{index:06d}", "prompt": text[start:start + length]}) + "\n")
+        for index, prompt in enumerate(text_windows(spec.rows, spec.chars, seed)):
+            file.write(json.dumps({"id": f"s{index:06d}", "prompt": prompt}) + "\n")
 
 
 def job_arguments(workload: Workload, input_path: Path, run_dir: Path, tiny: bool,

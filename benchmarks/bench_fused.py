@@ -26,8 +26,8 @@ from batchgen.layers import elementwise_triton
 from batchgen.layers.compiled import compiled
 from batchgen.layers.linear_triton import MAX_M, add_rms_norm_linear, small_m_linear
 from batchgen.layers.norms import add_rms_norm
-from benchmarks.bench_linear import graph_ms_per_call, qwen3_linears, weight_copies
-from benchmarks.common import add_out_argument, environment, markdown_table, save_json
+from benchmarks.bench_linear import decoder_linears, graph_ms_per_call, weight_copies
+from benchmarks.common import QWEN3, add_out_argument, environment, markdown_table, save_json
 
 EPS = 1e-6
 GraphFn = Callable[[torch.Tensor], Any]  # called with one weight copy
@@ -94,13 +94,13 @@ def main() -> None:
         sys.exit(f"token counts must be in 1..{MAX_M}")
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    shapes = qwen3_linears()
+    shapes = decoder_linears(QWEN3)
 
     results = []
     for fusion, (layers, make_pair) in FUSIONS.items():
         for layer in layers:
             n, k, per_step = shapes[layer]
-            weights = weight_copies(n, k, dtype, args.rotate_mib * 2**20)
+            weights = [copy.values for copy in weight_copies(n, k, "bfloat16", args.rotate_mib * 2**20)]
             for m in args.ms:
                 unfused, fused = make_pair(m, k, dtype)
                 check(unfused, fused, weights[0])

@@ -1,14 +1,18 @@
-"""bench_linear: the Triton small-M linear kernel vs cuBLAS (F.linear) on the Qwen3-0.6B projections (CUDA only).
+"""bench_linear: the Triton small-M linear kernel vs cuBLAS (F.linear) on a model's projections (CUDA only).
 
-For each layer shape (qkv, o, gate_up, down, lm_head; bf16; or with --model shakespeare the main job's tiny GPT-2
-projections, c_attn, attn/mlp c_proj, c_fc, lm_head, in float32) and M in 1, 2, 4, 8 tokens: one CUDA graph holds
---calls back-to-back calls, as a decode step's graph does, each on the next of several copies of the weight, so that
-(like 28 layers in a row) no call finds its weight in L2. Time per call = median over --replays replays (CUDA events)
-/ calls. GB/s = (weight + x + output bytes) / time. The decode-step sum is the 113 linears of one decode step at M=1
-(28 layers x 4 projections + lm_head). --sweep times alternatives to default_config's (BLOCK_N, BLOCK_K, num_warps).
+For each layer shape (qkv, o, gate_up, down, lm_head of a conf/model shape, bf16; or with --model shakespeare the
+main job's tiny GPT-2 projections, c_attn, attn/mlp c_proj, c_fc, lm_head, in float32) and M in 1, 2, 4, 8 tokens:
+one CUDA graph holds --calls back-to-back calls, as a decode step's graph does, each on the next of several copies of
+the weight, so that (like many layers in a row) no call finds its weight in L2. Time per call = median over
+--replays replays (CUDA events) / calls. GB/s = (weight + x + output bytes) / time. The decode-step sum is the
+linears of one decode step at M=1. --sweep times alternatives to default_config's (BLOCK_N, BLOCK_K, num_warps).
 
-Usage: python -m benchmarks.bench_linear [--model qwen3|shakespeare] [--ms 1 2 4 8] [--calls 100] [--replays 10]
-       [--sweep] [--out DIR]
+--dtype fp8: the weights are float8_e4m3fn with one scale per row, as model.quantization=fp8 loads them (the lm_head
+stays in bf16 there, so it is left out); x is bf16, and the kernel is compared with the engine's other fp8 path,
+x quantized per row and torch._scaled_mm (layers/fp8.scaled_mm_linear), in the "cuBLAS" columns.
+
+Usage: python -m benchmarks.bench_linear [--model qwen3_0_6b|llama3_1_8b|shakespeare] [--dtype fp8]
+       [--ms 1 2 4 8] [--calls 100] [--replays 10] [--sweep] [--sweep-ms 1 4] [--out DIR]
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from batchgen.layers.fp8 import dequantize, fp8_runs_triton, quantize_per_channel, scaled_mm_linear
 from batchgen.layers.linear_triton import (
     MAX_M,
     LinearConfig,
@@ -46,10 +51,11 @@ from benchmarks.common import (
 )
 
 
-def qwen3_linears() -> dict[str, tuple[int, int, int]]:
-    """name: (N, K, calls per decode step) of every linear layer of the Qwen3-0.6B shape."""
-    c = load_model_config(QWEN3).hf_config
-    q_size, kv_size = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+def decoder_linears(model: str) -> dict[str, tuple[int, int, int]]:
+    """name: (N, K, calls per decode step) of every linear layer of a dense conf/model shape (Qwen3, Llama)."""
+    c = load_model_config(model).hf_config
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    q_size, kv_size = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
     layers, hidden = c["num_hidden_layers"], c["hidden_size"]
     return {
         "qkv_proj": (q_size + 2 * kv_size, hidden, layers),
@@ -74,16 +80,43 @@ def shakespeare_linears() -> dict[str, tuple[int, int, int]]:
     }
 
 
-MODELS = {"qwen3": (qwen3_linears, "bfloat16"), "shakespeare": (shakespeare_linears, "float32")}
+FP8 = "fp8"
+WeightT = TypeVar("WeightT")
 
 
-def weight_copies(n: int, k: int, dtype: torch.dtype, rotate_bytes: int) -> list[torch.Tensor]:
+class Weight(NamedTuple):
+    values: torch.Tensor  # (N, K): the model's dtype, or float8_e4m3fn
+    scale: torch.Tensor | None  # (N,) float32 for an fp8 weight
+
+
+def weight_copies(n: int, k: int, dtype: str, rotate_bytes: int) -> list[Weight]:
     """Enough (n, k) weights (at least 2) to add up to rotate_bytes: cycling through them keeps each out of L2."""
-    count = max(2, -(-rotate_bytes // (n * k * dtype.itemsize)))
-    return [torch.randn(n, k, device="cuda").mul_(k**-0.5).to(dtype) for _ in range(count)]
+    element_size = 1 if dtype == FP8 else getattr(torch, dtype).itemsize
+    count = max(2, -(-rotate_bytes // (n * k * element_size)))
+    copies = []
+    for _ in range(count):
+        weight = torch.randn(n, k, device="cuda").mul_(k**-0.5)
+        copies.append(Weight(*quantize_per_channel(weight)) if dtype == FP8
+                      else Weight(weight.to(getattr(torch, dtype)), None))
+    return copies
 
 
-def graph_ms_per_call(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], calls: int,
+def x_dtype(dtype: str) -> torch.dtype:
+    return torch.bfloat16 if dtype == FP8 else getattr(torch, dtype)
+
+
+def triton_call(x: torch.Tensor, weight: Weight, config: LinearConfig | None = None) -> torch.Tensor:
+    return small_m_linear(x, weight.values, config=config, weight_scale=weight.scale)
+
+
+def library_call(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """What the engine runs where the kernel does not: cuBLAS, or for fp8 the per-row quantized _scaled_mm."""
+    if weight.scale is None:
+        return F.linear(x, weight.values)
+    return scaled_mm_linear(x, weight.values, weight.scale, None)
+
+
+def graph_ms_per_call(fn: Callable[[WeightT], torch.Tensor], weights: Sequence[WeightT], calls: int,
                       replays: int) -> float:
     """ms per call of fn(weight): median over replays of one CUDA graph of `calls` calls cycling through weights."""
     stream = torch.cuda.Stream()
@@ -102,40 +135,48 @@ def graph_ms_per_call(fn: Callable[[torch.Tensor], torch.Tensor], weights: list[
     return ms
 
 
-def check(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig | None = None) -> None:
-    expected = F.linear(x.float(), weight.float())
+def check(x: torch.Tensor, weight: Weight, config: LinearConfig | None = None) -> None:
+    dense = weight.values.float() if weight.scale is None else dequantize(weight.values, weight.scale, torch.float32)
+    expected = F.linear(x.float(), dense)
     scale = max(float(expected.abs().max()), 1.0)
-    torch.testing.assert_close(small_m_linear(x, weight, config=config).float(), expected, atol=1e-2 * scale,
-                               rtol=1e-2)
+    torch.testing.assert_close(triton_call(x, weight, config).float(), expected, atol=1e-2 * scale, rtol=1e-2)
 
 
-def sweep_configs(n: int, k: int, element_size: int) -> list[LinearConfig]:
-    """BLOCK_N of 1..16, BLOCK_K of K (rounded up to a power of two, at most 8 KB of a row), its half and its quarter,
-    1..8 warps: those where each thread loads 1 to 8 16-byte vectors of weight per step."""
+# The most fp32 products (row tile x BLOCK_N x BLOCK_K) a thread of a swept multi-row config holds: past it a tile
+# spills (linear_triton.MAX_TILE_PER_THREAD) and is not worth a compile.
+SWEEP_MAX_PRODUCTS = 512
+
+
+def sweep_configs(n: int, k: int, element_size: int, m: int = 1) -> list[LinearConfig]:
+    """BLOCK_N of 1..16, BLOCK_K of K (rounded up to a power of two, at most 8 KB of a row) down to an eighth of it,
+    1..8 warps: those where each thread loads 1 to 8 16-byte vectors of weight per step and, for several rows,
+    holds at most SWEEP_MAX_PRODUCTS products."""
     k_pow2 = triton.next_power_of_2(k)
     configs = []
-    for block_k in sorted({min(k_pow2 >> shift, 8192 // element_size) for shift in (0, 1, 2)}):
+    for block_k in sorted({min(k_pow2 >> shift, 8192 // element_size) for shift in (0, 1, 2, 3)}):
         for block_n in (1, 2, 4, 8, 16):
             for num_warps in (1, 2, 4, 8):
-                if 1 <= block_n * block_k * element_size // (16 * 32 * num_warps) <= 8:
+                loads = block_n * block_k * element_size // (16 * 32 * num_warps)
+                products = block_m(m) * block_n * block_k // (32 * num_warps)
+                if 1 <= loads <= 8 and (m == 1 or products <= SWEEP_MAX_PRODUCTS):
                     configs.append(LinearConfig(block_n, block_k, num_warps))
     return configs
 
 
-def run_sweep(shapes: dict[str, tuple[int, int, int]], args: argparse.Namespace,
-              dtype: torch.dtype) -> list[dict[str, Any]]:
+def run_sweep(shapes: dict[str, tuple[int, int, int]], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for name, (n, k, _) in shapes.items():
-        weights = weight_copies(n, k, dtype, args.rotate_mib * 2**20)
+        weights = weight_copies(n, k, args.dtype, args.rotate_mib * 2**20)
+        element_size = weights[0].values.element_size()
         for m in args.sweep_ms:
-            default = default_config(n, k, dtype.itemsize, launch_thread_cap(torch.device("cuda")), block_m(m))
-            x = torch.randn(m, k, device="cuda").to(dtype)
-            for config in sweep_configs(n, k, dtype.itemsize):
+            default = default_config(n, k, element_size, launch_thread_cap(torch.device("cuda")), block_m(m))
+            x = torch.randn(m, k, device="cuda").to(x_dtype(args.dtype))
+            for config in sweep_configs(n, k, element_size, m):
                 row: dict[str, Any] = {"layer": name, "n": n, "k": k, "m": m, **config._asdict(),
                                        "default": config == default}
                 try:
                     check(x, weights[0], config)
-                    row["ms"] = graph_ms_per_call(lambda w, x=x, c=config: small_m_linear(x, w, config=c), weights,
+                    row["ms"] = graph_ms_per_call(lambda w, x=x, c=config: triton_call(x, w, c), weights,
                                                   args.calls, args.replays)
                 except Exception as error:  # a config the GPU cannot run (out of resources) is a result, not a crash
                     row["error"] = f"{type(error).__name__}: {error}"[:200]
@@ -160,13 +201,22 @@ def sweep_table(rows: list[dict[str, Any]], top: int) -> str:
     return markdown_table(["layer", "M", "BLOCK_N", "BLOCK_K", "warps", "default", "us", "vs best"], lines)
 
 
+def engine_path(m: int, n: int, k: int, dtype: str, cap: int | None) -> str:
+    """Which of the two the engine's decode step takes for this launch."""
+    if dtype == FP8:
+        return "triton" if fp8_runs_triton(m) else "_scaled_mm"
+    return "triton" if beats_cublas(m, n, k, getattr(torch, dtype).itemsize, cap) else "cuBLAS"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", type=int, nargs="*", default=[1, 2, 4, 8], help=f"token counts, 1..{MAX_M}")
-    parser.add_argument("--layers", nargs="*", default=None, help="layer names (default: all of Qwen3-0.6B's)")
-    parser.add_argument("--model", choices=list(MODELS), default="qwen3", help="whose layer shapes")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                        help="default: the model's (qwen3 bfloat16, shakespeare float32)")
+    parser.add_argument("--layers", nargs="*", default=None, help="layer names (default: all of the model's)")
+    parser.add_argument("--model", default=QWEN3,
+                        help=f"whose layer shapes: a conf/model name of a dense model (default {QWEN3}), or "
+                             f"{SHAKESPEARE} (the main job's GPT-2)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32", FP8], default=None,
+                        help="default: the model's (bfloat16, the main job's float32); fp8: fp8 weights, bf16 x")
     parser.add_argument("--calls", type=int, default=100, help="back-to-back calls in one CUDA graph")
     parser.add_argument("--replays", type=int, default=10, help="timed graph replays (median)")
     parser.add_argument("--rotate-mib", type=int, default=512, help="total size of the weight copies per layer")
@@ -179,29 +229,29 @@ def main() -> None:
         sys.exit("bench_linear needs a CUDA device")
     if not all(1 <= m <= MAX_M for m in [*args.ms, *args.sweep_ms]):
         sys.exit(f"token counts must be in 1..{MAX_M}")
-    shapes_of, default_dtype = MODELS[args.model]
-    args.dtype = args.dtype or default_dtype
-    dtype = getattr(torch, args.dtype)
-    shapes = shapes_of()
-    shapes = {name: shape for name, shape in shapes.items() if args.layers is None or name in args.layers}
+    args.dtype = args.dtype or ("float32" if args.model == SHAKESPEARE else "bfloat16")
+    shapes = shakespeare_linears() if args.model == SHAKESPEARE else decoder_linears(args.model)
+    shapes = {name: shape for name, shape in shapes.items()
+              if (args.layers is None or name in args.layers) and not (args.dtype == FP8 and name == "lm_head")}
     torch.manual_seed(0)
     bandwidth = copy_bandwidth_gbs()
 
     results = []
     for name, (n, k, per_step) in shapes.items():
-        weights = weight_copies(n, k, dtype, args.rotate_mib * 2**20)
+        weights = weight_copies(n, k, args.dtype, args.rotate_mib * 2**20)
+        element_size = weights[0].values.element_size()
         for m in args.ms:
             cap = launch_thread_cap(torch.device("cuda"))
-            config = default_config(n, k, dtype.itemsize, cap, block_m(m))
-            x = torch.randn(m, k, device="cuda").to(dtype)
+            config = default_config(n, k, element_size, cap, block_m(m))
+            x = torch.randn(m, k, device="cuda").to(x_dtype(args.dtype))
             check(x, weights[0])
-            cublas_ms = graph_ms_per_call(lambda w, x=x: F.linear(x, w), weights, args.calls, args.replays)
-            triton_ms = graph_ms_per_call(lambda w, x=x: small_m_linear(x, w), weights, args.calls, args.replays)
-            gb = (n * k + m * k + m * n) * dtype.itemsize / 1e9
+            cublas_ms = graph_ms_per_call(lambda w, x=x: library_call(x, w), weights, args.calls, args.replays)
+            triton_ms = graph_ms_per_call(lambda w, x=x: triton_call(x, w), weights, args.calls, args.replays)
+            gb = (n * k * element_size + (m * k + m * n) * x.element_size()) / 1e9
             results.append({"layer": name, "n": n, "k": k, "m": m, "per_step": per_step, "config": config._asdict(),
                             "cublas_ms": cublas_ms, "triton_ms": triton_ms, "cublas_gbs": gb / cublas_ms * 1e3,
                             "triton_gbs": gb / triton_ms * 1e3,
-                            "engine_path": "triton" if beats_cublas(m, n, k, dtype.itemsize, cap) else "cuBLAS"})
+                            "engine_path": engine_path(m, n, k, args.dtype, cap)})
             print(f"done {name} m={m}", file=sys.stderr, flush=True)
         del weights
         torch.cuda.empty_cache()
@@ -209,10 +259,11 @@ def main() -> None:
     decode_step = {"linears": sum(r["per_step"] for r in step),
                    "cublas_ms": sum(r["per_step"] * r["cublas_ms"] for r in step),
                    "triton_ms": sum(r["per_step"] * r["triton_ms"] for r in step)} if step else None
-    sweep = run_sweep(shapes, args, dtype) if args.sweep else []
+    sweep = run_sweep(shapes, args) if args.sweep else []
 
     env = environment()
-    save_json(args.out, "bench_linear" if args.model == "qwen3" else f"bench_linear_{args.model}", {
+    name = "bench_linear" + f"_{args.model}" * (args.model != QWEN3) + "_fp8_weights" * (args.dtype == FP8)
+    save_json(args.out, name, {
         "environment": env, "model": args.model, "dtype": args.dtype, "calls_per_graph": args.calls,
         "replays": args.replays, "rotate_bytes": args.rotate_mib * 2**20, "copy_bandwidth_gbs": bandwidth,
         "results": results, "decode_step_m1": decode_step, "sweep": sweep,

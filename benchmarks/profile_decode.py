@@ -1,10 +1,10 @@
-"""profile_decode: which kernels one replayed decode step of the Qwen3-0.6B shape spends its GPU time in.
+"""profile_decode: which kernels one replayed decode step of a model shape spends its GPU time in.
 
 For each batch size: run a short generation so the bucket's graph holds a real decode step, replay that graph
 under torch.profiler, and list the kernels by GPU time per step (microseconds), with launches per step.
 
-Usage: python -m benchmarks.profile_decode [--batches 1 64] [--context 512] [--replays 20] [--top 20]
-                                          [--kv-cache-dtype fp8] [--out DIR]
+Usage: python -m benchmarks.profile_decode [--model qwen3_0_6b] [--quantization fp8] [--batches 1 64]
+                                          [--context 512] [--replays 20] [--top 20] [--kv-cache-dtype fp8] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.sample.params import SamplingParams
 from batchgen.worker.cuda_graph import GraphKey
 from benchmarks.common import (
+    QWEN3,
     add_kv_cache_dtype_argument,
+    add_model_argument,
     add_out_argument,
+    add_quantization_argument,
+    benchmark_model_config,
     build_engine,
     environment,
     markdown_table,
-    qwen3_model_config,
     random_prompt,
     run_engine,
     save_json,
@@ -67,20 +70,25 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens of each request")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--top", type=int, default=20, help="kernels listed per batch size")
+    add_model_argument(parser)
+    add_quantization_argument(parser)
     add_kv_cache_dtype_argument(parser)
     add_out_argument(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.exit(0, "profile_decode needs CUDA: it profiles CUDA-graph replays\n")
 
-    engine = build_engine(qwen3_model_config(), max_model_len=4096, max_num_seqs=max(args.batches),
+    model_config = benchmark_model_config(args.model, quantization=args.quantization)
+    engine = build_engine(model_config, max_model_len=4096, max_num_seqs=max(args.batches),
                           kv_cache_dtype=args.kv_cache_dtype)
     try:
         results = [kernel_times(engine, batch, args.context, args.replays) for batch in args.batches]
     finally:
         engine.close()
-    suffix = "_fp8" if args.kv_cache_dtype == "fp8" else ""
-    save_json(args.out, "profile_decode" + suffix, {"environment": environment(),
+    suffix = (f"_{args.model}" * (args.model != QWEN3) + "_fp8_weights" * (args.quantization == "fp8")
+              + "_fp8" * (args.kv_cache_dtype == "fp8"))
+    save_json(args.out, "profile_decode" + suffix, {"environment": environment(), "model": args.model,
+                                                    "quantization": args.quantization,
                                                     "kv_cache_dtype": args.kv_cache_dtype, "results": results})
     for result in results:
         print(f"\n## profile_decode: batch {result['batch']} (graph {result['padded_size']}), context "

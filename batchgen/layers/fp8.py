@@ -1,12 +1,11 @@
 """Linear layers with fp8 weights: float8_e4m3fn values and one float32 scale per output channel.
 
 `Fp8Linear` computes x @ (weight * weight_scale[:, None]).T + bias in two ways, by the number of rows of x:
-- one row, or at most linear_triton.MAX_M rows whose tile fits in registers (`linear_triton.tile_fits`; decode):
-  the Triton GEMV reads the fp8 weight, half the bytes of bf16, and
-  upcasts it in the kernel; x stays in the model's dtype (weight-only quantization). It runs in eager steps too, so
+- one row (decode at batch 1): the Triton GEMV reads the fp8 weight, half the bytes of bf16, and upcasts it in
+  the kernel; x stays in the model's dtype (weight-only quantization). It runs in eager steps too, so
   that eager and graph decode compute the same; it also takes the residual add + RMSNorm and SiLU-and-mul fusions
   (layers/fused.py), as `Linear`'s GEMV does.
-- other row counts (prefill, larger decode batches): x is quantized to fp8 with one scale per row (token), and
+- more rows (prefill, decode batches from 2): x is quantized to fp8 with one scale per row (token), and
   torch._scaled_mm multiplies on the tensor cores, with the row and channel scales applied to its fp32 sums.
 Both need a GPU of compute capability 8.9 or later (Ada, Hopper): elsewhere `fp8_loading` dequantizes the weights at
 load. On CPU, `forward` runs the _scaled_mm path through torch's CPU kernels (for tests).
@@ -85,6 +84,20 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _kernels() -> ModuleType:
+    from batchgen.layers import linear_triton  # Triton only where the GEMV runs
+
+    return linear_triton
+
+
+def fp8_runs_triton(rows: int) -> bool:
+    """Whether `rows` rows of x on an fp8 weight take the Triton GEMV rather than _scaled_mm: one row only. The
+    kernel's tiles of several rows upcast each weight once for all of them, yet measured slower than _scaled_mm on
+    most of Llama-3.1-8B's projections, and many times slower past their register budget (bench_linear --dtype fp8,
+    benchmarks/RESULTS.md, 2026-11-27b)."""
+    return rows == 1
+
+
 class Fp8Linear(nn.Module):
     """A linear layer holding `weight` (out, in) in float8_e4m3fn, `weight_scale` (out,) in float32 and `bias` in
     the model's dtype (`dtype`, that of its inputs and outputs)."""
@@ -128,26 +141,18 @@ class Fp8Linear(nn.Module):
         """Whether a (rows, features) input x goes through the Triton GEMV."""
         if x.device.type != self._gemv_device_type or x.dim() != 2 or x.shape[0] == 0:
             return False
-        kernels, rows = self._kernels(), x.shape[0]
-        return rows == 1 or (rows <= kernels.MAX_M and kernels.tile_fits(
-            rows, self.out_features, self.in_features, 1, kernels.launch_thread_cap(x.device)))
-
-    @staticmethod
-    def _kernels() -> ModuleType:
-        from batchgen.layers import linear_triton  # Triton only where the GEMV runs
-
-        return linear_triton
+        return fp8_runs_triton(x.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if self.runs_triton(x):
-            return self._kernels().small_m_linear(x, self.weight, self.bias, weight_scale=self.weight_scale)
+            return _kernels().small_m_linear(x, self.weight, self.bias, weight_scale=self.weight_scale)
         return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
 
     def add_rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                              eps: float, silu_and_mul: bool = False,
                              gemma_style: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Linear.add_rms_norm_forward's fused launch, on the fp8 weight; only where runs_triton(x)."""
-        return self._kernels().add_rms_norm_linear(x, residual, norm_weight, eps, self.weight, self.bias,
+        return _kernels().add_rms_norm_linear(x, residual, norm_weight, eps, self.weight, self.bias,
                                                    silu_and_mul=silu_and_mul, gemma_style=gemma_style,
                                                    weight_scale=self.weight_scale)
 

@@ -194,6 +194,8 @@ def default_config(n: int, k: int, element_size: int, max_threads: int | None = 
     latter with half the warps: every row of the tile adds BLOCK_N partial sums to the reduction across a program's
     threads at the end; with half the threads, each taking twice the span of K, that reduction is half as wide.
     """
+    if rows == 1 and element_size == 1:
+        return fp8_one_row_config(k)
     if rows == 1:
         two_warps = two_warp_config(n, k, element_size)
         if max_threads is None or triton.cdiv(n, two_warps.block_n) * 32 * two_warps.num_warps <= max_threads:
@@ -214,6 +216,14 @@ def two_warp_config(n: int, k: int, element_size: int) -> LinearConfig:
     block_k = min(triton.next_power_of_2(k), 8192 // element_size)
     loads_per_row = max(1, block_k // (2 * 32 * vec))
     return LinearConfig(max(1, TWO_WARP_LOADS // loads_per_row), block_k, 2)
+
+
+def fp8_one_row_config(k: int) -> LinearConfig:
+    """One-row programs on one-byte (fp8) weights: 4 rows, 2 KB of each row per K step, two warps, whatever the
+    launch cap. Each thread requests eight 16-byte vectors a step, and their upcast to fp32 stays in registers.
+    Swept on Llama-3.1-8B's projections (benchmarks/RESULTS.md, 2026-11-27b), it was the fastest or near it on each,
+    ahead of two_warp_config's 4 KB steps and of the capped warp-split programs."""
+    return LinearConfig(4, min(triton.next_power_of_2(k), 2048), 2)
 
 
 def warp_split_config(n: int, k: int, element_size: int, max_threads: int | None) -> LinearConfig:

@@ -101,6 +101,14 @@ def test_fp8_linear_quantizes_a_linear() -> None:
     torch.testing.assert_close(layer(x), expected, rtol=0, atol=0.1 * float(expected.abs().max()))
 
 
+def test_fp8_linear_takes_the_gemv_for_one_row_and_scaled_mm_for_more() -> None:
+    layer = Fp8Linear.quantized(Linear(64, 32, bias=False))
+    layer.use_triton("cpu")
+    assert layer.runs_triton(torch.randn(1, 64))
+    assert not any(layer.runs_triton(torch.randn(rows, 64)) for rows in (2, 4, 8, 64))
+    assert not layer.runs_triton(torch.randn(0, 64))
+
+
 def test_fits_scaled_mm() -> None:
     assert fits_scaled_mm(4096, 1024) and fits_scaled_mm(16, 16)
     assert not fits_scaled_mm(4096, 1000) and not fits_scaled_mm(37, 64)

@@ -154,6 +154,17 @@ def test_gemv_leaves_tiles_that_would_spill_to_cublas() -> None:
     assert not tile_fits(8, 4096, 14336, 1, H100_THREAD_CAP)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
+def test_fp8_one_row_launches_take_four_rows_of_two_kb_steps_past_the_cap() -> None:
+    """The fastest one-row launch on Llama-3.1-8B's fp8 projections, also where the cap would split warps."""
+    from batchgen.layers.linear_triton import LinearConfig, default_config
+
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+        assert default_config(n, k, 1, H100_THREAD_CAP) == LinearConfig(4, 2048, 2)
+    assert default_config(1024, 1024, 1, H100_THREAD_CAP) == LinearConfig(4, 1024, 2)  # K fits in one step
+    assert default_config(6144, 4096, 2, H100_THREAD_CAP) != LinearConfig(4, 2048, 2)  # bf16 keeps its own
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="the row tile lives beside the Triton kernel")
 def test_gemv_row_tiles_are_the_powers_of_two_up_to_max_m() -> None:
     from batchgen.layers.linear_triton import MAX_M, block_m

@@ -36,12 +36,12 @@ def _load(directory: Path, quantization: str | None = None) -> torch.nn.Module:
 
 
 def _logits(model: torch.nn.Module, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 logits of every token: fed in one prefill step (more than MAX_M rows: _scaled_mm), and fed one decode
-    step at a time (the GEMV)."""
+    """Float32 logits of every token: fed in one prefill step (_scaled_mm, fp8 activations), and fed one decode
+    step of one row at a time (the weight-only GEMV)."""
     with torch.no_grad():
         prefill = PagedTestCache(model).run(model, [(0, tokens)])[0]
         cache = PagedTestCache(model)
-        decode = torch.cat([cache.run(model, [(0, [t])], num_padding_rows=1)[0] for t in tokens])
+        decode = torch.cat([cache.run(model, [(0, [t])])[0] for t in tokens])
     return prefill.float(), decode.float()
 
 
@@ -95,7 +95,7 @@ def test_fp8_close_to_dequantized_bf16(architecture: str, source: str, tiny_mode
 
 @pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"])
 def test_graph_replay_equals_eager_for_every_bucket(architecture: str, tiny_model_dir: Callable[..., Path]) -> None:
-    """Decode batches of 1 to 16 rows on fp8 weights (the GEMV up to 8 rows, _scaled_mm above; the expert kernels),
+    """Decode batches of 1 to 16 rows on fp8 weights (the GEMV at one row, _scaled_mm above; the expert kernels),
     replayed from their bucket's graph and run eagerly."""
     llm = LLM(str(tiny_model_dir(architecture)), dtype="bfloat16", quantization="fp8", max_num_seqs=16,
               cuda_graph_capture_sizes=CAPTURE_SIZES)

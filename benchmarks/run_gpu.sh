@@ -79,6 +79,9 @@ step nanovllm_bench_fp8_weights 120 "$PY" -m benchmarks.nanovllm_bench --quantiz
 step nanovllm_bench_llama3_1_8b 300 "$PY" -m benchmarks.nanovllm_bench --model llama3_1_8b
 step nanovllm_bench_llama3_1_8b_fp8_weights 300 "$PY" -m benchmarks.nanovllm_bench --model llama3_1_8b \
     --quantization fp8
+step bench_linear_llama3_1_8b_fp8_weights 150 "$PY" -m benchmarks.bench_linear --model llama3_1_8b --dtype fp8
+step profile_decode_llama3_1_8b_fp8_weights 150 "$PY" -m benchmarks.profile_decode --model llama3_1_8b \
+    --quantization fp8 --batches 1 8
 step fp8_accuracy 240 "$PY" -m benchmarks.fp8_accuracy
 
 echo

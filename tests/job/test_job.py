@@ -46,14 +46,15 @@ def test_shakespeare_job_writes_three_files(tmp_path):
 
 
 def test_main_job_imports_no_transformers(tmp_path):
-    """transformers costs about a second of start-up; the main job's model and tokenizer need none of it."""
+    """transformers costs about a second of start-up; the main job's model and tokenizer need none of it, nor its
+    text prompts the chat templates' jinja2."""
     command = [sys.executable, "-X", "importtime", "-m", "batchgen", f"hydra.run.dir={tmp_path}", "engine.device=cpu",
                "job.progress=false", "job=shakespeare", "data.limit=1"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
                 if line.startswith("import time:")}
-    assert "torch" in imported and "transformers" not in imported
+    assert "torch" in imported and "transformers" not in imported and "jinja2" not in imported
 
 
 def test_summary_scopes_and_where_the_time_went(tmp_path):

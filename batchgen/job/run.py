@@ -283,6 +283,7 @@ class Job:
         if signals.received is not None:
             self.outputs.flush()
             raise JobStopped(signals.received, self._rows_done(), len(self.rows))
+        clock = self._lap("engine_close_seconds", clock)
         files = self.outputs.close()
         self._lap("finish_seconds", clock)
         summary = self.outputs.write_summary(files, self.stats, engine.info)

@@ -62,6 +62,7 @@ class AttemptStats:
     engine_start_seconds: float = 0.0  # loading the model, allocating the KV cache, capturing CUDA graphs
     wait_for_ranks_seconds: float = 0.0  # a data-parallel rank: waiting for the other ranks' engines
     engine_loop_seconds: float = 0.0  # from the first request added to the last row written
+    engine_close_seconds: float = 0.0  # releasing the model, KV cache and graphs (the device's memory)
     finish_seconds: float = 0.0  # merging the part files into the final files
     # Unix seconds, comparable across the processes of one machine: engine ready, engine loop start and end.
     engine_ready_at: float | None = None
@@ -75,13 +76,15 @@ class AttemptStats:
     @property
     def wall_seconds(self) -> float:
         return (self.read_input_seconds + self.open_outputs_seconds + self.engine_start_seconds
-                + self.wait_for_ranks_seconds + self.engine_loop_seconds + self.finish_seconds)
+                + self.wait_for_ranks_seconds + self.engine_loop_seconds + self.engine_close_seconds
+                + self.finish_seconds)
 
     def time_line(self) -> str:
         """Where the process's time until the final files went, in one line for the log."""
         phases = {"read input": self.read_input_seconds, "open outputs": self.open_outputs_seconds,
                   "engine start": self.engine_start_seconds, "wait for ranks": self.wait_for_ranks_seconds,
-                  "engine loop": self.engine_loop_seconds, "finish": self.finish_seconds}
+                  "engine loop": self.engine_loop_seconds, "engine close": self.engine_close_seconds,
+                  "finish": self.finish_seconds}
         if not self.wait_for_ranks_seconds:  # a data-parallel rank's only
             del phases["wait for ranks"]
         spans = [f"{name} {seconds:.2f} s" for name, seconds in phases.items()]
@@ -123,6 +126,7 @@ def attempt_summary(stats: AttemptStats, steps: list[dict[str, Any]]) -> dict[st
             "wait_for_ranks": stats.wait_for_ranks_seconds,
             "steps": step_seconds,
             "outside_steps": stats.engine_loop_seconds - step_seconds,
+            "engine_close": stats.engine_close_seconds,
             "finish": stats.finish_seconds,
         },
         "startup_phases": stats.startup_phases,

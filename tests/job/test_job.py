@@ -99,7 +99,7 @@ def test_summary_accounts_for_the_process_from_its_start(tmp_path):
     assert 0 < times["startup"] < sum(times.values()) <= process_seconds
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "Time: " in line]
     assert len(lines) == 1 and "start-up" in lines[0] and "engine imports" in lines[0], lines
-    for phase in ("read input", "open outputs", "engine start", "engine loop", "finish"):
+    for phase in ("read input", "open outputs", "engine start", "engine loop", "engine close", "finish"):
         assert f"{phase} " in lines[0]
 
 

@@ -92,7 +92,7 @@ class AttemptStats:
             startup = ", ".join(f"{phase.replace('_', ' ')} {seconds:.2f}"
                                 for phase, seconds in self.startup_phases.items())
             spans.insert(0, f"start-up {self.startup_seconds:.2f} s ({startup})")
-        return f"Time: {self.startup_seconds + self.wall_seconds:.1f} s = {', '.join(spans)}"
+        return f"Time to the final files {self.startup_seconds + self.wall_seconds:.1f} s: {', '.join(spans)}"
 
 
 def generation_phase(started_at: float, finished_at: float, output_tokens: int) -> dict[str, float]:

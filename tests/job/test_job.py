@@ -97,7 +97,7 @@ def test_summary_accounts_for_the_process_from_its_start(tmp_path):
     assert times["startup"] == pytest.approx(sum(phases.values()))
     assert phases["engine_imports"] > 0  # torch is imported there
     assert 0 < times["startup"] < sum(times.values()) <= process_seconds
-    lines = [line for line in (result.stdout + result.stderr).splitlines() if "Time: " in line]
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "Time to the final files" in line]
     assert len(lines) == 1 and "start-up" in lines[0] and "engine imports" in lines[0], lines
     for phase in ("read input", "open outputs", "engine start", "engine loop", "engine close", "finish"):
         assert f"{phase} " in lines[0]

@@ -62,7 +62,8 @@ class AttemptStats:
     engine_start_seconds: float = 0.0  # loading the model, allocating the KV cache, capturing CUDA graphs
     wait_for_ranks_seconds: float = 0.0  # a data-parallel rank: waiting for the other ranks' engines
     engine_loop_seconds: float = 0.0  # from the first request added to the last row written
-    engine_close_seconds: float = 0.0  # releasing the model, KV cache and graphs (the device's memory)
+    # Releasing the model, KV cache and graphs (the device's memory); with job.profile_steps, kernels.parquet's write.
+    engine_close_seconds: float = 0.0
     finish_seconds: float = 0.0  # merging the part files into the final files
     # Unix seconds, comparable across the processes of one machine: engine ready, engine loop start and end.
     engine_ready_at: float | None = None

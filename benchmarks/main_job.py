@@ -1,6 +1,7 @@
 """The main job as a user runs it: `python -m batchgen job=shakespeare`, whole process (subprocess wall time),
 eager and graph, with what the job's summary says of its parts: engine start (model load, KV cache, graph capture),
-the engine loop (sum of step_ms) and the rest (imports, Hydra, reading, writing).
+the engine loop (sum of step_ms) and the rest (imports, Hydra, reading, writing); startup_s is the part of the rest
+before the job (the interpreter, imports, Hydra, the config).
 
 --fresh-caches points TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR at new empty directories for every run: a fresh
 machine's cold compile caches; triton_compiles counts the entries Triton's cache holds after the run (one per kernel
@@ -46,7 +47,8 @@ def run_job(run_dir: Path, mode: str, fresh_cache: bool, extra: list[str]) -> di
         "engine_loop_s": loop_s, "load_s": engine.get("load_seconds"), "kv_sizing_s": engine.get("kv_sizing_seconds"),
         "capture_s": engine.get("cuda_graph_capture_seconds"),
         "capture_s_per_size": engine.get("cuda_graph_capture_seconds_per_size"),
-        "outside_job_s": run.seconds - summary["wall_seconds"], "steps": summary["steps"],
+        "outside_job_s": run.seconds - summary["wall_seconds"],
+        "startup_s": summary["this_attempt"]["time_seconds"]["startup"], "steps": summary["steps"],
         "kv_blocks": engine.get("kv_blocks"), "output_tokens_per_s": summary["output_tokens_per_s"],
         "step_medians": summary.get("step_medians"),
         "triton_compiles": triton_compiles(run_dir / "triton_cache") if fresh_cache else None,
@@ -69,7 +71,7 @@ def main() -> None:
                 results.append(run_job(Path(tmp) / f"{mode}{i}", mode, args.fresh_caches, args.override))
     save_json(args.out, "main_job", {"environment": environment(), "results": results})
     headers = ["mode", "fresh_cache", "process_s", "job_s", "engine_loop_s", "load_s", "kv_sizing_s", "capture_s",
-               "outside_job_s", "steps", "kv_blocks", "triton_compiles"]
+               "outside_job_s", "startup_s", "steps", "kv_blocks", "triton_compiles"]
     print(markdown_table(headers, [[r[h] for h in headers] for r in results]))
 
 

@@ -20,6 +20,7 @@ class ProcessRun:
     seconds: float
     returncode: int
     output: str  # stdout + stderr
+    ended_at: float  # time.time() when it had exited, to compare with the times of the files it wrote
 
 
 def run_process(args: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> ProcessRun:
@@ -27,7 +28,7 @@ def run_process(args: list[str], env: dict[str, str] | None = None, timeout: flo
     start = time.perf_counter()
     result = subprocess.run([sys.executable, *args], cwd=REPO, env={**os.environ, **(env or {})},
                             capture_output=True, text=True, timeout=timeout)
-    return ProcessRun(time.perf_counter() - start, result.returncode, result.stdout + result.stderr)
+    return ProcessRun(time.perf_counter() - start, result.returncode, result.stdout + result.stderr, time.time())
 
 
 def median_seconds(args: list[str] | Callable[[int], list[str]], repeats: int, env: dict[str, str] | None = None,

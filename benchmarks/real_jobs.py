@@ -18,8 +18,14 @@ measurement of the GPU.
 
 Each workload reports, from the process's wall clock and the run's summary.json and steps.parquet:
 - process_s: spawn to exit of the whole command (imports, reading, engine start, the engine loop, writing);
-  output_tok_s and prompt_tok_s over it. engine_start_s (model load, KV cache, CUDA graphs) and engine_loop_s (the
-  summary's engine loop: its steps' step_ms plus the loop's time outside every step).
+  output_tok_s and prompt_tok_s over it. startup_s (process creation to the job's start: the interpreter, imports,
+  Hydra, the config; the summary's startup_phases split it), engine_start_s (model load, KV cache, CUDA graphs) and
+  engine_loop_s (the summary's engine loop: its steps' step_ms plus the loop's time outside every step).
+  unaccounted_s: process_s less every phase of the summary's time_seconds, which together span the process's
+  creation to its final files: the spawn, writing summary.json, and what follows it. after_summary_s is what follows
+  it (from summary.json's modification time to the process's end): the lines the command prints last (with the
+  exact match against an answer key) and the process's exit (the interpreter's and libtorch's teardown, and on a GPU
+  the CUDA context's).
 - device_busy: the device time of the steps over engine_loop_s. A step's device time is forward_ms + sample_ms, the
   two device-timed columns (CUDA events around the forward and around the sampling; wait_ms is the host waiting and
   schedule_ms / prepare_ms are host work). An event span includes any gap in which the device waited for the host to
@@ -198,9 +204,11 @@ def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float
         return {**result, "failed": f"timed out after {timeout:g} s"}
     if run.returncode != 0:
         return {**result, "failed": f"exit status {run.returncode}: {last_line(run.output)}"}
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text())
     steps = pq.read_table(run_dir / "steps.parquet").to_pylist()
-    return {**result, **job_figures(run.seconds, summary, steps)}
+    return {**result, **job_figures(run.seconds, summary, steps),
+            "after_summary_s": run.ended_at - summary_path.stat().st_mtime}
 
 
 def job_figures(process_s: float, summary: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -217,17 +225,22 @@ def job_figures(process_s: float, summary: dict[str, Any], steps: list[dict[str,
     floor = workload_floor(steps, engine["max_num_batched_tokens"])
     return {
         "process_s": process_s,
+        "unaccounted_s": process_s - sum(times.values()),
         "output_tokens": attempt["output_tokens"],
         "prompt_tokens": attempt["prompt_tokens"],
         "output_tok_s": attempt["output_tokens"] / process_s,
         "prompt_tok_s": attempt["prompt_tokens"] / process_s,
+        "startup_s": times["startup"],
+        "startup_phases": attempt["startup_phases"],
         "read_input_s": times["read_input"],
+        "open_outputs_s": times["open_outputs"],
         "engine_start_s": times["engine_start"],
         "capture_s": engine.get("cuda_graph_capture_seconds"),
         "load_s": engine.get("load_seconds"),
         "kv_sizing_s": engine.get("kv_sizing_seconds"),
         "capture_s_per_size": engine.get("cuda_graph_capture_seconds_per_size"),
         "engine_loop_s": loop_s,
+        "engine_close_s": times["engine_close"],
         "finish_s": times["finish"],
         "device_s": device_s,
         "device_busy": device_s / loop_s if loop_s > 0 else None,
@@ -277,8 +290,9 @@ def decode_batch(step: dict[str, Any]) -> tuple[bool, int]:
     return False, step["num_seqs"]
 
 
-TABLE = ("workload", "process_s", "output_tok_s", "prompt_tok_s", "engine_start_s", "engine_loop_s", "device_busy",
-         "prefill_s", "decode_s", "mixed_s", "floor_s", "floor_ratio", "failed")
+TABLE = ("workload", "process_s", "output_tok_s", "prompt_tok_s", "startup_s", "open_outputs_s", "engine_start_s",
+         "engine_loop_s", "finish_s", "unaccounted_s", "after_summary_s", "device_busy", "prefill_s", "decode_s",
+         "mixed_s", "floor_s", "floor_ratio", "failed")
 
 
 def main() -> None:

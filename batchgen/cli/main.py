@@ -28,6 +28,7 @@ from batchgen.cli.usage import config_groups
 from batchgen.config import Config, ConfigError, validate
 from batchgen.io.atomic import DirectoryInUse
 from batchgen.io.errors import InputError
+from batchgen.job import process_clock
 from batchgen.job.exits import (
     EXIT_BAD_CONFIG_OR_INPUT,
     EXIT_CRASH,
@@ -107,10 +108,14 @@ def _main(cfg: DictConfig) -> float | None:
     """Returns the run's output tok/s, the figure Hydra's optimising sweepers maximise."""
     global _reached_job
     _reached_job = True
+    process_clock.mark("hydra")  # the command line checked, the config composed, the run dir and log set up
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         config = to_config(cfg)
+        process_clock.mark("config")
         from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
+
+        process_clock.mark("engine_imports")
 
         # The imported modules' objects (mostly torch's) live as long as the process: left out of every later
         # collection, a full one (the engine's close, Python's own) takes microseconds instead of 0.2 s. Frozen

@@ -7,8 +7,6 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import TemplateError
-
 from batchgen.config import DataConfig
 from batchgen.io.errors import RowError
 from batchgen.io.overrides import parse_overrides
@@ -85,6 +83,8 @@ def _render_messages(messages: list[dict[str, Any]], tokenizer: Any) -> str:
         raise RowError("chat messages need a tokenizer with a chat template, and no tokenizer was given")
     if not getattr(tokenizer, "chat_template", None):
         raise RowError("chat messages need a chat template, and the tokenizer has none")
+    from jinja2 import TemplateError  # what renders chat templates: only for messages rows
+
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except TemplateError as error:

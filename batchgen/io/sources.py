@@ -24,13 +24,18 @@ class SourceRow:
     problem: str | None = None  # why it could not be decoded
 
 
-def jsonl_rows(path: Path) -> Iterator[SourceRow]:
-    """One row per non-blank line; blank lines are not rows and are skipped, but count in line numbers."""
+def jsonl_rows(path: Path, parse_only_with: tuple[bytes, ...] = ()) -> Iterator[SourceRow]:
+    """One row per non-blank line; blank lines are not rows and are skipped, but count in line numbers.
+    parse_only_with: when given, a line holding none of these byte strings is not parsed and comes as an empty
+    record (a reader of one field passes the spellings its name can have, to skip rows that lack it)."""
     with path.open("rb") as file:
         for line_number, line in enumerate(file, start=1):
             if not line.strip():
                 continue
             location = f"line {line_number}"
+            if parse_only_with and not any(text in line for text in parse_only_with):
+                yield SourceRow(location, {})
+                continue
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as error:

@@ -27,6 +27,7 @@ from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.shard_split import ShardSplit
 from batchgen.io.writers import CompletionWriter, write_kernels
 from batchgen.job.exits import is_environment_fault
+from batchgen.job.process_clock import take_startup
 from batchgen.job.progress import Progress
 from batchgen.job.resume_check import check_resume
 from batchgen.job.run_outputs import SUMMARY_FILE, RunOutputs
@@ -94,6 +95,7 @@ class Job:
         self.task = config.job.task
         self.run_dir = Path(run_dir)
         read_start = time.perf_counter()
+        self.startup_phases = take_startup(read_start)
         # Input problems surface here, before the model loads.
         self.openai_results = openai_results_wanted(config)
         self.detokenizer = Detokenizer.load(config.model)
@@ -120,7 +122,8 @@ class Job:
         self.missing_samples = {row.index: [i for i in range(self.num_samples[row.index])
                                             if i not in written.get(row.index, ())] for row in self.rows}
         self.pending = [row for row in self.rows if self.missing_samples[row.index]]
-        self.stats = AttemptStats(self.outputs.attempt, read_input_seconds=self.read_seconds)
+        self.stats = AttemptStats(self.outputs.attempt, startup_phases=self.startup_phases,
+                                  read_input_seconds=self.read_seconds)
         if written:
             log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.stats.number,
                      len(self.rows) - len(self.pending), len(self.rows))
@@ -204,11 +207,14 @@ class Job:
         job on the same directory stops at once (DirectoryInUse). wait_for_ranks: a data-parallel rank's start
         barrier, passed once the engine is ready, so that the ranks generate together (a run with nothing to generate
         never calls it)."""
+        opening = time.perf_counter()
         with DirectoryLock(self.run_dir):
             self._open_run_dir()
-            return self._generate(signals, wait_for_ranks)
+            return self._generate(signals, wait_for_ranks, opening)
 
-    def _generate(self, signals: StopSignals | None, wait_for_ranks: Callable[[], None] | None) -> dict[str, Any]:
+    def _generate(self, signals: StopSignals | None, wait_for_ranks: Callable[[], None] | None, opening: float
+                  ) -> dict[str, Any]:
+        """opening: when the run dir's check began (a perf_counter), so that opening the outputs is a phase."""
         if self.finished_summary is not None:
             log.info("Nothing to do: %s already holds all %d rows; its summary.json is kept", self.run_dir,
                      self.finished_summary["rows"])
@@ -224,7 +230,7 @@ class Job:
         missing = sum(len(samples) for samples in self.missing_samples.values())
         self.progress = Progress(total_samples, total_samples - missing, self.config.job)
         engine = profiler = None
-        clock = time.perf_counter()
+        clock = self._lap("open_outputs_seconds", opening)
         try:
             rows_to_run = [row for row in self.pending if row.error is None]
             if self.config.job.profile_steps:
@@ -277,11 +283,13 @@ class Job:
         if signals.received is not None:
             self.outputs.flush()
             raise JobStopped(signals.received, self._rows_done(), len(self.rows))
+        clock = self._lap("engine_close_seconds", clock)
         files = self.outputs.close()
         self._lap("finish_seconds", clock)
         summary = self.outputs.write_summary(files, self.stats, engine.info)
         log.info("Done: %d rows (%d errors) in %.1f s -> %s", summary["rows"], summary["job"]["error_rows"],
                  self.stats.wall_seconds, self.run_dir)
+        log.info("%s", self.stats.time_line())
         return summary
 
     def _flush_after(self, failure: BaseException) -> None:

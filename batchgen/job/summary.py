@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -46,16 +46,24 @@ def step_medians(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 @dataclass
 class AttemptStats:
-    """What this attempt did. Its phases follow each other, so they add up to its wall time."""
+    """What this attempt did. Its phases follow each other: the job's own (reading its input to its final files) add
+    up to its wall time; before them, the process's start-up, where the process started at batchgen's entry point
+    (batchgen/__main__.py) and this is its first job. The wall time leaves it out, so that the jobs of a multirun
+    compare."""
 
     number: int  # 0 for the first run, +1 per resume
     rows: int = 0  # rows this attempt finished, error rows included
     prompt_tokens: int = 0  # of the rows the engine ran (RequestOutput.num_prompt_tokens_run)
     output_tokens: int = 0
+    # The process's start until the job's (batchgen.job.process_clock): interpreter, imports, Hydra, config, launch.
+    startup_phases: dict[str, float] = field(default_factory=dict)
     read_input_seconds: float = 0.0  # reading, validating and tokenizing the input
+    open_outputs_seconds: float = 0.0  # checking the run dir, opening its writers (reading a resumed run's rows)
     engine_start_seconds: float = 0.0  # loading the model, allocating the KV cache, capturing CUDA graphs
     wait_for_ranks_seconds: float = 0.0  # a data-parallel rank: waiting for the other ranks' engines
     engine_loop_seconds: float = 0.0  # from the first request added to the last row written
+    # Releasing the model, KV cache and graphs (the device's memory); with job.profile_steps, kernels.parquet's write.
+    engine_close_seconds: float = 0.0
     finish_seconds: float = 0.0  # merging the part files into the final files
     # Unix seconds, comparable across the processes of one machine: engine ready, engine loop start and end.
     engine_ready_at: float | None = None
@@ -63,9 +71,29 @@ class AttemptStats:
     generation_finished_at: float | None = None
 
     @property
+    def startup_seconds(self) -> float:
+        return sum(self.startup_phases.values())
+
+    @property
     def wall_seconds(self) -> float:
-        return (self.read_input_seconds + self.engine_start_seconds + self.wait_for_ranks_seconds
-                + self.engine_loop_seconds + self.finish_seconds)
+        return (self.read_input_seconds + self.open_outputs_seconds + self.engine_start_seconds
+                + self.wait_for_ranks_seconds + self.engine_loop_seconds + self.engine_close_seconds
+                + self.finish_seconds)
+
+    def time_line(self) -> str:
+        """Where the process's time until the final files went, in one line for the log."""
+        phases = {"read input": self.read_input_seconds, "open outputs": self.open_outputs_seconds,
+                  "engine start": self.engine_start_seconds, "wait for ranks": self.wait_for_ranks_seconds,
+                  "engine loop": self.engine_loop_seconds, "engine close": self.engine_close_seconds,
+                  "finish": self.finish_seconds}
+        if not self.wait_for_ranks_seconds:  # a data-parallel rank's only
+            del phases["wait for ranks"]
+        spans = [f"{name} {seconds:.2f} s" for name, seconds in phases.items()]
+        if self.startup_phases:
+            startup = ", ".join(f"{phase.replace('_', ' ')} {seconds:.2f}"
+                                for phase, seconds in self.startup_phases.items())
+            spans.insert(0, f"start-up {self.startup_seconds:.2f} s ({startup})")
+        return f"Time to the final files {self.startup_seconds + self.wall_seconds:.1f} s: {', '.join(spans)}"
 
 
 def generation_phase(started_at: float, finished_at: float, output_tokens: int) -> dict[str, float]:
@@ -76,8 +104,10 @@ def generation_phase(started_at: float, finished_at: float, output_tokens: int) 
 
 
 def attempt_summary(stats: AttemptStats, steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """This attempt's figures; time_seconds splits its wall time, with the engine loop split into the steps'
-    step_ms and the loop time outside every step (adding the first requests, writing the last rows)."""
+    """This attempt's figures; time_seconds splits the process's time until the final files: its start-up (split in
+    startup_phases), then the job's phases, which add up to its wall time (see AttemptStats), with the engine loop
+    split into the steps' step_ms and the loop time outside every step (adding the first requests, writing the last
+    rows)."""
     wall = stats.wall_seconds
     step_seconds = sum(step["step_ms"] for step in steps) / 1000
     return {
@@ -90,13 +120,17 @@ def attempt_summary(stats: AttemptStats, steps: list[dict[str, Any]]) -> dict[st
         "prompt_tokens_per_s": stats.prompt_tokens / wall if wall > 0 else 0.0,
         "output_tokens_per_s": stats.output_tokens / wall if wall > 0 else 0.0,
         "time_seconds": {
+            "startup": stats.startup_seconds,
             "read_input": stats.read_input_seconds,
+            "open_outputs": stats.open_outputs_seconds,
             "engine_start": stats.engine_start_seconds,
             "wait_for_ranks": stats.wait_for_ranks_seconds,
             "steps": step_seconds,
             "outside_steps": stats.engine_loop_seconds - step_seconds,
+            "engine_close": stats.engine_close_seconds,
             "finish": stats.finish_seconds,
         },
+        "startup_phases": stats.startup_phases,
         "engine_ready_at": stats.engine_ready_at,
         # None where the runner has no engine loop of its own (runner=ray).
         "generation": None if stats.generation_finished_at is None else generation_phase(

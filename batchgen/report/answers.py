@@ -10,6 +10,7 @@ Rows without an answer are left out; error rows count as misses.
 
 from __future__ import annotations
 
+import mmap
 import re
 import unicodedata
 from collections.abc import Iterator
@@ -23,6 +24,9 @@ from batchgen.io.formats import FORMAT_BY_SUFFIX
 from batchgen.io.sources import SourceRow, arrow_rows, jsonl_rows, parquet_rows
 
 ANSWER_FIELD = "answer"
+# A JSONL row can name the field only as written or with \u escapes: a file, or a row, with neither has no answer, so
+# that reading the key after a job costs a scan of its input, not a second parse of every row.
+ANSWER_FIELD_SPELLINGS = (f'"{ANSWER_FIELD}"'.encode(), b"\\u")
 _READERS = {"jsonl": jsonl_rows, "parquet": parquet_rows, "arrow": arrow_rows}
 _TRAILING = ".,;:!?"
 _QUOTES = "\"'`“”‘’"
@@ -70,13 +74,24 @@ def read_answer_key(data: dict[str, Any]) -> dict[int, list[str]] | None:
         fmt = FORMAT_BY_SUFFIX.get(path.suffix.lower(), "")
     if fmt not in _READERS or not path.is_file():
         return None
-    rows: Iterator[SourceRow] = jsonl_rows(path) if fmt == "jsonl" else _READERS[fmt](path, {ANSWER_FIELD})
+    if fmt == "jsonl" and not _mentions(path, ANSWER_FIELD_SPELLINGS):
+        return None
+    rows: Iterator[SourceRow] = (jsonl_rows(path, ANSWER_FIELD_SPELLINGS) if fmt == "jsonl"
+                                 else _READERS[fmt](path, {ANSWER_FIELD}))
     key: dict[int, list[str]] = {}
     for index, source_row in enumerate(rows):  # indexed as the job indexes its rows
         answers = _accepted((source_row.record or {}).get(ANSWER_FIELD))
         if answers is not None:
             key[index] = answers
     return key or None
+
+
+def _mentions(path: Path, texts: tuple[bytes, ...]) -> bool:
+    """Whether the file holds any of `texts`, found without reading it into memory."""
+    if path.stat().st_size == 0:  # mmap refuses an empty file
+        return False
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        return any(view.find(text) != -1 for text in texts)
 
 
 def exact_match(run_dir: Path, data: dict[str, Any]) -> ExactMatch | None:

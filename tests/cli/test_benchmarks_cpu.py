@@ -75,6 +75,10 @@ def test_real_jobs_tiny_fills_every_column_and_its_floor_is_below_the_process_ti
     assert result["prefill_rate_from"] == "3 steps of 1024 tokens"
     assert 0 < result["floor_s"] <= result["process_s"]
     assert 0 < result["device_busy"] <= 1
+    # The summary accounts for the process from its creation: what it leaves out follows summary.json's write.
+    assert 0 < result["startup_s"] == pytest.approx(sum(result["startup_phases"].values()))
+    assert result["startup_s"] < result["process_s"] - result["engine_loop_s"]
+    assert 0 < result["after_summary_s"] < result["process_s"] - result["startup_s"]
 
 
 def test_real_jobs_reports_a_failed_workload_with_its_exit_status_and_last_line(tmp_path):

@@ -6,6 +6,8 @@ import json
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -44,14 +46,15 @@ def test_shakespeare_job_writes_three_files(tmp_path):
 
 
 def test_main_job_imports_no_transformers(tmp_path):
-    """transformers costs about a second of start-up; the main job's model and tokenizer need none of it."""
+    """transformers costs about a second of start-up; the main job's model and tokenizer need none of it, nor its
+    text prompts the chat templates' jinja2."""
     command = [sys.executable, "-X", "importtime", "-m", "batchgen", f"hydra.run.dir={tmp_path}", "engine.device=cpu",
                "job.progress=false", "job=shakespeare", "data.limit=1"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
                 if line.startswith("import time:")}
-    assert "torch" in imported and "transformers" not in imported
+    assert "torch" in imported and "transformers" not in imported and "jinja2" not in imported
 
 
 def test_summary_scopes_and_where_the_time_went(tmp_path):
@@ -64,10 +67,12 @@ def test_summary_scopes_and_where_the_time_went(tmp_path):
     assert job["output_tokens"] == attempt["output_tokens"] == 96 and job["steps"] == attempt["steps"]
     steps = pq.read_table(tmp_path / "steps.parquet").to_pandas()
     times = attempt["time_seconds"]
-    # The steps' step_ms are the engine loop minus what ran outside every step; the phases make up the wall time.
+    # The steps' step_ms are the engine loop minus what ran outside every step; the job's phases make up its wall
+    # time, the process's start-up comes before it.
     assert times["steps"] == pytest.approx(steps["step_ms"].sum() / 1000)
     assert times["outside_steps"] >= 0
-    assert sum(times.values()) == pytest.approx(attempt["wall_seconds"]) == pytest.approx(summary["wall_seconds"])
+    job_seconds = sum(times.values()) - times["startup"]
+    assert job_seconds == pytest.approx(attempt["wall_seconds"]) == pytest.approx(summary["wall_seconds"])
     assert (steps["job_ms"] <= steps["step_ms"]).all() and (steps["job_ms"] >= 0).all()
 
     # Resuming a finished run has nothing to do and keeps its summary.
@@ -75,6 +80,27 @@ def test_summary_scopes_and_where_the_time_went(tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     assert "Nothing to do" in again.stdout + again.stderr
     assert (tmp_path / "summary.json").read_text() == summary_text
+
+
+def test_summary_accounts_for_the_process_from_its_start(tmp_path):
+    """time_seconds starts at the process's creation: its start-up (split into startup_phases) until the job starts,
+    then the job's phases; the log says where the time went in one line."""
+    started = time.monotonic()  # the clock of perf_counter, shared by the processes of one machine on Linux
+    result = batchgen(tmp_path, "job=shakespeare", "preset=smoke_test", "data.limit=4")
+    process_seconds = time.monotonic() - started
+    assert result.returncode == 0, result.stdout + result.stderr
+    attempt = json.loads((tmp_path / "summary.json").read_text())["this_attempt"]
+    times, phases = attempt["time_seconds"], attempt["startup_phases"]
+    interpreter = ["interpreter"] if Path("/proc/self/stat").exists() else []  # known from /proc only
+    assert list(phases) == [*interpreter, "cli_imports", "hydra", "config", "engine_imports", "launch"]
+    assert all(seconds >= 0 for seconds in [*times.values(), *phases.values()]), (times, phases)
+    assert times["startup"] == pytest.approx(sum(phases.values()))
+    assert phases["engine_imports"] > 0  # torch is imported there
+    assert 0 < times["startup"] < sum(times.values()) <= process_seconds
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "Time to the final files" in line]
+    assert len(lines) == 1 and "start-up" in lines[0] and "engine imports" in lines[0], lines
+    for phase in ("read input", "open outputs", "engine start", "engine loop", "engine close", "finish"):
+        assert f"{phase} " in lines[0]
 
 
 def test_each_steps_parts_fit_inside_its_step_ms(tmp_path):

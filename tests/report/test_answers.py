@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.report.answers import ExactMatch, exact_match, matches
+from batchgen.io.sources import jsonl_rows
+from batchgen.report.answers import ExactMatch, exact_match, matches, read_answer_key
 from batchgen.report.run_data import Run
 from batchgen.report.tables_runs import runs_table
 
@@ -48,6 +49,26 @@ def test_rows_without_an_answer_are_not_judged(tmp_path):
     result = exact_match(run_dir, data)
     assert result == ExactMatch(matched=2, judged=3)
     assert result.line() == "exact match 2/3 (67%) against the input's 'answer' field"
+
+
+def test_the_answer_key_is_read_from_the_rows_that_name_the_field_however_it_is_spelled(tmp_path):
+    """Rows without the field are skipped unparsed, yet still count in the row numbers; a name spelled with \\u
+    escapes is still found."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a", "answer": "Paris"}\n'
+                       '{"prompt_token_ids": [1, 2, 3]}\n'
+                       '\n'  # a blank line is not a row
+                       'not JSON, and no answer\n'
+                       '{"prompt": "d", "\\u0061nswer": "four"}\n')
+    assert read_answer_key({"path": str(prompts), "format": "jsonl"}) == {0: ["Paris"], 3: ["four"]}
+    rows = list(jsonl_rows(prompts, parse_only_with=(b'"answer"',)))
+    assert [row.location for row in rows] == ["line 1", "line 2", "line 4", "line 5"]
+    assert [row.record for row in rows[1:]] == [{}, {}, {}] and rows[0].record["answer"] == "Paris"
+    escaped_only, plain = tmp_path / "escaped_only.jsonl", tmp_path / "plain.jsonl"
+    escaped_only.write_text('{"prompt": "a"}\n{"\\u0061nswer": "x"}\n')
+    plain.write_text('{"prompt": "a"}\n{"prompt": "the answer"}\n')
+    assert read_answer_key({"path": str(escaped_only), "format": "jsonl"}) == {1: ["x"]}
+    assert read_answer_key({"path": str(plain), "format": "jsonl"}) is None
 
 
 def test_the_runs_table_has_exact_match_only_for_inputs_with_an_answer_key(tmp_path):

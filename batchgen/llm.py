@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from batchgen.config import TASKS, CudaGraphConfig, EngineConfig, ModelConfig, validate_engine, validate_model
+from batchgen.engine.collector import rare_collections
 from batchgen.engine.continuation import encode_pair
 from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.outputs import RequestOutput
@@ -120,7 +121,7 @@ class LLM:
     def _run(self, total: int, desc: str, use_tqdm: bool) -> list[RequestOutput]:
         """Steps the engine until every queued request has finished; their outputs in finishing order."""
         outputs: list[RequestOutput] = []
-        with tqdm(total=total, desc=desc, disable=not use_tqdm) as bar:
+        with tqdm(total=total, desc=desc, disable=not use_tqdm) as bar, rare_collections():
             while self.engine.has_unfinished_requests:
                 finished, _ = self.engine.step()
                 outputs += finished

@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from batchgen.config import Config, ConfigError
 from batchgen.core.kv_sizing import KVDemand
+from batchgen.engine.collector import rare_collections
 from batchgen.engine.continuation import PREFILL_ONLY, encode_pair
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.logprob_entries import PromptLogprobEntries
@@ -252,19 +253,20 @@ class Job:
             rows = iter(rows_to_run)
             rows_left = True
             returned = None  # when engine.step() last returned: the job's own work since then is job_ms
-            while (rows_left or engine.has_unfinished_requests) and signals.received is None:
-                if rows_left:
-                    rows_left = self._add_requests(engine, rows)
-                called = time.perf_counter()
-                finished, step = engine.step()
-                if step is not None:
-                    job_ms = (called - returned) * 1000 if returned is not None else 0.0
-                    self.outputs.steps.write({**vars(step), "attempt": self.stats.number, "job_ms": job_ms})
-                returned = time.perf_counter()
-                for output in finished:
-                    self.outputs.completions.write(completion_record(rows_by_index[output.request_id], output))
-                    self._count(output)
-                self.progress.update(finished)
+            with rare_collections():
+                while (rows_left or engine.has_unfinished_requests) and signals.received is None:
+                    if rows_left:
+                        rows_left = self._add_requests(engine, rows)
+                    called = time.perf_counter()
+                    finished, step = engine.step()
+                    if step is not None:
+                        job_ms = (called - returned) * 1000 if returned is not None else 0.0
+                        self.outputs.steps.write({**vars(step), "attempt": self.stats.number, "job_ms": job_ms})
+                    returned = time.perf_counter()
+                    for output in finished:
+                        self.outputs.completions.write(completion_record(rows_by_index[output.request_id], output))
+                        self._count(output)
+                    self.progress.update(finished)
             clock = self._lap("engine_loop_seconds", clock)
             self.stats.generation_finished_at = time.time()
         except BaseException as exc:

@@ -26,6 +26,8 @@ Each workload reports, from the process's wall clock and the run's summary.json 
   it (from summary.json's modification time to the process's end): the lines the command prints last (with the
   exact match against an answer key) and the process's exit (the interpreter's and libtorch's teardown, and on a GPU
   the CUDA context's).
+- loop_gc_s: the seconds of Python's garbage collections inside the engine loop (summary.json's
+  engine_loop_collections).
 - device_busy: the device time of the steps over engine_loop_s. A step's device time is forward_ms + sample_ms, the
   two device-timed columns (CUDA events around the forward and around the sampling; wait_ms is the host waiting and
   schedule_ms / prepare_ms are host work). An event span includes any gap in which the device waited for the host to
@@ -241,6 +243,7 @@ def job_figures(process_s: float, summary: dict[str, Any], steps: list[dict[str,
         "capture_s_per_size": engine.get("cuda_graph_capture_seconds_per_size"),
         "engine_loop_s": loop_s,
         "engine_close_s": times["engine_close"],
+        "loop_gc_s": attempt["engine_loop_collections"]["seconds"],
         "finish_s": times["finish"],
         "device_s": device_s,
         "device_busy": device_s / loop_s if loop_s > 0 else None,
@@ -291,8 +294,8 @@ def decode_batch(step: dict[str, Any]) -> tuple[bool, int]:
 
 
 TABLE = ("workload", "process_s", "output_tok_s", "prompt_tok_s", "startup_s", "open_outputs_s", "engine_start_s",
-         "engine_loop_s", "finish_s", "unaccounted_s", "after_summary_s", "device_busy", "prefill_s", "decode_s",
-         "mixed_s", "floor_s", "floor_ratio", "failed")
+         "engine_loop_s", "loop_gc_s", "finish_s", "unaccounted_s", "after_summary_s", "device_busy", "prefill_s",
+         "decode_s", "mixed_s", "floor_s", "floor_ratio", "failed")
 
 
 def main() -> None:

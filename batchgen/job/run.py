@@ -253,7 +253,7 @@ class Job:
             rows = iter(rows_to_run)
             rows_left = True
             returned = None  # when engine.step() last returned: the job's own work since then is job_ms
-            with rare_collections():
+            with rare_collections() as collections:
                 while (rows_left or engine.has_unfinished_requests) and signals.received is None:
                     if rows_left:
                         rows_left = self._add_requests(engine, rows)
@@ -268,6 +268,8 @@ class Job:
                         self._count(output)
                     self.progress.update(finished)
             clock = self._lap("engine_loop_seconds", clock)
+            self.stats.engine_loop_collections = collections.count
+            self.stats.engine_loop_collection_seconds = collections.seconds
             self.stats.generation_finished_at = time.time()
         except BaseException as exc:
             self._flush_after(exc)

@@ -62,6 +62,9 @@ class AttemptStats:
     engine_start_seconds: float = 0.0  # loading the model, allocating the KV cache, capturing CUDA graphs
     wait_for_ranks_seconds: float = 0.0  # a data-parallel rank: waiting for the other ranks' engines
     engine_loop_seconds: float = 0.0  # from the first request added to the last row written
+    # Python's garbage collections during the engine loop (batchgen.engine.collector): how many, and their seconds.
+    engine_loop_collections: int = 0
+    engine_loop_collection_seconds: float = 0.0
     # Releasing the model, KV cache and graphs (the device's memory); with job.profile_steps, kernels.parquet's write.
     engine_close_seconds: float = 0.0
     finish_seconds: float = 0.0  # merging the part files into the final files
@@ -131,6 +134,9 @@ def attempt_summary(stats: AttemptStats, steps: list[dict[str, Any]]) -> dict[st
             "finish": stats.finish_seconds,
         },
         "startup_phases": stats.startup_phases,
+        # Inside the engine loop's time: Python's garbage collections while it ran.
+        "engine_loop_collections": {"count": stats.engine_loop_collections,
+                                    "seconds": stats.engine_loop_collection_seconds},
         "engine_ready_at": stats.engine_ready_at,
         # None where the runner has no engine loop of its own (runner=ray).
         "generation": None if stats.generation_finished_at is None else generation_phase(

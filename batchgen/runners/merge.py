@@ -129,10 +129,10 @@ def combine_summaries(completions: pa.Table, steps: pa.Table, summaries: dict[in
     """A local run's summary (summary_document's keys) over every shard, plus `num_shards` and `shards` (each
     shard's own figures). `job` counts the merged rows and steps; `this_attempt` is the shards' last attempts
     together: their rows and tokens summed, wall_seconds and tok/s over the whole (first shard start to last shard
-    end), steps and step_medians of those attempts, each phase of time_seconds and of startup_phases summed over the
-    shards (so the job's phases add up to the shards' wall seconds together, not to the whole's), engine_ready_at
-    when the last engine was ready, and generation (the top-level one too) from the first engine loop's start to the
-    last one's end."""
+    end), steps and step_medians of those attempts, each phase of time_seconds and of startup_phases and the
+    engine_loop_collections summed over the shards (so the job's phases add up to the shards' wall seconds together,
+    not to the whole's), engine_ready_at when the last engine was ready, and generation (the top-level one too) from
+    the first engine loop's start to the last one's end."""
     wall = max(m.finished_at for m in markers.values()) - min(m.started_at for m in markers.values())
     attempts = [summary["this_attempt"] for summary in summaries.values()]
     last_attempt_steps = [row for row in steps.to_pylist() if row["attempt"] == summaries[row["shard"]]["attempt"]]
@@ -140,9 +140,12 @@ def combine_summaries(completions: pa.Table, steps: pa.Table, summaries: dict[in
     output_tokens = sum(attempt["output_tokens"] for attempt in attempts)
     time_seconds: Counter[str] = Counter()
     startup_phases: Counter[str] = Counter()
+    collections: Counter[str] = Counter()
     for attempt in attempts:
         time_seconds.update(attempt["time_seconds"])
-        startup_phases.update(attempt.get("startup_phases", {}))  # absent from shards of older versions
+        # Absent from shards of older versions:
+        startup_phases.update(attempt.get("startup_phases", {}))
+        collections.update(attempt.get("engine_loop_collections", {}))
     ready = [attempt.get("engine_ready_at") for attempt in attempts]
     # The ranks' engine loops together: null when a shard did not record its own (written by an older version).
     phases = [summary.get("generation") for summary in summaries.values()]
@@ -157,6 +160,7 @@ def combine_summaries(completions: pa.Table, steps: pa.Table, summaries: dict[in
         "output_tokens_per_s": output_tokens / wall,
         "time_seconds": dict(time_seconds),
         "startup_phases": dict(startup_phases),
+        "engine_loop_collections": {"count": collections["count"], "seconds": collections["seconds"]},
         "engine_ready_at": None if None in ready else max(ready),
         "generation": None if None in phases else generation_phase(
             min(p["started_at"] for p in phases), max(p["finished_at"] for p in phases),

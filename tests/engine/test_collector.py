@@ -55,13 +55,22 @@ def test_llm_steps_run_with_rare_collections(default_thresholds: None) -> None:
     assert gc.get_threshold() == (700, 10, 10)
 
 
-def test_job_steps_run_with_rare_collections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             default_thresholds: None) -> None:
+def test_collections_counts_and_times_the_passes_in_its_block(default_thresholds: None) -> None:
+    with rare_collections() as collections:
+        gc.collect()
+        gc.collect(0)
+    gc.collect()  # after the block: not counted
+    assert collections.count == 2 and collections.seconds > 0
+
+
+def test_job_steps_run_with_rare_collections_and_the_summary_counts_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_thresholds: None) -> None:
     seen: list[tuple[int, int, int]] = []
     step = LLMEngine.step
 
     def recording_step(engine: LLMEngine):
         seen.append(gc.get_threshold())
+        gc.collect(0)  # one young collection a step, as the default thresholds would run many
         return step(engine)
 
     monkeypatch.setattr(LLMEngine, "step", recording_step)
@@ -70,6 +79,9 @@ def test_job_steps_run_with_rare_collections(tmp_path: Path, monkeypatch: pytest
     config = Config(job=JobConfig(progress=False), model=ModelConfig(path=str(SHAKESPEARE_MODEL)),
                     engine=EngineConfig(device="cpu", max_num_seqs=2), data=DataConfig(path=str(prompts)),
                     sampling=SamplingParams(temperature=0, max_tokens=4))
-    assert run(config, tmp_path / "run")["rows"] == 2
+    summary = run(config, tmp_path / "run")
+    assert summary["rows"] == 2
     assert seen and set(seen) == {LOOP_THRESHOLDS}
+    collections = summary["this_attempt"]["engine_loop_collections"]
+    assert collections["count"] >= len(seen) and 0 < collections["seconds"] < summary["wall_seconds"]
     assert gc.get_threshold() == (700, 10, 10)

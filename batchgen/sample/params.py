@@ -109,7 +109,7 @@ class SamplingParams:
 
     def with_seed(self, seed: int) -> SamplingParams:
         """A copy with another seed. Any int is a valid seed, so the copy skips __post_init__'s checks, which cost
-        tens of microseconds per request, and copy.copy's generic path (it is taken once or twice per row)."""
+        tens of microseconds per request, and copy.copy's generic path: a job copies once per row it adds."""
         params = object.__new__(type(self))
         params.__dict__.update(self.__dict__, seed=seed)
         return params

@@ -187,8 +187,7 @@ class LLMEngine:
         if len(eos) > 1:
             params = replace(params, stop_token_ids=[*params.stop_token_ids, *eos[1:]])
         indices = range(params.n) if sample_indices is None else sample_indices
-        # Sample 0 keeps the row's seed (sample_seed), so it takes params as they are: no request changes its params.
-        samples = [Request(request_id, [], params if i == 0 else params.with_seed(sample_seed(params.seed, i)),
+        samples = [Request(request_id, [], params.with_seed(sample_seed(params.seed, i)),
                            eos_token_id=eos[0] if eos else None, sample_index=i) for i in indices]
         for sample in samples:
             self._prompts[sample.key] = prompt

@@ -268,8 +268,7 @@ class Job:
                         self._count(output)
                     self.progress.update(finished)
             clock = self._lap("engine_loop_seconds", clock)
-            self.stats.engine_loop_collections = collections.count
-            self.stats.engine_loop_collection_seconds = collections.seconds
+            self.stats.engine_loop_collections = collections
             self.stats.generation_finished_at = time.time()
         except BaseException as exc:
             self._flush_after(exc)

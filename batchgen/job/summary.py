@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchgen.engine.collector import Collections
+
 TIME_COLUMNS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "wait_ms", "step_ms")
 
 
@@ -62,9 +64,8 @@ class AttemptStats:
     engine_start_seconds: float = 0.0  # loading the model, allocating the KV cache, capturing CUDA graphs
     wait_for_ranks_seconds: float = 0.0  # a data-parallel rank: waiting for the other ranks' engines
     engine_loop_seconds: float = 0.0  # from the first request added to the last row written
-    # Python's garbage collections during the engine loop (batchgen.engine.collector): how many, and their seconds.
-    engine_loop_collections: int = 0
-    engine_loop_collection_seconds: float = 0.0
+    # Python's garbage collections during the engine loop: how many, and their seconds.
+    engine_loop_collections: Collections = field(default_factory=Collections)
     # Releasing the model, KV cache and graphs (the device's memory); with job.profile_steps, kernels.parquet's write.
     engine_close_seconds: float = 0.0
     finish_seconds: float = 0.0  # merging the part files into the final files
@@ -78,20 +79,23 @@ class AttemptStats:
         return sum(self.startup_phases.values())
 
     @property
+    def job_phases(self) -> dict[str, float]:
+        """The job's phases in order, by name: their seconds add up to wall_seconds."""
+        return {"read_input": self.read_input_seconds, "open_outputs": self.open_outputs_seconds,
+                "engine_start": self.engine_start_seconds, "wait_for_ranks": self.wait_for_ranks_seconds,
+                "engine_loop": self.engine_loop_seconds, "engine_close": self.engine_close_seconds,
+                "finish": self.finish_seconds}
+
+    @property
     def wall_seconds(self) -> float:
-        return (self.read_input_seconds + self.open_outputs_seconds + self.engine_start_seconds
-                + self.wait_for_ranks_seconds + self.engine_loop_seconds + self.engine_close_seconds
-                + self.finish_seconds)
+        return sum(self.job_phases.values())
 
     def time_line(self) -> str:
         """Where the process's time until the final files went, in one line for the log."""
-        phases = {"read input": self.read_input_seconds, "open outputs": self.open_outputs_seconds,
-                  "engine start": self.engine_start_seconds, "wait for ranks": self.wait_for_ranks_seconds,
-                  "engine loop": self.engine_loop_seconds, "engine close": self.engine_close_seconds,
-                  "finish": self.finish_seconds}
+        phases = self.job_phases
         if not self.wait_for_ranks_seconds:  # a data-parallel rank's only
-            del phases["wait for ranks"]
-        spans = [f"{name} {seconds:.2f} s" for name, seconds in phases.items()]
+            del phases["wait_for_ranks"]
+        spans = [f"{name.replace('_', ' ')} {seconds:.2f} s" for name, seconds in phases.items()]
         if self.startup_phases:
             startup = ", ".join(f"{phase.replace('_', ' ')} {seconds:.2f}"
                                 for phase, seconds in self.startup_phases.items())
@@ -135,8 +139,8 @@ def attempt_summary(stats: AttemptStats, steps: list[dict[str, Any]]) -> dict[st
         },
         "startup_phases": stats.startup_phases,
         # Inside the engine loop's time: Python's garbage collections while it ran.
-        "engine_loop_collections": {"count": stats.engine_loop_collections,
-                                    "seconds": stats.engine_loop_collection_seconds},
+        "engine_loop_collections": {"count": stats.engine_loop_collections.count,
+                                    "seconds": stats.engine_loop_collections.seconds},
         "engine_ready_at": stats.engine_ready_at,
         # None where the runner has no engine loop of its own (runner=ray).
         "generation": None if stats.generation_finished_at is None else generation_phase(

@@ -108,8 +108,11 @@ class SamplingParams:
                    f"must be an integer in [0, {MAX_LOGPROBS}]")
 
     def with_seed(self, seed: int) -> SamplingParams:
-        """A copy with another seed. Any int is a valid seed, so the copy skips __post_init__'s checks, which cost
-        tens of microseconds per request, and copy.copy's generic path: a job copies once per row it adds."""
+        """These params with `seed`: themselves when it is already theirs (no request changes its params), else a
+        copy. Any int is a valid seed, so the copy skips __post_init__'s checks, which cost tens of microseconds per
+        request, and copy.copy's generic path: a job copies once per row it adds."""
+        if seed == self.seed:
+            return self
         params = object.__new__(type(self))
         params.__dict__.update(self.__dict__, seed=seed)
         return params

@@ -209,8 +209,21 @@ def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text())
     steps = pq.read_table(run_dir / "steps.parquet").to_pylist()
-    return {**result, **job_figures(run.seconds, summary, steps),
-            "after_summary_s": run.ended_at - summary_path.stat().st_mtime}
+    figures = {**result, **job_figures(run.seconds, summary, steps),
+               "after_summary_s": run.ended_at - summary_path.stat().st_mtime}
+    if workload.fresh_caches:
+        figures["triton_compiles"] = triton_compiles(directory / "triton_cache")
+    return figures
+
+
+def triton_compiles(cache: Path) -> dict[str, int]:
+    """Kernels a fresh process compiled, by name (how many specializations of each), from its Triton cache: each
+    compile leaves one metadata JSON named after the kernel."""
+    names: dict[str, int] = defaultdict(int)
+    for metadata in cache.glob("*/*.json"):
+        if not metadata.name.startswith("__grp__"):
+            names[metadata.stem] += 1
+    return dict(sorted(names.items(), key=lambda item: -item[1]))
 
 
 def job_figures(process_s: float, summary: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -339,6 +352,10 @@ def main() -> None:
     overrides = f"; {' '.join(args.extra)}" if args.extra else ""
     print(f"\n## real_jobs ({device}; {env['git_commit']}{overrides})\n")
     print(markdown_table(TABLE, [[r.get(column) for column in TABLE] for r in results]))
+    for result in results:
+        if compiles := result.get("triton_compiles"):
+            print(f"\n{result['workload']}: {sum(compiles.values())} Triton compiles: "
+                  + ", ".join(f"{name} x{count}" for name, count in compiles.items()))
 
 
 if __name__ == "__main__":

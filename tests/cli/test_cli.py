@@ -84,8 +84,9 @@ def test_job_starts_with_the_imported_modules_frozen_out_of_garbage_collection(t
 
 
 def test_a_multiruns_next_job_leaves_what_the_previous_job_imported_collectable(tmp_path):
-    """What a job imports stays collectable at exit after the next job of a multirun starts. Frozen out of garbage
-    collection, Triton's import-time objects outlived the interpreter, and nanobind listed them as leaked."""
+    """What a job imports stays collectable after the next job of a multirun starts, for a process that ends by
+    SystemExit (a failed job), whose interpreter tears down: frozen out of garbage collection, Triton's import-time
+    objects outlived the interpreter, and nanobind listed them as leaked."""
     probe = ("import os, sys, types\n"
              f"sys.argv = ['batchgen', '-m', 'job=shakespeare', 'preset=smoke_test', 'data.limit=2', "
              f"'engine.device=cpu', 'job.progress=false', 'engine.seed=1,2', 'hydra.sweep.dir={tmp_path}']\n"
@@ -101,11 +102,33 @@ def test_a_multiruns_next_job_leaves_what_the_previous_job_imported_collectable(
              "        module.cycle.append(module.cycle)\n"
              "    return run_job(*args)\n"
              "launch.launch = launch_importing_a_module\n"
-             "from batchgen.__main__ import main; main()")
+             "from batchgen.cli.main import main; main()")  # returns, then the interpreter ends as SystemExit would
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "1" / "completions.parquet").exists()
     assert result.stderr.splitlines()[-1:] == ["collected at exit"], result.stderr[-3000:]
+
+
+def test_a_finished_job_runs_the_exit_handlers_and_skips_the_teardown(tmp_path):
+    """After its jobs finish, the command runs the exit handlers (the log's flush among them) and ends without the
+    interpreter's teardown: nothing is finalized, nothing after main() runs, the exit status is 0."""
+    probe = ("import atexit, os, sys\n"
+             f"sys.argv = ['batchgen', 'job=shakespeare', 'preset=smoke_test', 'data.limit=2', 'engine.device=cpu', "
+             f"'job.progress=false', 'hydra.run.dir={tmp_path}']\n"
+             "class Finalized:\n"
+             "    def __del__(self, write=os.write):\n"
+             "        write(2, b'finalized\\n')\n"
+             "kept = Finalized()\n"
+             "atexit.register(print, 'exit handler ran')  # buffered: printed only if stdout is flushed after it\n"
+             "from batchgen.__main__ import main; main()\n"
+             "print('after main')")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "exit handler ran", result.stdout[-3000:]
+    assert "after main" not in result.stdout and "finalized" not in result.stderr, result.stderr[-3000:]
+    assert (tmp_path / "completions.parquet").exists() and (tmp_path / "summary.json").exists()
+    log_text = next(tmp_path.glob("*.log")).read_text()
+    assert "Time to the final files" in log_text, log_text[-2000:]
 
 
 @pytest.mark.gpu

@@ -8,7 +8,8 @@ Workloads (names select them; default: all, in this order):
   text), windows of 8-32 characters of the play text, max_tokens 16, max_num_seqs 512.
 - scoring: 64 rows of 4,000 prompt tokens, max_tokens 0, sampling.prompt_logprobs=1, engine.max_model_len=8192.
 - cold_start: the chat mix on its first 1,000 rows with empty Triton and Inductor caches (TRITON_CACHE_DIR and
-  TORCHINDUCTOR_CACHE_DIR point at new directories, as `main_job --fresh-caches` does): a fresh machine.
+  TORCHINDUCTOR_CACHE_DIR point at new directories, as `main_job --fresh-caches` does): a fresh machine. Its result
+  lists the kernels the process compiled (`triton_compiles`, by name, with their number of specializations).
 
 Every workload but many_rows runs `model=qwen3_0_6b` (the Qwen3-0.6B shape, dummy bf16 weights, no tokenizer), so
 its prompts are token ids (< 10,000, seed 0) in a JSONL file with per-row max_tokens; rows ignore EOS, so each
@@ -24,8 +25,8 @@ Each workload reports, from the process's wall clock and the run's summary.json 
   unaccounted_s: process_s less every phase of the summary's time_seconds, which together span the process's
   creation to its final files: the spawn, writing summary.json, and what follows it. after_summary_s is what follows
   it (from summary.json's modification time to the process's end): the lines the command prints last (with the
-  exact match against an answer key) and the process's exit (the interpreter's and libtorch's teardown, and on a GPU
-  the CUDA context's).
+  exact match against an answer key) and the process's exit (its exit handlers: the command skips the interpreter's
+  teardown, batchgen/__main__.py).
 - loop_gc_s: the seconds of Python's garbage collections inside the engine loop (summary.json's
   engine_loop_collections).
 - device_busy: the device time of the steps over engine_loop_s. A step's device time is forward_ms + sample_ms, the

@@ -115,8 +115,7 @@ class LLMEngine:
         if engine_config.tensor_parallel_size > 1:
             hf_config, gguf = load_hf_config(model_config), is_gguf_path(model_config.path)
             implementation = "native" if gguf else model_implementation(hf_config, model_config.impl)
-            check_tensor_parallel(hf_config, engine_config.tensor_parallel_size, implementation, gguf,
-                                  model_config.quantization)
+            check_tensor_parallel(hf_config, engine_config.tensor_parallel_size, implementation, gguf)
             if self.device.type == "cuda" and self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             self.followers = Followers(model_config, engine_config, task, kv_demand, self.device, self._bitmask)

@@ -21,6 +21,9 @@ from types import ModuleType
 
 import torch
 from torch import nn
+from torch.nn.utils import skip_init
+
+from batchgen.layers.linear import Linear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -39,11 +42,17 @@ def fits_scaled_mm(out_features: int, in_features: int) -> bool:
     return out_features % SCALED_MM_ALIGNMENT == 0 and in_features % SCALED_MM_ALIGNMENT == 0
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_amax(weight: torch.Tensor) -> torch.Tensor:
+    """(..., N, K) -> (..., N) float32: each row's absolute maximum, without an absolute copy of the weight."""
+    return torch.maximum(weight.amax(dim=-1), -weight.amin(dim=-1)).float()
+
+
+def quantize_per_channel(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., N, K) weight -> fp8 values (..., N, K) and float32 scales (..., N): each row divided by its absolute
-    maximum / 448."""
+    maximum / 448. amax (..., N): the rows' absolute maxima where the weight holds only part of each row (a
+    tensor-parallel rank's columns, layers/fp8_loading.py); default: the weight's own."""
     weight = weight.float()
-    scale = weight.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    scale = (row_amax(weight) if amax is None else amax.float()).clamp(min=MIN_AMAX) / FP8_MAX
     return (weight / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
@@ -121,16 +130,30 @@ class Fp8Linear(nn.Module):
         return cls(linear.in_features, linear.out_features, linear.bias is not None, weight.dtype, weight.device)
 
     @classmethod
-    def quantized(cls, linear: nn.Linear) -> Fp8Linear:
-        """linear's weight quantized per output channel; its bias kept."""
+    def quantized(cls, linear: nn.Linear, amax: torch.Tensor | None = None) -> Fp8Linear:
+        """linear's weight quantized per output channel; its bias kept. amax: as quantize_per_channel's."""
         layer = cls.empty_like(linear)
         with torch.no_grad():
-            weight, scale = quantize_per_channel(linear.weight)
+            weight, scale = quantize_per_channel(linear.weight, amax)
             layer.weight.copy_(weight)
             layer.weight_scale.copy_(scale)
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias)
         return layer
+
+    def empty_unquantized(self) -> Linear:
+        """A `Linear` of this layer's shape, bias, dtype and device, not filled."""
+        return skip_init(Linear, self.in_features, self.out_features, bias=self.bias is not None,
+                         device=self.weight.device, dtype=self.dtype)
+
+    @torch.no_grad()
+    def dequantized(self) -> Linear:
+        """This layer with its weights dequantized into the model's dtype: an `empty_unquantized` layer, filled."""
+        linear = self.empty_unquantized()
+        linear.weight.copy_(dequantize(self.weight, self.weight_scale, self.dtype))
+        if self.bias is not None:
+            linear.bias.copy_(self.bias)
+        return linear
 
     def use_triton(self, device_type: str = "cuda") -> None:
         """The GEMV runs on CUDA inputs without this call; device_type "cpu" runs it on CPU inputs instead (tests,
@@ -144,9 +167,13 @@ class Fp8Linear(nn.Module):
         return fp8_runs_triton(x.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ dequantized weight.T + bias, with the bias given (as Linear.project)."""
         if self.runs_triton(x):
-            return _kernels().small_m_linear(x, self.weight, self.bias, weight_scale=self.weight_scale)
-        return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
+            return _kernels().small_m_linear(x, self.weight, bias, weight_scale=self.weight_scale)
+        return scaled_mm_linear(x, self.weight, self.weight_scale, bias)
 
     def add_rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                              eps: float, silu_and_mul: bool = False,

@@ -21,8 +21,9 @@ as they read it and scale each output's fp32 sum (weight-only fp8: the activatio
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,8 @@ class StackedExperts(nn.Module):
     row's float32 scale; dtype stays the model's, that of the inputs and outputs.
     """
 
+    WEIGHTS: ClassVar[tuple[str, str]] = ("gate_up_proj", "down_proj")  # each fp8 one's scales: `<name>_scale`
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, renormalize: bool,
                  fp8: bool = False, dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
         """dtype, device: the model's (default: torch's defaults, which the loader sets while it builds the model)."""
@@ -117,13 +120,16 @@ class StackedExperts(nn.Module):
                               dtype=self.dtype, device=self.gate_up_proj.device)
 
     @torch.no_grad()
-    def quantized(self) -> StackedExperts:
+    def quantized(self, amax: Mapping[str, torch.Tensor | None] | None = None) -> StackedExperts:
         """This layer with its weights quantized per (expert, output row), an expert at a time (the float32 copy of
-        one expert's weight, not of the whole stack, is what quantizing adds to memory)."""
+        one expert's weight, not of the whole stack, is what quantizing adds to memory). amax: by weight name, the
+        (E, rows) absolute maxima of whole rows where this layer holds part of each (quantize_per_channel's)."""
+        amax = amax or {}
         layer = self.like(fp8=True)
-        for name in ("gate_up_proj", "down_proj"):
+        for name in self.WEIGHTS:
+            rows_amax = amax.get(name)
             for expert, weight in enumerate(getattr(self, name)):
-                values, scale = quantize_per_channel(weight)
+                values, scale = quantize_per_channel(weight, None if rows_amax is None else rows_amax[expert])
                 getattr(layer, name)[expert].copy_(values)
                 getattr(layer, f"{name}_scale")[expert].copy_(scale)
         return layer
@@ -132,7 +138,7 @@ class StackedExperts(nn.Module):
     def dequantized(self) -> StackedExperts:
         """This fp8 layer with its weights in the model's dtype."""
         layer = self.like(fp8=False)
-        for name in ("gate_up_proj", "down_proj"):
+        for name in self.WEIGHTS:
             scales = getattr(self, f"{name}_scale")
             for expert, weight in enumerate(getattr(self, name)):
                 getattr(layer, name)[expert].copy_(dequantize(weight, scales[expert], self.dtype))

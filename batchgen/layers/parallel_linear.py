@@ -10,8 +10,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import skip_init
 
 from batchgen.layers.embedding import Embedding, InputIdsWithPending, token_ids
+from batchgen.layers.fp8 import Fp8Linear
 from batchgen.layers.linear import Linear
 from batchgen.layers.tensor_parallel import ShardPart, TensorParallel, current
 
@@ -32,23 +34,52 @@ def even_parts(tp: TensorParallel, *sizes: int) -> list[ShardPart]:
     return [tp.even_part(size) for size in sizes]
 
 
-class RowParallelLinear(Linear):
-    """A projection whose inputs are split across the ranks (those a column-parallel layer produced): each rank
-    multiplies its columns of the weight, and one all-reduce sums the partial outputs. Rank 0 adds the bias, before
-    the sum (as vLLM does), so it is added once."""
+class RowParallel:
+    """The forward of a projection whose inputs are split across the ranks (those a column-parallel layer produced),
+    whatever its weights' format (`Linear`'s or `Fp8Linear`'s `project`): each rank multiplies its columns of the
+    weight, and one all-reduce sums the partial outputs. Rank 0 adds the bias, before the sum (as vLLM does), so it is
+    added once."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, reduce: bool) -> None:
-        """in_features: the full input width; reduce=False leaves the partial sum to a caller that adds it to
-        others before one all-reduce (a MoE layer's experts and shared expert)."""
-        part = tp.even_part(in_features)
-        super().__init__(part.size, out_features, bias=bias)
-        self.tp = tp
-        self.reduce = reduce
-        tp.mark(self.weight, 1, part)
+    tp: TensorParallel
+    reduce: bool  # False leaves the partial sum to a caller that adds it to others before one all-reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in / size) -> (T, out)
         partial = self.project(x, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(partial) if self.reduce else partial
+
+
+class RowParallelLinear(RowParallel, Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, reduce: bool,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        """in_features: the full input width; reduce=False leaves the partial sum to a caller that adds it to
+        others before one all-reduce (a MoE layer's experts and shared expert)."""
+        part = tp.even_part(in_features)
+        super().__init__(part.size, out_features, bias=bias, device=device, dtype=dtype)
+        self.tp = tp
+        self.reduce = reduce
+        tp.mark(self.weight, 1, part)
+
+
+class Fp8RowParallelLinear(RowParallel, Fp8Linear):
+    """A RowParallelLinear with fp8 weights (layers/fp8_loading.py swaps one for the other, with the split of its
+    parameters). Its per-output-channel scales are whole on every rank: each rank holds part of every row."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TensorParallel,
+                 reduce: bool, device: torch.device | None = None) -> None:
+        """in_features: this rank's columns."""
+        super().__init__(in_features, out_features, bias, dtype, device)
+        self.tp = tp
+        self.reduce = reduce
+
+    @classmethod
+    def empty_like(cls, linear: RowParallelLinear) -> Fp8RowParallelLinear:
+        weight = linear.weight
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, weight.dtype, linear.tp,
+                   linear.reduce, weight.device)
+
+    def empty_unquantized(self) -> RowParallelLinear:
+        return skip_init(RowParallelLinear, self.in_features * self.tp.size, self.out_features,
+                         self.bias is not None, self.tp, self.reduce, device=self.weight.device, dtype=self.dtype)
 
 
 def row_parallel_linear(in_features: int, out_features: int, bias: bool = True, reduce: bool = True) -> Linear:

@@ -13,6 +13,8 @@ The split (each rank r of N):
 - KV heads: split like the q heads when N divides their number; with fewer KV heads than ranks, ranks
   r * KVH / N share KV head (r * KVH) // N (replicated), which their q heads are grouped with.
 - the vocabulary of the embedding and lm_head: ceil(V / N) rows a rank, the last rank's padded with zeros.
+- fp8 weights' per-row scales: split as their weight's rows (column-parallel), whole on every rank (row-parallel);
+  layers/fp8_loading.py.
 """
 
 from __future__ import annotations
@@ -98,6 +100,14 @@ class TensorParallel:
         gathered = self.collectives.all_gather(tensor.contiguous())  # (size * rows, n)
         return gathered.view(self.size, rows, columns).transpose(0, 1).reshape(rows, self.size * columns)
 
+    def max_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of `tensor` over the ranks, on every rank (one all-gather); the tensor itself with
+        one rank."""
+        if self.size == 1:
+            return tensor
+        gathered = self.collectives.all_gather(tensor.contiguous())  # (size * rows, ...)
+        return gathered.view(self.size, *tensor.shape).amax(dim=0)
+
     def even_part(self, full: int) -> ShardPart:
         """This rank's 1/size of `full` (size divides it: tp_shapes.check_tensor_parallel checked)."""
         local = full // self.size
@@ -133,7 +143,7 @@ class TensorParallel:
         """Records how `param` slices its checkpoint tensors (models/weights.py reads it when loading); nothing with
         one rank."""
         if self.size > 1:
-            param.shard = Shard(dim, parts)
+            set_shard(param, Shard(dim, parts))
 
 
 SINGLE = TensorParallel()
@@ -158,3 +168,9 @@ def building(tp: TensorParallel) -> Iterator[None]:
 
 def shard_of(param: torch.Tensor) -> Shard | None:
     return getattr(param, "shard", None)
+
+
+def set_shard(param: torch.Tensor, layout: Shard) -> None:
+    """Records that `param` slices its checkpoint tensors as `layout` says (TensorParallel.mark builds the layout;
+    a layer swapped for its fp8 form, or back, takes its predecessor's)."""
+    param.shard = layout

@@ -335,8 +335,7 @@ def check_checkpoint(model: ModelConfig, max_model_len: int | None, tensor_paral
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     try:
-        check_tensor_parallel(hf_config_from_dict(values) or values, tensor_parallel_size, implementation, gguf=False,
-                              quantization=model.quantization)
+        check_tensor_parallel(hf_config_from_dict(values) or values, tensor_parallel_size, implementation, gguf=False)
     except ValueError as exc:
         raise ConfigError(f"{exc} ({where})") from None
     limit = max_positions(hf_config_from_dict(values) or values)

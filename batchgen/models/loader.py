@@ -138,8 +138,9 @@ def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: t
     weights: batchgen's own modules, or transformers' (model.impl; hf_config.model_implementation decides). The
     decoder's linear and expert layers hold fp8 weights when the checkpoint does (its quantization_config) or
     model.quantization=fp8 asks (dummy weights of an fp8 config too), dequantized again where `device` has none.
-    tp: the tensor-parallel rank whose shard of the native modules to build and load (bf16 weights only:
-    tp_shapes.check_tensor_parallel rejects fp8 ones with more than one rank)."""
+    tp: the tensor-parallel rank whose shard of the native modules to build and load, fp8 weights and scales
+    included (model.quantization=fp8 gathers each row-parallel row's maximum from the other ranks: every rank loads
+    at once)."""
     check_quantization(hf_config, model)
     if model_implementation(hf_config, model.impl) == "transformers":  # registry.check_task vetted the task
         from batchgen.models.transformers_backend import build_transformers_model  # imports transformers' modeling
@@ -162,11 +163,11 @@ def load_model(model: ModelConfig, hf_config: Any, dtype: torch.dtype, device: t
         network.load_weights(iter_gguf_weights(model.path))
     elif fp8_checkpoint is not None:
         use_fp8_layers(network)
-        network.load_weights(fp8_checkpoint_tensors(iter_safetensors(files)))
+        network.load_weights(fp8_checkpoint_tensors(iter_safetensors(files, lazy=tp.size > 1)))
     else:
         network.load_weights(iter_safetensors(files, lazy=tp.size > 1))
     if fp8_checkpoint is not None or model.quantization == "fp8":
-        finish_fp8(network, device)
+        finish_fp8(network, device, tp)
     network.eval()
     network.requires_grad_(False)
     return network

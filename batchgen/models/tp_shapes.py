@@ -5,19 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.layers.quantization import checkpoint_fp8
-
 # The widths that column- and row-parallel projections split evenly: the MLP's, a MoE expert's, Qwen2-MoE's shared
 # expert's, GPT-2's inner size.
 SPLIT_SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "n_inner")
 
 
-def check_tensor_parallel(config: Any, size: int, implementation: str, gguf: bool,
-                          quantization: str | None = None) -> None:
+def check_tensor_parallel(config: Any, size: int, implementation: str, gguf: bool) -> None:
     """Raises ValueError naming engine.tensor_parallel_size and the model's key that it cannot split. config: the
     model's config (an HFConfig or config.json's values); implementation: native | transformers (model.impl as
-    resolved); quantization: model.quantization. fp8 weights run on one rank: their per-channel scales are not
-    sharded with the weights."""
+    resolved)."""
     if size == 1:
         return
     key = f"engine.tensor_parallel_size={size}"
@@ -27,12 +23,6 @@ def check_tensor_parallel(config: Any, size: int, implementation: str, gguf: boo
     if implementation == "transformers":
         raise ValueError(f"{key}: transformers' modules (model.impl=transformers, or an architecture without a "
                          "native implementation) run on one rank; use engine.tensor_parallel_size=1")
-    if quantization is not None:
-        raise ValueError(f"{key} with model.quantization={quantization}: fp8 weights run on one rank; use "
-                         "engine.tensor_parallel_size=1 or leave model.quantization unset")
-    if (method := checkpoint_fp8(config)) is not None:
-        raise ValueError(f"{key} with an fp8 checkpoint (quantization_config quant_method {method}): fp8 weights run "
-                         "on one rank; use engine.tensor_parallel_size=1 or a bf16 checkpoint")
 
     def value(name: str) -> Any:
         return config.get(name) if isinstance(config, dict) else getattr(config, name, None)

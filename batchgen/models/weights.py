@@ -3,6 +3,7 @@ rank's parameters take only their slices (`Shard`, layers/tensor_parallel.py) of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,7 @@ def load_into(
 
     fp8 weights (float8_e4m3fn) load only into fp8 parameters and the other way round: a cast would drop their scale.
     A per-tensor fp8 weight scale (one element, `layers/fp8_loading.fp8_checkpoint_tensors`) fills every row of the
-    per-channel scales of its (block of a fused) layer.
+    per-channel scales of its (block of a fused) layer, of a tensor-parallel rank's rows of it too.
     """
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -83,7 +84,7 @@ def _copy(destination: torch.Tensor, source: torch.Tensor, transpose: bool, raw_
         raise ValueError(f"checkpoint tensor {raw_name} is {source.dtype}, but the model holds {name} in "
                          f"{destination.dtype} (fp8 models hold the decoder's linear layers and experts in "
                          "fp8; lm_head, embeddings and MoE routers not)")
-    if name.endswith(".weight_scale") and source.numel() == 1:
+    if _is_per_tensor_scale(name, tuple(source.shape)):
         source = source.reshape(()).expand(destination.shape)
     if destination.shape != source.shape:
         shape = tuple(source.t().shape if transpose else source.shape)
@@ -114,10 +115,16 @@ def _copy_shard(destination: torch.Tensor, target: WeightTarget, layout: Shard, 
     if target.transpose:  # GPT-2's Conv1D stores (in, out)
         full.reverse()
         dim = 1 - dim
-    if _shape(tensor) != tuple(full):
+    per_tensor_scale = _is_per_tensor_scale(name, _shape(tensor))
+    if _shape(tensor) != tuple(full) and not per_tensor_scale:
         raise ValueError(f"checkpoint tensor {raw_name} has shape {_shape(tensor)}; expected {tuple(full)}")
     for part, rows, offset in pieces:
         index = [slice(None)] * len(full)
         index[dim] = slice(offset + part.start, offset + part.stop)
-        _copy(destination.narrow(layout.dim, rows.start, part.size), tensor[tuple(index)], target.transpose,
-              raw_name, name)
+        source = tensor[...] if per_tensor_scale else tensor[tuple(index)]  # _copy repeats a per-tensor scale
+        _copy(destination.narrow(layout.dim, rows.start, part.size), source, target.transpose, raw_name, name)
+
+
+def _is_per_tensor_scale(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a checkpoint tensor is an fp8 weight scale of one element, for every row of its (part of a) layer."""
+    return name.endswith(".weight_scale") and math.prod(shape) == 1

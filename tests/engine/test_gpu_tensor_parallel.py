@@ -1,6 +1,6 @@
 """On two GPUs: engine.tensor_parallel_size=2 with CUDA graphs (NCCL all-reduces and all-gathers captured in the
-decode graphs) gives one GPU's greedy tokens on float32 tiny models; a follower killed mid-run ends generate with
-FollowerExited instead of leaving rank 0 waiting in an NCCL collective."""
+decode graphs) gives one GPU's greedy tokens on float32 tiny models, with fp8 weights too; a follower killed mid-run
+ends generate with FollowerExited instead of leaving rank 0 waiting in an NCCL collective."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.layers.fp8 import Fp8Linear
+from batchgen.layers.parallel_linear import Fp8RowParallelLinear
 from batchgen.tp.errors import FollowerExited
-from tests.helpers.common import VOCAB, random_prompts
+from tests.helpers.common import VOCAB, random_prompts, random_tokens
+from tests.helpers.fp8_checkpoints import write_fp8_checkpoint
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -36,6 +39,40 @@ def greedy(model: Path, size: int, prompts: list[list[int]]) -> list[list[int]]:
 def test_graph_mode_greedy_tokens_equal_one_gpu(tiny_model_dir: Callable[..., Path], architecture: str):
     model, prompts = tiny_model_dir(architecture), random_prompts(VOCAB, 6)
     assert greedy(model, 2, prompts) == greedy(model, 1, prompts)
+
+
+# Two GPUs that run fp8 (compute capability 8.9 or later).
+FP8_GPUS = torch.cuda.device_count() >= 2 and all(torch.cuda.get_device_capability(i) >= (8, 9) for i in range(2))
+
+
+@pytest.mark.skipif(not FP8_GPUS, reason="needs two GPUs with fp8 (compute capability 8.9 or later)")
+@pytest.mark.parametrize("source", ["quantization=fp8", "compressed_tensors_fp8", "compressed_tensors_fp8_dynamic"])
+def test_fp8_graph_mode_greedy_tokens_equal_one_gpu(tiny_model_dir: Callable[..., Path], tmp_path: Path,
+                                                    source: str):
+    """fp8 weights in fp8 on two GPUs (quantized at load, or a checkpoint with per-tensor or per-channel scales),
+    decode steps replayed from CUDA graphs. One-token prompts, one row a step: every fp8 linear runs the weight-only
+    GEMV, whose sums are one GPU's in another order. (Steps of several rows quantize the activations per token, and
+    a row-parallel rank scales its slice of a token by that slice's maximum, so they match one GPU only to fp8
+    rounding.)"""
+    float_dir = tiny_model_dir("LlamaForCausalLM")
+    quantization = "fp8" if source == "quantization=fp8" else None
+    model = float_dir
+    if quantization is None:
+        model = tmp_path / "fp8"
+        write_fp8_checkpoint(float_dir, model, source)
+    prompts = [[token] for token in random_tokens(4, seed=3)]
+    generated = []
+    for size in (2, 1):
+        llm = LLM(str(model), tensor_parallel_size=size, dtype="float32", max_num_seqs=1, quantization=quantization)
+        try:
+            assert llm.engine.runner.graphs is not None
+            attention = llm.engine.runner.model.model.layers[0].self_attn
+            assert isinstance(attention.qkv_proj, Fp8Linear)
+            assert isinstance(attention.o_proj, Fp8RowParallelLinear if size == 2 else Fp8Linear)
+            generated.append([o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+        finally:
+            llm.close()
+    assert generated[0] == generated[1]
 
 
 @pytest.mark.skip(reason="hangs on two H100s: after rank 1's SIGKILL, rank 0 neither raised nor returned within "

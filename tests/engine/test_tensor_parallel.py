@@ -1,6 +1,7 @@
 """engine.tensor_parallel_size=2 on CPU: two real processes (gloo), float32 tiny models. Every native architecture
 gives one process's greedy tokens; prefix caching, n > 1, seeded sampling, penalties, logprobs, stop strings,
-structured output, scoring, embeddings, chunked prefill and preemption give one process's results."""
+structured output, scoring, embeddings, chunked prefill and preemption give one process's results; so do fp8 weights,
+quantized at load or from fp8 checkpoints."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from batchgen.engine.outputs import RequestOutput
 from batchgen.tp.errors import FollowerExited
 from batchgen.tp.ranks import Followers, FollowerSpec
 from tests.helpers.common import KV_SETUPS, NATIVE_ARCHITECTURES, VOCAB, build_tiny_model_dir, random_prompts
+from tests.helpers.fp8_checkpoints import write_fp8_checkpoint
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "jobs" / "shakespeare" / "model"
 TP_ARCHITECTURES = [*NATIVE_ARCHITECTURES, "Qwen2MoeForCausalLM", "GemmaForCausalLM"]
@@ -72,13 +74,38 @@ def test_followers_start_with_the_jobs_rows(monkeypatch: pytest.MonkeyPatch):
         engine.close()
 
 
-def test_fp8_weights_fail_before_the_followers_start(monkeypatch: pytest.MonkeyPatch):
-    def no_followers(*args, **kwargs):
-        raise AssertionError("a follower started")
+# (model, fp8 weights): quantized at load, or a checkpoint with per-tensor scales (q, k and v each its own) or
+# per-channel ones; one_kv_head: Llama's with its one KV head (and its scales) on both ranks.
+FP8_CASES = [
+    *[("LlamaForCausalLM", source) for source in ("quantization=fp8", "compressed_tensors_fp8",
+                                                  "compressed_tensors_fp8_dynamic")],
+    ("one_kv_head", "compressed_tensors_fp8"),
+    ("Phi3ForCausalLM", "compressed_tensors_fp8"),  # one scale over the checkpoint's fused q, k and v
+    ("Qwen2MoeForCausalLM", "quantization=fp8"), ("Qwen2MoeForCausalLM", "compressed_tensors_fp8_dynamic"),
+]
 
-    monkeypatch.setattr(Followers, "_start", staticmethod(no_followers))
-    with pytest.raises(ValueError, match="engine.tensor_parallel_size=2 with model.quantization=fp8"):
-        LLM(str(SHAKESPEARE), tensor_parallel_size=2, quantization="fp8", device="cpu")
+
+@pytest.mark.parametrize(("model_name", "source"), FP8_CASES)
+def test_fp8_tokens_and_logprobs_equal_one_process(tiny_model_dir: Callable[..., Path], tmp_path: Path,
+                                                   model_name: str, source: str):
+    """fp8 weights dequantized on CPU: each rank's are the one-process model's slices (quantizing at load scales
+    each row-parallel row by its whole row's maximum), so the logprobs agree to float32 sums in another order."""
+    if model_name == "one_kv_head":
+        float_dir = build_tiny_model_dir("LlamaForCausalLM", tmp_path / "float",
+                                         overrides={"num_key_value_heads": 1})
+    else:
+        float_dir = tiny_model_dir(model_name)
+    quantization = "fp8" if source == "quantization=fp8" else None
+    model = float_dir
+    if quantization is None:
+        model = tmp_path / "fp8"
+        write_fp8_checkpoint(float_dir, model, source)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = random_prompts(VOCAB, 4)
+    one, two = (generate(model, size, prompts, params, quantization=quantization) for size in (1, 2))
+    assert tokens(two) == tokens(one)
+    for ours, expected in zip(two, one, strict=True):
+        assert_logprobs_close(ours.logprobs, expected.logprobs)
 
 
 @pytest.fixture(scope="module")

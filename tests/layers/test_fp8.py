@@ -18,6 +18,7 @@ from batchgen.layers.fp8 import (
     fits_scaled_mm,
     quantize_per_channel,
     quantize_rows_reference,
+    row_amax,
     scaled_mm_linear,
 )
 from batchgen.layers.fp8_loading import (
@@ -29,6 +30,13 @@ from batchgen.layers.fp8_loading import (
 )
 from batchgen.layers.linear import Linear
 from batchgen.layers.moe import StackedExperts
+from batchgen.layers.parallel_linear import (
+    Fp8RowParallelLinear,
+    RowParallelLinear,
+    column_parallel_linear,
+    row_parallel_linear,
+)
+from batchgen.layers.tensor_parallel import Shard, TensorParallel, building, shard_of
 from batchgen.models.weights import WeightTarget, fused_rows, load_into
 
 CPU = torch.device("cpu")
@@ -268,6 +276,73 @@ def test_finish_fp8_dequantizes_on_cpu(caplog: pytest.LogCaptureFixture) -> None
             expected = dequantize(*quantize_per_channel(float_weights[name]), torch.float32)
             assert torch.equal(module.weight, expected), name
     assert not any(isinstance(module, Fp8Linear) for module in network.modules())
+
+
+class PeerRank:
+    """Rank 0's collectives of two ranks, whose peer's all-gather inputs are given, in the order it sends them."""
+
+    def __init__(self, peer_inputs: list[torch.Tensor]) -> None:
+        self.peer_inputs = peer_inputs
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        raise AssertionError("loading reduces nothing")
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tensor, self.peer_inputs.pop(0)])
+
+
+class TinyRank(nn.Module):
+    """Rank 0 of two of a decoder's qkv (column-parallel), o_proj (row-parallel) and experts (each expert's
+    intermediate columns split), filled with its slices of the given whole weights."""
+
+    def __init__(self, tp: TensorParallel, qkv: torch.Tensor, o_proj: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        with building(tp), torch.no_grad():
+            self.model.qkv_proj = column_parallel_linear(32, [tp.even_part(32), tp.even_part(16), tp.even_part(16)])
+            self.model.o_proj = row_parallel_linear(64, 32)
+            self.model.experts = StackedExperts(num_experts=4, hidden_size=32, intermediate_size=24, top_k=2,
+                                                renormalize=True)
+            tp.mark(self.model.experts.down_proj, 1, tp.even_part(48))
+            self.model.qkv_proj.weight.copy_(torch.cat([qkv[:16], qkv[32:40], qkv[48:56]]))
+            self.model.o_proj.weight.copy_(o_proj[:, :32])
+            self.model.experts.down_proj.copy_(down[..., :24])
+
+
+@torch.no_grad()
+def test_a_row_parallel_rank_quantizes_its_columns_by_the_whole_rows_maxima() -> None:
+    """model.quantization=fp8 with tensor parallelism: a rank's fp8 weights are its slices of the one-rank fp8
+    weights. Column-parallel rows are whole on the rank; a row-parallel rank (o_proj, an expert's down projection)
+    holds half of each row, and scales it by the maximum of the whole row, which it gathers from its peer."""
+    qkv, o_proj, down = _weight(64, 32, seed=1), _weight(32, 64, seed=2), torch.randn(4, 32, 48)
+    tp = TensorParallel(0, 2, PeerRank([row_amax(o_proj[:, 32:]), row_amax(down[..., 24:])]))
+    network = TinyRank(tp, qkv, o_proj, down)
+    layouts = {name: shard_of(param) for name, param in network.named_parameters()}
+    finish_fp8(network, CPU, tp)
+
+    def one_rank(weight: torch.Tensor) -> torch.Tensor:
+        return dequantize(*quantize_per_channel(weight), torch.float32)
+
+    assert isinstance(network.model.o_proj, RowParallelLinear)  # its forward still sums over the ranks
+    assert torch.equal(network.model.o_proj.weight, one_rank(o_proj)[:, :32])
+    assert not torch.equal(network.model.o_proj.weight, one_rank(o_proj[:, :32]))  # the peer's maxima mattered
+    assert torch.equal(network.model.experts.down_proj, one_rank(down)[..., :24])
+    assert torch.equal(network.model.qkv_proj.weight, one_rank(torch.cat([qkv[:16], qkv[32:40], qkv[48:56]])))
+    assert {name: shard_of(param) for name, param in network.named_parameters()} == layouts
+
+
+def test_fp8_layers_keep_their_split_and_split_the_scales_of_split_rows() -> None:
+    """An fp8 checkpoint's layers on a tensor-parallel rank: a column-parallel layer's scales split as its rows (q, k
+    and v each), a row-parallel layer's whole; a row-parallel layer stays row-parallel."""
+    tp = TensorParallel(0, 2)
+    network = TinyRank(tp, torch.zeros(64, 32), torch.zeros(32, 64), torch.zeros(4, 32, 48))
+    use_fp8_layers(network)
+    qkv, o_proj, experts = network.model.qkv_proj, network.model.o_proj, network.model.experts
+    assert type(qkv) is Fp8Linear and isinstance(o_proj, Fp8RowParallelLinear) and experts.fp8
+    assert shard_of(qkv.weight_scale) == shard_of(qkv.weight) == Shard(0, (tp.even_part(32), tp.even_part(16),
+                                                                           tp.even_part(16)))
+    assert shard_of(o_proj.weight) == Shard(1, (tp.even_part(64),)) and shard_of(o_proj.weight_scale) is None
+    assert shard_of(experts.down_proj) == Shard(1, (tp.even_part(48),)) and shard_of(experts.down_proj_scale) is None
 
 
 @pytest.mark.gpu

@@ -16,8 +16,8 @@ from batchgen.layers.tensor_parallel import Shard, TensorParallel, shard_of
 from batchgen.models import loader
 from batchgen.models.loader import load_hf_config, load_model
 from batchgen.models.tp_shapes import check_tensor_parallel
-from tests.helpers.common import NATIVE_ARCHITECTURES, tiny_hf_config
-from tests.helpers.fp8_checkpoints import compressed_tensors_config
+from tests.helpers.common import NATIVE_ARCHITECTURES, build_tiny_model_dir, tiny_hf_config
+from tests.helpers.fp8_checkpoints import FORMATS, write_fp8_checkpoint
 
 TP_ARCHITECTURES = [*NATIVE_ARCHITECTURES, "Qwen2MoeForCausalLM", "GemmaForCausalLM"]
 
@@ -34,9 +34,9 @@ def expected_shard(whole: torch.Tensor, layout: Shard, dim: int) -> torch.Tensor
                       for part, offset in zip(layout.parts, offsets, strict=True)], dim=dim)
 
 
-@pytest.mark.parametrize("architecture", TP_ARCHITECTURES)
-def test_each_rank_holds_its_slices_of_the_whole_model(tiny_model_dir: Callable[..., Path], architecture: str):
-    directory = tiny_model_dir(architecture)
+def assert_ranks_hold_their_slices(directory: Path) -> None:
+    """Each of two ranks holds its slices of the whole model's parameters (fp8 weights dequantized, on CPU, as the
+    whole model's are), and its share of the heads."""
     whole = dict(load_rank(directory, TensorParallel()).named_parameters())
     for rank in range(2):
         model = load_rank(directory, TensorParallel(rank, 2))
@@ -59,34 +59,65 @@ def test_each_rank_holds_its_slices_of_the_whole_model(tiny_model_dir: Callable[
         assert all(a.num_heads == 2 for a in attention)  # 4 query heads over 2 ranks
 
 
-class RecordingSlice:
-    """A safetensors slice that counts the elements read through it."""
+@pytest.mark.parametrize("architecture", TP_ARCHITECTURES)
+def test_each_rank_holds_its_slices_of_the_whole_model(tiny_model_dir: Callable[..., Path], architecture: str):
+    assert_ranks_hold_their_slices(tiny_model_dir(architecture))
 
-    def __init__(self, inner: Any, reads: list[int]) -> None:
-        self.inner, self.reads = inner, reads
+
+@pytest.mark.parametrize(("architecture", "format_name"), [
+    *[("LlamaForCausalLM", name) for name in FORMATS],
+    # Phi-3's checkpoint fuses q, k and v (gate and up) under one scale; experts have scales of their own.
+    ("Phi3ForCausalLM", "compressed_tensors_fp8"), ("Phi3ForCausalLM", "compressed_tensors_fp8_dynamic"),
+    ("Qwen2MoeForCausalLM", "compressed_tensors_fp8"), ("MixtralForCausalLM", "compressed_tensors_fp8_dynamic"),
+])
+def test_each_rank_holds_its_slices_of_an_fp8_checkpoint(tiny_model_dir: Callable[..., Path], tmp_path: Path,
+                                                         architecture: str, format_name: str):
+    """Per-tensor scales (q, k and v each its own, repeated over the rank's rows of it) and per-channel ones (split as
+    the weight's rows; whole for a row-parallel layer)."""
+    write_fp8_checkpoint(tiny_model_dir(architecture), tmp_path, format_name)
+    assert_ranks_hold_their_slices(tmp_path)
+
+
+@pytest.mark.parametrize("format_name", ["compressed_tensors_fp8", "compressed_tensors_fp8_dynamic"])
+def test_an_fp8_kv_head_is_replicated_with_its_scales(tmp_path: Path, format_name: str):
+    float_dir = build_tiny_model_dir("LlamaForCausalLM", tmp_path / "float", overrides={"num_key_value_heads": 1})
+    write_fp8_checkpoint(float_dir, tmp_path / "fp8", format_name)
+    assert_ranks_hold_their_slices(tmp_path / "fp8")
+
+
+class RecordingSlice:
+    """A safetensors slice that records the elements read through it, by tensor name."""
+
+    def __init__(self, inner: Any, name: str, reads: list[tuple[str, int]]) -> None:
+        self.inner, self.name, self.reads = inner, name, reads
 
     def get_shape(self) -> list[int]:
         return self.inner.get_shape()
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         tensor = self.inner[index]
-        self.reads.append(tensor.numel())
+        self.reads.append((self.name, tensor.numel()))
         return tensor
 
 
-def test_a_rank_reads_only_its_slices_of_the_safetensors(tiny_model_dir: Callable[..., Path],
-                                                         monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("format_name", [None, "compressed_tensors_fp8", "compressed_tensors_fp8_dynamic"])
+def test_a_rank_reads_only_its_slices_of_the_safetensors(tiny_model_dir: Callable[..., Path], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch, format_name: str | None):
+    """Of an fp8 checkpoint too, whose weight scales (a float a row at most) are read whole and cut in memory."""
     directory = tiny_model_dir("LlamaForCausalLM")
+    if format_name is not None:
+        write_fp8_checkpoint(directory, tmp_path, format_name)
+        directory = tmp_path
     files = loader.safetensors_files(str(directory))
-    total = sum(tensor.numel() for _, tensor in loader.iter_safetensors(files))
-    reads: list[int] = []
+    total = sum(tensor.numel() for name, tensor in loader.iter_safetensors(files) if not name.endswith("_scale"))
+    reads: list[tuple[str, int]] = []
     lazy_reads = []
     real = loader.iter_safetensors
 
     def recording(files: list[Path], lazy: bool = False) -> Iterator[tuple[str, Any]]:
         lazy_reads.append(lazy)
         for name, tensor in real(files, lazy):
-            yield name, RecordingSlice(tensor, reads)
+            yield name, RecordingSlice(tensor, name, reads)
 
     monkeypatch.setattr(loader, "iter_safetensors", recording)
     model = load_rank(directory, TensorParallel(1, 2))
@@ -94,7 +125,8 @@ def test_a_rank_reads_only_its_slices_of_the_safetensors(tiny_model_dir: Callabl
     held = sum(p.numel() for p in model.parameters())
     # Only the norms are whole: everything else is half of the checkpoint.
     norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
-    assert sum(reads) == held == (total - norms) // 2 + norms
+    read = sum(count for name, count in reads if not name.endswith("_scale"))
+    assert read == held == (total - norms) // 2 + norms
 
 
 def test_kv_heads_fewer_than_ranks_are_replicated(tmp_path: Path):
@@ -130,15 +162,3 @@ def test_gguf_and_transformers_modules_run_on_one_rank():
     with pytest.raises(ValueError, match=r"engine.tensor_parallel_size=2: transformers' modules \(model.impl"):
         check_tensor_parallel(config, 2, "transformers", gguf=False)
     check_tensor_parallel(config, 2, "native", gguf=False)
-
-
-def test_fp8_weights_run_on_one_rank():
-    config = tiny_hf_config("LlamaForCausalLM").to_dict()
-    with pytest.raises(ValueError, match=r"^engine.tensor_parallel_size=2 with model.quantization=fp8: fp8 weights run "
-                                         r"on one rank; use engine.tensor_parallel_size=1 or leave model.quantization"):
-        check_tensor_parallel(config, 2, "native", gguf=False, quantization="fp8")
-    checkpoint = {**config, "quantization_config": compressed_tensors_config("channel", None)}
-    with pytest.raises(ValueError, match=r"^engine.tensor_parallel_size=2 with an fp8 checkpoint \(quantization_config "
-                                         r"quant_method compressed-tensors\): fp8 weights run on one rank"):
-        check_tensor_parallel(checkpoint, 2, "native", gguf=False)
-    check_tensor_parallel(checkpoint, 1, "native", gguf=False, quantization="fp8")

@@ -1,7 +1,7 @@
 """engine.tensor_parallel_size=2 through `python -m batchgen` on CPU: the rows of a single-process run, also as two
 data-parallel ranks of two tensor-parallel ranks each; a follower killed mid-run stops the job with one line naming
-it, keeping the finished rows, and resume finishes; SIGTERM to the job stops its followers too; a size the model
-cannot split is a one-line configuration error."""
+it, keeping the finished rows, and resume finishes; SIGTERM to the job stops its followers too; fp8 weights split
+too; a size the model cannot split is a one-line configuration error."""
 
 from __future__ import annotations
 
@@ -112,11 +112,10 @@ def test_a_size_that_does_not_split_the_model_is_a_config_error(tmp_path):
         composed("job=shakespeare", "runner=ray", TP)
 
 
-def test_fp8_weights_with_tensor_parallelism_are_a_config_error(tmp_path):
+def test_fp8_weights_with_tensor_parallel_size_2_equal_a_single_process(tmp_path, reference):
     result = batchgen(f"hydra.run.dir={tmp_path}", *JOB, "model.quantization=fp8", TP)
-    assert result.returncode == 2
-    assert ("engine.tensor_parallel_size=2 with model.quantization=fp8: fp8 weights run on one rank"
-            in result.stdout + result.stderr)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert comparable(tmp_path) == reference("model.quantization=fp8")
 
 
 def test_data_parallel_times_tensor_parallel_gpus_must_exist(monkeypatch: pytest.MonkeyPatch):

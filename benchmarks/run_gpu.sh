@@ -54,6 +54,10 @@ step sweep_decode_attention_fp8 120 "$PY" -m benchmarks.sweep_decode_attention -
 step sweep_decode_splits 90 "$PY" -m benchmarks.sweep_decode_splits
 step sweep_decode_splits_fp8 90 "$PY" -m benchmarks.sweep_decode_splits --kv-cache-dtype fp8
 step bench_cascade_attention 60 "$PY" -m benchmarks.bench_cascade_attention
+step bench_prefill_attention 90 "$PY" -m benchmarks.bench_prefill_attention
+step bench_prefill_attention_fp8 90 "$PY" -m benchmarks.bench_prefill_attention --kv-cache-dtype fp8
+# 36 launch configurations on two head shapes: about 72 compiles.
+step sweep_prefill_attention 420 "$PY" -m benchmarks.bench_prefill_attention --sweep
 step bench_linear 90 "$PY" -m benchmarks.bench_linear
 step main_job_cold 150 "$PY" -m benchmarks.main_job --fresh-caches
 step main_job 120 "$PY" -m benchmarks.main_job

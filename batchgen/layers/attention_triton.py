@@ -33,6 +33,7 @@ lengths make every position and tile bound of the KV loop 64-bit.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -168,23 +169,37 @@ def _soft_capped(s, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _softmax_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
-    """The keys k and values v of one tile (BLOCK_N, BLOCK_D), in q's dtype, folded into the online softmax of the
-    queries q (rows, BLOCK_D): the new running max, sum and accumulator (log2 units). Keys where `allowed` (rows,
-    BLOCK_N), or (1, BLOCK_N) for every row, is false get no weight. A row that sees no key yet (a padding row, or
-    the first tiles of a sliding window) stays empty: max -inf, sum and accumulator 0, never NaN. SOFTCAP > 0 (log2
-    units) soft-caps the scores first."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_N)
+def _scores(q, k, qk_scale, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The scaled scores (rows, BLOCK_N) of the queries q (rows, BLOCK_D) against the keys k (BLOCK_N, BLOCK_D), in
+    log2 units; SOFTCAP > 0 (log2 units) soft-caps them."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if SOFTCAP > 0:
         s = _soft_capped(s, SOFTCAP)
-    s = tl.where(allowed, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """The scores s (rows, BLOCK_N; -inf for keys a row may not see) and values v (BLOCK_N, BLOCK_D), in the queries'
+    dtype, folded into the online softmax: the new running max, sum and accumulator (log2 units). A row that sees no
+    key yet (a padding row, or the first tiles of a sliding window) stays empty: max -inf, sum and accumulator 0,
+    never NaN."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _softmax_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The keys k and values v of one tile (BLOCK_N, BLOCK_D), in q's dtype, folded into the online softmax of the
+    queries q (rows, BLOCK_D) (`_online_softmax`). Keys where `allowed` (rows, BLOCK_N), or (1, BLOCK_N) for every
+    row, is false get no weight."""
+    s = tl.where(allowed, _scores(q, k, qk_scale, DOT_PRECISION, SOFTCAP), float("-inf"))
+    return _online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit
@@ -611,74 +626,177 @@ def decode_attention(
     return out
 
 
+@dataclass(frozen=True)
+class PrefillConfig:
+    """The prefill kernel's launch configuration. A query tile holds block_m rows: query positions times the query
+    heads of one kv head (widened to hold at least one position); a KV tile holds block_n positions."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(head_dim: int, q_dtype: torch.dtype) -> PrefillConfig:
+    """The prefill kernel's configuration for a head width and query dtype; benchmarks/bench_prefill_attention.py
+    --sweep times the others."""
+    if _wide(head_dim, q_dtype):
+        return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
+    return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _tile_blocks(bt_row, start, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The block-table entry of each cache position [start, start + BLOCK_N): (BLOCK_N,); 0 from kv_end on, where
+    the entries are not read (they may lie past the table's row)."""
+    # Per position rather than once per block: each thread reads the entries of its own rows, which is also what a
+    # per-block read reshaped to positions compiles to under Triton 3.8; under 3.6 that reshape loses the rows'
+    # alignment, and the K/V tiles load as scalars, unpipelined (both compiled for sm_90).
+    pos = start + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < kv_end, other=0)
+
+
+@triton.jit
+def _paged_kv_tile(
+    blk, kc_head, vc_head, start, kv_end, d, d_mask, stride_kc_blk, stride_kc_off, stride_kc_d,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """The K and V rows (BLOCK_N, BLOCK_D) of cache positions [start, start + BLOCK_N) of one kv head, whose blocks
+    are `blk` (`_tile_blocks`), in DTYPE (the query's, see _dot_query). MASKED: positions from kv_end on read zeros,
+    their slots untouched; otherwise the whole tile lies below kv_end and only a head narrower than BLOCK_D masks."""
+    pos = start + tl.arange(0, BLOCK_N)
+    rows = blk.to(tl.int64) * stride_kc_blk + (pos % BLOCK_SIZE) * stride_kc_off  # (BLOCK_N,)
+    offsets = rows[:, None] + d[None, :] * stride_kc_d  # (BLOCK_N, BLOCK_D)
+    if MASKED:
+        mask = (pos < kv_end)[:, None] & d_mask[None, :]
+        k = tl.load(kc_head + offsets, mask=mask, other=0.0)
+        v = tl.load(vc_head + offsets, mask=mask, other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        k = tl.load(kc_head + offsets)
+        v = tl.load(vc_head + offsets)
+    else:
+        k = tl.load(kc_head + offsets, mask=d_mask[None, :], other=0.0)
+        v = tl.load(vc_head + offsets, mask=d_mask[None, :], other=0.0)
+    return k.to(DTYPE), v.to(DTYPE)
+
+
+@triton.jit
+def _attend_prefill_tiles(
+    q, q_pos, m_i, l_i, acc, lo, hi, kv_end, window, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
+    stride_kc_blk, stride_kc_off, stride_kc_d,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, WINDOWED: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of the queries q (BLOCK_M, BLOCK_D) at positions q_pos (BLOCK_M,) over the KV tiles that start
+    at lo, lo + BLOCK_N, ... below hi (lo a multiple of BLOCK_N); returns the running max, sum and accumulator.
+    MASKED: each row sees only the keys at or before its position (and, WINDOWED, inside its window), and positions
+    from kv_end on are not read; otherwise every row sees every key of these tiles.
+
+    Each iteration reads the next tile's block-table entries, for the iteration after. Read in the iteration that
+    uses them, they make the K/V loads indirect, and Triton's pipeliner (3.6 to 3.8, compiled for sm_90) then waits
+    at the top of every iteration for all the copies in flight: no tile's K/V would load while the tile before
+    computes."""
+    blk = _tile_blocks(bt_row, lo, kv_end, BLOCK_SIZE, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        k, v = _paged_kv_tile(blk, kc_head, vc_head, start, kv_end, d, d_mask, stride_kc_blk, stride_kc_off,
+                              stride_kc_d, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, MASKED, q.dtype)
+        blk = _tile_blocks(bt_row, start + BLOCK_N, kv_end, BLOCK_SIZE, BLOCK_N)
+        s = _scores(q, k, qk_scale, DOT_PRECISION, SOFTCAP)  # (BLOCK_M, BLOCK_N)
+        if MASKED:
+            pos = start + tl.arange(0, BLOCK_N)
+            allowed = pos[None, :] <= q_pos[:, None]
+            if WINDOWED:
+                allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+# An unspecialized block-table row stride spares a recompile whenever the step's widest table first changes
+# divisibility; the window's length is a plain argument, so one compile serves every windowed layer.
 @triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale, window,
     stride_qt, stride_qh, stride_qd,
     stride_kc_blk, stride_kc_off, stride_kc_h, stride_kc_d,
-    stride_vc_blk, stride_vc_off, stride_vc_h, stride_vc_d,
     stride_bt,
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
-    """One program per (query tile, head, sequence); queries sit at the end of the sequence's context."""
+    """One program per (query tile, kv head, sequence); queries sit at the end of the sequence's context. The tile's
+    BLOCK_M rows are BLOCK_Q query positions times the GROUP query heads of the kv head (row r: position r // GROUP,
+    head r % GROUP), so each K/V tile it reads serves every head of the group.
+
+    The KV loop runs over BLOCK_N-aligned tiles in up to three stages: where the window starts (WINDOWED only), the
+    tiles every row of the query tile sees whole, which need no mask, and those on the causal diagonal."""
     tile = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    if tile * BLOCK_M >= q_len:
+    if tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     ctx_len = seq_len - q_len  # cached prefix before this chunk
+    first_q = ctx_len + tile * BLOCK_Q  # the tile's first query position
+    hi = tl.minimum(first_q + BLOCK_Q, seq_len)  # one past its last
 
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    row_mask = rows < q_len
-    q_pos = ctx_len + rows
-    tok = (q_start + rows).to(tl.int64)
+    r = tl.arange(0, BLOCK_M)
+    q_idx = tile * BLOCK_Q + r // GROUP  # (BLOCK_M,) index in the chunk
+    row_mask = (r < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = ctx_len + q_idx
+    tok = (q_start + q_idx).to(tl.int64)
+    head = kvh * GROUP + r % GROUP
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd,
-        mask=row_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # (BLOCK_M, BLOCK_D)
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd, mask=io_mask,
+                other=0.0)  # (BLOCK_M, BLOCK_D)
     q = _dot_query(q, k_cache_ptr.dtype.element_ty)
 
-    kvh = h // GROUP
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     kc_head = k_cache_ptr + kvh * stride_kc_h
-    vc_head = v_cache_ptr + kvh * stride_vc_h
+    vc_head = v_cache_ptr + kvh * stride_kc_h
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Causal limit: the tile's last query sits at ctx_len + (tile + 1) * BLOCK_M - 1 (or the sequence's end).
-    hi = tl.minimum(seq_len, ctx_len + (tile + 1) * BLOCK_M)
-    # Window limit: the tile's first query sees nothing before ctx_len + tile * BLOCK_M - window + 1.
-    lo = tl.maximum(ctx_len + tile * BLOCK_M - window + 1, 0)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        valid = pos < hi
-        k, v = _load_kv_tile(bt_row, kc_head, vc_head, pos, valid, d, d_mask,
-                             stride_kc_blk, stride_kc_off, stride_kc_d, stride_vc_blk, stride_vc_off, stride_vc_d,
-                             BLOCK_SIZE, q.dtype)  # (BLOCK_N, BLOCK_D) each
-        in_window = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
-        m_i, l_i, acc = _softmax_tile(q, k, v, valid[None, :] & in_window, m_i, l_i, acc, qk_scale, DOT_PRECISION,
-                                      SOFTCAP)
+    full_lo = 0
+    full_hi = (first_q + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first query
+    if WINDOWED:
+        # The first query sees nothing before first_q - window + 1, the last everything from hi - window on.
+        lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_hi = tl.maximum(full_hi, lo)
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(hi - window, 0), BLOCK_N) * BLOCK_N, full_hi)
+        m_i, l_i, acc = _attend_prefill_tiles(
+            q, q_pos, m_i, l_i, acc, lo, full_lo, hi, window, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
+            stride_kc_blk, stride_kc_off, stride_kc_d,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, SOFTCAP, True, WINDOWED,
+        )  # fmt: skip
+    m_i, l_i, acc = _attend_prefill_tiles(
+        q, q_pos, m_i, l_i, acc, full_lo, full_hi, hi, window, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
+        stride_kc_blk, stride_kc_off, stride_kc_d,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, SOFTCAP, False, WINDOWED,
+    )  # fmt: skip
+    m_i, l_i, acc = _attend_prefill_tiles(
+        q, q_pos, m_i, l_i, acc, full_hi, hi, hi, window, bt_row, kc_head, vc_head, d, d_mask, qk_scale,
+        stride_kc_blk, stride_kc_off, stride_kc_d,
+        BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, SOFTCAP, True, WINDOWED,
+    )  # fmt: skip
 
     # Rows past the chunk (never stored) may have seen no key under a window: keep their division finite.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o_ptrs = out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :] * stride_od
-    tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def prefill_attention(
     q: torch.Tensor,  # (T, H, D)
     k_cache: torch.Tensor,  # (NB, BS, KVH, D)
-    v_cache: torch.Tensor,  # (NB, BS, KVH, D)
+    v_cache: torch.Tensor,  # (NB, BS, KVH, D), laid out as k_cache
     block_tables: torch.Tensor,  # (B, M) int32
     query_start_loc: torch.Tensor,  # (B + 1,) int32
     seq_lens: torch.Tensor,  # (B,) int32, context + this chunk
@@ -688,6 +806,7 @@ def prefill_attention(
     sliding_window: int | None = None,
     *,
     softcap: float | None = None,  # scores s become softcap * tanh(s / softcap); None: no cap
+    config: PrefillConfig | None = None,  # None: prefill_config's
 ) -> torch.Tensor:  # (T, H, D)
     out = torch.empty_like(q)
     num_tokens, num_heads, head_dim = q.shape
@@ -695,16 +814,19 @@ def prefill_attention(
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    wide = _wide(head_dim, q.dtype)
-    block_m = 32 if wide else 64
-    block_n = 32 if wide else 64
-    _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_heads, batch)](
+    assert k_cache.stride() == v_cache.stride(), "the K and V caches must share one layout"
+    config = config or prefill_config(head_dim, q.dtype)
+    group = num_heads // num_kv_heads
+    block_m = max(config.block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E, sliding_window or _NO_WINDOW,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        SOFTCAP=_log2_softcap(softcap), num_warps=4, num_stages=2 if wide else 3,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=config.block_n,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        SOFTCAP=_log2_softcap(softcap), WINDOWED=sliding_window is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -168,6 +168,62 @@ def test_chunked_prefill_equals_one_shot() -> None:
     assert_close(chunked, prefill(0, prompt_len))
 
 
+def _prefill_inputs(query_lens: tuple[int, ...], prefix_lens: tuple[int, ...], num_heads: int, num_kv_heads: int,
+                    head_dim: int, block_size: int, dtype: torch.dtype, kv_cache_dtype: str,
+                    gen: torch.Generator) -> tuple:
+    """prefill_attention's positional arguments: chunks of query_lens tokens after cached prefixes of prefix_lens."""
+    seq_lens = [p + n for p, n in zip(prefix_lens, query_lens, strict=True)]
+    k_cache, v_cache, block_tables = paged_cache(seq_lens, block_size, num_kv_heads, head_dim,
+                                                  cache_dtype(kv_cache_dtype, dtype), gen)
+    q = (2 * torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)).to(dtype).to(DEVICE)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens_t, head_dim**-0.5, max(query_lens),
+            max(seq_lens))
+
+
+# (block_m, block_n): query tiles of fewer positions than a KV tile and of more, both smaller than a cache block
+# (16), and a KV tile of several blocks; 6 query heads over 2 kv heads put 3 heads in each tile's rows, so that a
+# tile's positions (block_m // 3) are never a power of two
+PREFILL_TILES = [(16, 16), (16, 32), (32, 16), (64, 16), (32, 64)]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize(("block_m", "block_n"), PREFILL_TILES, ids=str)
+def test_prefill_tiles_match_reference(block_m: int, block_n: int, dtype: torch.dtype, kv_cache_dtype: str) -> None:
+    """Every tile shape of the sweep's kind gives the reference's rows: query tiles start off the KV tiles' grid
+    (cached prefixes of 37 and 70), so their diagonal crosses KV tiles part way, and contexts end mid-block."""
+    skip_bf16_dot_in_interpreter(dtype, kv_cache_dtype)
+    gen = torch.Generator().manual_seed(block_m * 1000 + block_n)
+    args = _prefill_inputs((45, 1, 23), (0, 37, 70), 6, 2, 32, 16, dtype, kv_cache_dtype, gen)
+    config = attention_triton.PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
+
+    out = attention_triton.prefill_attention(*args, config=config)
+    assert_close(out, attention_torch.prefill_attention(*args))
+
+
+# (window, softcap): a window shorter than a KV tile, one spanning several (so that the tiles between its start and
+# the diagonal need no mask), each with and without a soft cap
+@pytest.mark.parametrize(("window", "softcap"), [(5, None), (5, 1.5), (50, None), (50, 1.5)], ids=str)
+def test_prefill_window_and_softcap_with_small_tiles(window: int, softcap: float | None) -> None:
+    gen = torch.Generator().manual_seed(window)
+    args = _prefill_inputs((40, 1, 23), (0, 90, 70), 4, 2, 32, 8, f32, "auto", gen)
+    config = attention_triton.PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
+
+    out = attention_triton.prefill_attention(*args, window, softcap=softcap, config=config)
+    assert_close(out, attention_torch.prefill_attention(*args, window, softcap=softcap))
+
+
+def test_prefill_with_more_query_heads_per_kv_head_than_tile_rows() -> None:
+    """32 query heads share one kv head and a tile asks for 16 rows: it widens to hold one position of every head."""
+    gen = torch.Generator().manual_seed(5)
+    args = _prefill_inputs((9, 20), (0, 13), 32, 1, 32, 16, f32, "auto", gen)
+    config = attention_triton.PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+
+    assert_close(attention_triton.prefill_attention(*args, config=config), attention_torch.prefill_attention(*args))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="short tiles are chosen for CUDA launches only")
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 def test_decode_of_short_and_long_contexts_in_a_sparse_launch(monkeypatch: pytest.MonkeyPatch,

@@ -8,8 +8,9 @@ give next-token distributions far flatter than a trained model's, on which any n
 final norm's weight is scaled so that the bf16 logits have standard deviation --logit-std (on one calibration prompt;
 0 leaves them). The fp8 model is the same model with model.quantization=fp8 (per-channel weight scales). A fixed
 prompt set (--num-prompts prompts of --prompt-len random ids < 10000, seed 0) runs through both, teacher-forced:
-- prefill: the logits at every prompt position in one step (on an fp8 GPU: more than 8 rows, so the activations are
-  quantized to fp8 per token too, torch._scaled_mm);
+- prefill: the logits at every prompt position in one step (on an fp8 GPU: up to fp8.FP8_GEMM_MAX_ROWS positions,
+  128, the weight-only GEMM; past it the activations are quantized to fp8 per token too, torch._scaled_mm: pass a
+  --prompt-len above 128 to measure that);
 - decode: --decode-steps single-token steps fed the bf16 model's greedy tokens (on an fp8 GPU: the weight-only GEMV).
 For each: the mean KL divergence KL(bf16 || fp8) of the next-token distributions (nats), the share of positions
 whose greedy token agrees, and the bf16 model's mean top-1 probability (how peaked its distributions are).

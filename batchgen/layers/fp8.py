@@ -1,13 +1,17 @@
 """Linear layers with fp8 weights: float8_e4m3fn values and one float32 scale per output channel.
 
-`Fp8Linear` computes x @ (weight * weight_scale[:, None]).T + bias in two ways, by the number of rows of x:
-- one row (decode at batch 1): the Triton GEMV reads the fp8 weight, half the bytes of bf16, and upcasts it in
-  the kernel; x stays in the model's dtype (weight-only quantization). It runs in eager steps too, so
-  that eager and graph decode compute the same; it also takes the residual add + RMSNorm and SiLU-and-mul fusions
-  (layers/fused.py), as `Linear`'s GEMV does.
-- more rows (prefill, decode batches from 2): x is quantized to fp8 with one scale per row (token), and
-  torch._scaled_mm multiplies on the tensor cores, with the row and channel scales applied to its fp32 sums.
-Both need a GPU of compute capability 8.9 or later (Ada, Hopper): elsewhere `fp8_loading` dequantizes the weights at
+`Fp8Linear` computes x @ (weight * weight_scale[:, None]).T + bias in three ways, by the number of rows of x
+(`fp8_kernel`, the one place that decides):
+- one row (decode at batch 1): the Triton GEMV (layers/linear_triton.py) reads the fp8 weight, half the bytes of
+  bf16, and upcasts it in the kernel; x stays in the model's dtype (weight-only quantization). It runs in eager
+  steps too, so that eager and graph decode compute the same; it also takes the residual add + RMSNorm and
+  SiLU-and-mul fusions (layers/fused.py), as `Linear`'s GEMV does.
+- 2 to FP8_GEMM_MAX_ROWS rows (decode batches, short prefill chunks): the Triton weight-only GEMM
+  (layers/fp8_gemm_triton.py) upcasts fp8 weight tiles in registers and multiplies them with x, still in the model's
+  dtype, on the tensor cores.
+- more rows (prefill): x is quantized to fp8 with one scale per row (token), and torch._scaled_mm multiplies on the
+  tensor cores, with the row and channel scales applied to its fp32 sums.
+All need a GPU of compute capability 8.9 or later (Ada, Hopper): elsewhere `fp8_loading` dequantizes the weights at
 load. On CPU, `forward` runs the _scaled_mm path through torch's CPU kernels (for tests).
 
 Per-channel weight scales (rather than vLLM's one scale per tensor) cost nothing at run time and keep a channel of
@@ -17,6 +21,7 @@ ones by repeating each over its rows (q, k and v of a fused qkv_proj keep their 
 
 from __future__ import annotations
 
+import enum
 from types import ModuleType
 
 import torch
@@ -93,18 +98,40 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _kernels() -> ModuleType:
-    from batchgen.layers import linear_triton  # Triton only where the GEMV runs
+def _gemv_kernels() -> ModuleType:
+    from batchgen.layers import linear_triton  # Triton only where the kernels run
 
     return linear_triton
 
 
-def fp8_runs_triton(rows: int) -> bool:
-    """Whether `rows` rows of x on an fp8 weight take the Triton GEMV rather than _scaled_mm: one row only. The
-    kernel's tiles of several rows upcast each weight once for all of them, yet measured slower than _scaled_mm on
-    most of Llama-3.1-8B's projections, and many times slower past their register budget (bench_linear --dtype fp8,
-    benchmarks/RESULTS.md, 2026-11-27b)."""
-    return rows == 1
+def _gemm_kernels() -> ModuleType:
+    from batchgen.layers import fp8_gemm_triton  # Triton only where the kernels run
+
+    return fp8_gemm_triton
+
+
+class Fp8Kernel(enum.Enum):
+    GEMV = "gemv"  # linear_triton.small_m_linear, weight-only, with the norm and SiLU fusions
+    SMALL_M_GEMM = "small_m_gemm"  # fp8_gemm_triton.fp8_small_m_gemm, weight-only
+    SCALED_MM = "scaled_mm"  # scaled_mm_linear: x quantized per row, torch._scaled_mm
+
+
+# The row limits of fp8_kernel, read at each call (a benchmark may move them before the engine captures its graphs).
+# The GEMV's tiles of several rows measured slower than _scaled_mm on most of Llama-3.1-8B's projections, and many
+# times slower past their register budget (bench_linear --dtype fp8, benchmarks/RESULTS.md, 2026-11-27b).
+FP8_GEMV_MAX_ROWS = 1
+# _scaled_mm read fp8 weights at 1.2-2.4 TB/s from 2 to 128 rows there, no faster than cuBLAS reads bf16; the
+# weight-only GEMM takes those rows.
+FP8_GEMM_MAX_ROWS = 128
+
+
+def fp8_kernel(rows: int) -> Fp8Kernel:
+    """Which kernel multiplies `rows` (> 0) rows of x by an fp8 weight on a GPU."""
+    if rows <= FP8_GEMV_MAX_ROWS:
+        return Fp8Kernel.GEMV
+    if rows <= FP8_GEMM_MAX_ROWS:
+        return Fp8Kernel.SMALL_M_GEMM
+    return Fp8Kernel.SCALED_MM
 
 
 class Fp8Linear(nn.Module):
@@ -121,7 +148,7 @@ class Fp8Linear(nn.Module):
                                          requires_grad=False)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
-        self._gemv_device_type = "cuda"
+        self._kernel_device_type = "cuda"
 
     @classmethod
     def empty_like(cls, linear: nn.Linear) -> Fp8Linear:
@@ -156,32 +183,41 @@ class Fp8Linear(nn.Module):
         return linear
 
     def use_triton(self, device_type: str = "cuda") -> None:
-        """The GEMV runs on CUDA inputs without this call; device_type "cpu" runs it on CPU inputs instead (tests,
-        under TRITON_INTERPRET=1)."""
-        self._gemv_device_type = device_type
+        """The Triton kernels run on CUDA inputs without this call; device_type "cpu" runs them on CPU inputs
+        instead (tests, under TRITON_INTERPRET=1)."""
+        self._kernel_device_type = device_type
+
+    def kernel_for(self, x: torch.Tensor) -> Fp8Kernel:
+        """The kernel that multiplies x: `fp8_kernel`'s for a (rows, features) input on the kernels' device,
+        _scaled_mm for anything else."""
+        if x.device.type != self._kernel_device_type or x.dim() != 2 or x.shape[0] == 0:
+            return Fp8Kernel.SCALED_MM
+        return fp8_kernel(x.shape[0])
 
     def runs_triton(self, x: torch.Tensor) -> bool:
-        """Whether a (rows, features) input x goes through the Triton GEMV."""
-        if x.device.type != self._gemv_device_type or x.dim() != 2 or x.shape[0] == 0:
-            return False
-        return fp8_runs_triton(x.shape[0])
+        """Whether a (rows, features) input x goes through the Triton GEMV (which the norm and SiLU fusions of
+        layers/fused.py need)."""
+        return self.kernel_for(x) is Fp8Kernel.GEMV
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         return self.project(x, self.bias)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ dequantized weight.T + bias, with the bias given (as Linear.project)."""
-        if self.runs_triton(x):
-            return _kernels().small_m_linear(x, self.weight, bias, weight_scale=self.weight_scale)
+        kernel = self.kernel_for(x)
+        if kernel is Fp8Kernel.GEMV:
+            return _gemv_kernels().small_m_linear(x, self.weight, bias, weight_scale=self.weight_scale)
+        if kernel is Fp8Kernel.SMALL_M_GEMM:
+            return _gemm_kernels().fp8_small_m_gemm(x, self.weight, self.weight_scale, bias)
         return scaled_mm_linear(x, self.weight, self.weight_scale, bias)
 
     def add_rms_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                              eps: float, silu_and_mul: bool = False,
                              gemma_style: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Linear.add_rms_norm_forward's fused launch, on the fp8 weight; only where runs_triton(x)."""
-        return _kernels().add_rms_norm_linear(x, residual, norm_weight, eps, self.weight, self.bias,
-                                                   silu_and_mul=silu_and_mul, gemma_style=gemma_style,
-                                                   weight_scale=self.weight_scale)
+        return _gemv_kernels().add_rms_norm_linear(x, residual, norm_weight, eps, self.weight, self.bias,
+                                                        silu_and_mul=silu_and_mul, gemma_style=gemma_style,
+                                                        weight_scale=self.weight_scale)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -3,6 +3,7 @@ checkpoint's scales into fused layers, and the dequantized fallback."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import pytest
@@ -10,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.layers import fp8
 from batchgen.layers.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
+    Fp8Kernel,
     Fp8Linear,
     dequantize,
     fits_scaled_mm,
@@ -40,6 +43,7 @@ from batchgen.layers.tensor_parallel import Shard, TensorParallel, building, sha
 from batchgen.models.weights import WeightTarget, fused_rows, load_into
 
 CPU = torch.device("cpu")
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -109,12 +113,65 @@ def test_fp8_linear_quantizes_a_linear() -> None:
     torch.testing.assert_close(layer(x), expected, rtol=0, atol=0.1 * float(expected.abs().max()))
 
 
-def test_fp8_linear_takes_the_gemv_for_one_row_and_scaled_mm_for_more() -> None:
+def test_fp8_linear_takes_the_gemv_for_one_row_the_gemm_up_to_its_limit_and_scaled_mm_past_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     layer = Fp8Linear.quantized(Linear(64, 32, bias=False))
+    assert layer.kernel_for(torch.randn(2, 64)) is Fp8Kernel.SCALED_MM  # the kernels run on CUDA inputs only
     layer.use_triton("cpu")
-    assert layer.runs_triton(torch.randn(1, 64))
+    kernels = {rows: layer.kernel_for(torch.randn(rows, 64)) for rows in (1, 2, 3, 64, 128, 129, 4096)}
+    assert kernels == {1: Fp8Kernel.GEMV, 2: Fp8Kernel.SMALL_M_GEMM, 3: Fp8Kernel.SMALL_M_GEMM,
+                       64: Fp8Kernel.SMALL_M_GEMM, 128: Fp8Kernel.SMALL_M_GEMM, 129: Fp8Kernel.SCALED_MM,
+                       4096: Fp8Kernel.SCALED_MM}
+    assert layer.runs_triton(torch.randn(1, 64))  # the GEMV, which the norm and SiLU fusions need
     assert not any(layer.runs_triton(torch.randn(rows, 64)) for rows in (2, 4, 8, 64))
-    assert not layer.runs_triton(torch.randn(0, 64))
+    assert layer.kernel_for(torch.randn(0, 64)) is Fp8Kernel.SCALED_MM
+    assert layer.kernel_for(torch.randn(2, 3, 64)) is Fp8Kernel.SCALED_MM
+    monkeypatch.setattr(fp8, "FP8_GEMM_MAX_ROWS", 16)  # read at each call, as a benchmark moves it
+    assert layer.kernel_for(torch.randn(16, 64)) is Fp8Kernel.SMALL_M_GEMM
+    assert layer.kernel_for(torch.randn(17, 64)) is Fp8Kernel.SCALED_MM
+
+
+LLAMA3_8B_FP8 = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down (N, K)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
+@pytest.mark.parametrize("rows", [2, 3, 8, 16, 17, 32, 64, 100, 128])
+def test_fp8_gemm_configs_fill_the_gpu_and_fit_its_shared_memory(rows: int) -> None:
+    """On Llama-3.1-8B's projections: a row tile covering the rows (up to 64), enough programs for every SM unless
+    a split would have too few K steps, and pipeline stages that fit an H100's shared memory, or an Ada GPU's."""
+    from batchgen.layers.fp8_gemm_triton import (
+        HOPPER,
+        MIN_K_STEPS_PER_SPLIT,
+        GpuLimits,
+        fp8_small_m_config,
+        stages_that_fit,
+    )
+
+    ada = GpuLimits(sm_count=128, shared_memory_bytes=99 * 1024)
+    for limits in (HOPPER, ada):
+        for n, k in LLAMA3_8B_FP8:
+            config = fp8_small_m_config(rows, n, k, 2, limits)
+            assert config.block_m == min(64, max(16, 1 << (rows - 1).bit_length()))
+            programs = -(-rows // config.block_m) * -(-n // config.block_n) * config.split_k
+            k_steps_per_split = k // config.block_k // config.split_k
+            assert programs >= limits.sm_count or k_steps_per_split < 2 * MIN_K_STEPS_PER_SPLIT
+            assert k_steps_per_split >= MIN_K_STEPS_PER_SPLIT
+            assert 2 <= config.num_stages == stages_that_fit(config.block_m, config.block_n, config.block_k, 2,
+                                                             config.weight_first, limits.shared_memory_bytes)
+            stage_bytes = config.block_k * (config.block_n + 2 * config.block_m)
+            assert config.num_stages * stage_bytes < limits.shared_memory_bytes
+    # o_proj and down_proj have 4096 rows, 64 tiles of 64: they split K; gate_up's 448 tiles do not.
+    assert fp8_small_m_config(rows, 4096, 14336).split_k > 1
+    assert fp8_small_m_config(rows, 28672, 4096).split_k == 1
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
+def test_fp8_gemm_config_halves_the_k_step_for_float32_x_and_keeps_small_shapes_in_one_tile() -> None:
+    from batchgen.layers.fp8_gemm_triton import fp8_small_m_config
+
+    assert fp8_small_m_config(8, 4096, 4096, 4).block_k == fp8_small_m_config(8, 4096, 4096, 2).block_k // 2
+    tiny = fp8_small_m_config(5, 40, 24)
+    assert (tiny.block_n, tiny.block_k, tiny.split_k) == (64, 32, 1)
 
 
 def test_fits_scaled_mm() -> None:

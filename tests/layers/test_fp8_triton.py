@@ -1,5 +1,6 @@
 """The fp8 Triton kernels against torch: the small-M GEMV on fp8 weights (plain, with the fused residual add +
-RMSNorm and SiLU-and-mul), the per-token fp8 quantization, and Fp8Linear's choice between the GEMV and _scaled_mm.
+RMSNorm and SiLU-and-mul), the per-token fp8 quantization, and Fp8Linear's choice between the GEMV, the weight-only
+GEMM (tested itself in test_fp8_gemm_triton.py) and _scaled_mm.
 
 Runs on CUDA; without a GPU, `TRITON_INTERPRET=1 pytest tests/layers/test_fp8_triton.py` runs the same cases, scaled
 down, through Triton's CPU interpreter (before Triton 3.8 it needs numpy<2.4). The interpreter truncates bf16
@@ -19,9 +20,10 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU build has none)")
 
 from batchgen.config import ModelConfig  # noqa: E402
-from batchgen.layers import fp8, fused, linear_triton  # noqa: E402
+from batchgen.layers import fp8, fp8_gemm_triton, fused, linear_triton  # noqa: E402
 from batchgen.layers.activation import silu_and_mul  # noqa: E402
-from batchgen.layers.fp8 import FP8_DTYPE, Fp8Linear, dequantize, quantize_per_channel  # noqa: E402
+from batchgen.layers.fp8 import FP8_DTYPE, FP8_GEMM_MAX_ROWS, Fp8Linear, dequantize, quantize_per_channel  # noqa: E402
+from batchgen.layers.fp8_gemm_triton import fp8_small_m_gemm  # noqa: E402
 from batchgen.layers.fp8_loading import quantizable_layers  # noqa: E402
 from batchgen.layers.fp8_triton import quantize_rows  # noqa: E402
 from batchgen.layers.linear import Linear  # noqa: E402
@@ -30,7 +32,7 @@ from batchgen.layers.moe import StackedExperts  # noqa: E402
 from batchgen.layers.norms import rms_norm  # noqa: E402
 from batchgen.models.loader import load_hf_config, load_model  # noqa: E402
 from tests.helpers.graph_replay import capture_graph  # noqa: E402
-from tests.helpers.paged import prefill_then_decode_logits  # noqa: E402
+from tests.helpers.paged import PagedTestCache  # noqa: E402
 from tests.helpers.triton_support import DEVICE, ON_GPU, TRITON_MARKS  # noqa: E402
 
 pytestmark = TRITON_MARKS
@@ -151,26 +153,31 @@ def test_quantize_rows(m: int, k: int, dtype: torch.dtype) -> None:
     assert quantize_rows(x[:0])[0].shape == (0, k)
 
 
-@pytest.mark.parametrize("m", [1, MAX_M, MAX_M + 1, 20])
+@pytest.mark.parametrize("m", [1, 2, FP8_GEMM_MAX_ROWS, FP8_GEMM_MAX_ROWS + 1])
 def test_fp8_linear_dispatch(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Up to MAX_M rows take the GEMV (on the device the layer's kernels run on), more take _scaled_mm."""
+    """One row takes the GEMV, up to FP8_GEMM_MAX_ROWS the weight-only GEMM (on the device the layer's kernels run
+    on), more take _scaled_mm."""
     calls = []
 
-    def spy(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(args)
-        return small_m_linear(*args, **kwargs)
+    def spy(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def counted(*args: object, **kwargs: object) -> torch.Tensor:
+            calls.append(kernel.__name__)
+            return kernel(*args, **kwargs)
+        return counted
 
-    monkeypatch.setattr(linear_triton, "small_m_linear", spy)
+    monkeypatch.setattr(linear_triton, "small_m_linear", spy(small_m_linear))
+    monkeypatch.setattr(fp8_gemm_triton, "fp8_small_m_gemm", spy(fp8_small_m_gemm))
     layer = Fp8Linear.quantized(Linear(64, 48, device=DEVICE))
     layer.use_triton(DEVICE)
     x = torch.randn(m, 64, device=DEVICE)
     with torch.no_grad():
         out = layer(x)
-    assert len(calls) == (1 if m <= MAX_M else 0)
     expected = _reference(x, layer.weight, layer.weight_scale, layer.bias)
-    if m <= MAX_M:  # weight-only: x stays float32
+    if m <= FP8_GEMM_MAX_ROWS:  # weight-only: x stays float32
+        assert calls == ["small_m_linear" if m == 1 else "fp8_small_m_gemm"]
         assert_close(out, expected, f32)
     else:  # x in fp8 too: about 2**-4 of each product
+        assert calls == []
         torch.testing.assert_close(out, expected, rtol=0, atol=0.1 * float(expected.abs().max()))
 
 
@@ -181,11 +188,11 @@ FUSED_NORMS_PER_LAYER = {"Qwen3ForCausalLM": 2, "Qwen2ForCausalLM": 2, "Gemma2Fo
 
 
 @pytest.mark.parametrize("architecture", list(FUSED_NORMS_PER_LAYER))
-def test_model_with_fp8_gemv(architecture: str, tiny_model_dir: Callable[..., Path],
+def test_model_with_fp8_kernels(architecture: str, tiny_model_dir: Callable[..., Path],
                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps of at most MAX_M rows on fp8 linears (the GEMV, its norm and SiLU fusions included) and fp8 experts (the
-    MoE kernels) give the logits of the same model on its dequantized weights through F.linear and the experts'
-    kernels on float weights."""
+    """On fp8 linears (the weight-only GEMM in steps of several rows, the GEMV with its norm and SiLU fusions in steps
+    of one) and fp8 experts (the MoE kernels), the model gives the logits of the same model on its dequantized
+    weights through F.linear and the experts' kernels on float weights."""
     fused_calls = []
 
     def spy(*args: object, gemma_style: bool = False, **kwargs: object) -> object:
@@ -196,6 +203,14 @@ def test_model_with_fp8_gemv(architecture: str, tiny_model_dir: Callable[..., Pa
     model_config = ModelConfig(path=str(tiny_model_dir(architecture)))
     model = load_model(model_config, load_hf_config(model_config), f32, torch.device(DEVICE))
     tokens = [3, 1, 4, 1, 5, 9, 2]
+
+    def logits() -> torch.Tensor:
+        """A prefill step of 5 rows and a decode step of 3 (2 of them padding): the weight-only GEMM; then a decode
+        step of one row: the GEMV with its fusions."""
+        cache = PagedTestCache(model)
+        return torch.cat([cache.run(model, [(0, tokens[:5])])[0],
+                          cache.run(model, [(0, tokens[5:6])], num_padding_rows=2)[0],
+                          cache.run(model, [(0, tokens[6:])])[0]])
 
     with torch.no_grad():
         fp8_layers = []
@@ -212,13 +227,12 @@ def test_model_with_fp8_gemv(architecture: str, tiny_model_dir: Callable[..., Pa
                 fp8_layer.use_triton(DEVICE)
                 layer.weight.copy_(dequantize(fp8_layer.weight, fp8_layer.weight_scale, f32))
             fp8_layers.append((parent, name, fp8_layer))
-        expected = prefill_then_decode_logits(model, tokens)
+        expected = logits()
         for parent, name, layer in fp8_layers:
             setattr(parent, name, layer)
-        assert_close(prefill_then_decode_logits(model, tokens), expected, f32)
+        assert_close(logits(), expected, f32)
     gemma = architecture.startswith("Gemma")
-    assert fused_calls == [gemma] * FUSED_NORMS_PER_LAYER[architecture] * model.config.num_hidden_layers * (
-        1 + len(tokens[5:]))
+    assert fused_calls == [gemma] * FUSED_NORMS_PER_LAYER[architecture] * model.config.num_hidden_layers
     assert fused.FUSE_ADD_RMS_NORM and fused.FUSE_SILU_AND_MUL
 
 

@@ -64,6 +64,7 @@ step main_job 120 "$PY" -m benchmarks.main_job
 step profile_prefill_host 90 "$PY" -m benchmarks.profile_prefill_host
 step startup 90 "$PY" -m benchmarks.startup
 step bench_fused 60 "$PY" -m benchmarks.bench_fused
+step bench_sampling 150 "$PY" -m benchmarks.bench_sampling
 # Whole jobs, one workload per step; each workload's own --timeout ends it 20 s before its step's cap, so that a slow
 # one is reported as failed in the JSON and the table instead of killed with them.
 step real_jobs_chat_mix 240 "$PY" -m benchmarks.real_jobs chat_mix --timeout 220

@@ -20,8 +20,11 @@ from batchgen.sample.penalties import apply_penalties, count_sampled
 _MASK32 = 0xFFFFFFFF
 _SALT = 0x9E3779B9  # 2**32 / golden ratio
 # Up to this vocabulary a row fits one program's registers, and the filters run with the draw in one Triton kernel
-# (filters_triton); larger ones sort in torch.
+# (filters_triton). Larger ones are filtered by filters_large_triton, which finds the cuts without sorting, in batches
+# of at least LARGE_VOCAB_FILTERS_MIN_ROWS rows; smaller batches sort in torch (benchmarks/bench_sampling.py times
+# both on a GPU).
 FILTERED_DRAW_MAX_VOCAB = 4096
+LARGE_VOCAB_FILTERS_MIN_ROWS = 1
 
 
 @dataclass
@@ -76,8 +79,8 @@ def _draw(logits: torch.Tensor, t: SamplingTensors, greedy_ids: torch.Tensor | N
 
 
 def _draw_cuda(logits: torch.Tensor, t: SamplingTensors, greedy_ids: torch.Tensor, filters: bool) -> SamplerOutput:
-    """The same draw in Triton kernels: with the filters in one kernel for small vocabularies, after torch's sort
-    for larger ones."""
+    """The same draw in Triton kernels: with the filters in one kernel for small vocabularies; for larger ones after
+    the filters' own kernels, or torch's sort in batches too small to gain from them."""
     if filters and logits.shape[1] <= FILTERED_DRAW_MAX_VOCAB:
         from batchgen.sample.filters_triton import filtered_draw
 
@@ -86,7 +89,13 @@ def _draw_cuda(logits: torch.Tensor, t: SamplingTensors, greedy_ids: torch.Tenso
         return SamplerOutput(token_ids, logits, filtered, t.inv_temperature)
     from batchgen.sample.draw_triton import seeded_draw
 
-    filtered = _apply_filters(logits.float() * t.inv_temperature.unsqueeze(1), t) if filters else None
+    filtered = None
+    if filters and len(logits) >= LARGE_VOCAB_FILTERS_MIN_ROWS:
+        from batchgen.sample.filters_large_triton import filter_large_vocab
+
+        filtered = filter_large_vocab(logits, t.inv_temperature, t.top_k, t.top_p, t.min_p, greedy_ids)
+    elif filters:
+        filtered = _apply_filters(logits.float() * t.inv_temperature.unsqueeze(1), t)
     token_ids = seeded_draw(logits if filtered is None else filtered, t.temperature, t.inv_temperature, t.seed,
                             t.position, greedy_ids, scale=filtered is None)
     return SamplerOutput(token_ids, logits, filtered, t.inv_temperature)

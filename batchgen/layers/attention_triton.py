@@ -639,10 +639,10 @@ class PrefillConfig:
 
 def prefill_config(head_dim: int, q_dtype: torch.dtype) -> PrefillConfig:
     """The prefill kernel's configuration for a head width and query dtype; benchmarks/bench_prefill_attention.py
-    --sweep times the others."""
+    --sweep times the others (benchmarks/RESULTS.md, 2026-11-27c: 32-position KV tiles led on the Qwen3-0.6B heads)."""
     if _wide(head_dim, q_dtype):
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
-    return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
 
 
 @triton.jit

@@ -21,8 +21,8 @@ _MASK32 = 0xFFFFFFFF
 _SALT = 0x9E3779B9  # 2**32 / golden ratio
 # Up to this vocabulary a row fits one program's registers, and the filters run with the draw in one Triton kernel
 # (filters_triton). Larger ones are filtered by filters_large_triton, which finds the cuts without sorting, in batches
-# of at least LARGE_VOCAB_FILTERS_MIN_ROWS rows; smaller batches sort in torch (benchmarks/bench_sampling.py times
-# both on a GPU).
+# of at least LARGE_VOCAB_FILTERS_MIN_ROWS rows; smaller batches sort in torch. benchmarks/bench_sampling.py times
+# both on a GPU by moving this limit: sort-free was faster from one row on (benchmarks/RESULTS.md, 2026-11-27c).
 FILTERED_DRAW_MAX_VOCAB = 4096
 LARGE_VOCAB_FILTERS_MIN_ROWS = 1
 

@@ -70,7 +70,7 @@ class PartedParquetWriter:
         final_path: Path,
         schema: pa.Schema,
         sort_key: str | list[tuple[str, str]] | None,
-        flush_rows: int = 256,
+        flush_rows: int = 4096,
         flush_seconds: float = 10.0,
     ) -> None:
         self.final_path = final_path
@@ -173,7 +173,7 @@ class CompletionWriter(PartedParquetWriter):
     FILE_NAME = "completions.parquet"
 
     def __init__(
-        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 256, flush_seconds: float = 10.0
+        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 4096, flush_seconds: float = 10.0
     ) -> None:
         super().__init__(
             run_dir / self.FILE_NAME,
@@ -223,7 +223,7 @@ class StepWriter(PartedParquetWriter):
     FILE_NAME = "steps.parquet"
 
     def __init__(
-        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 256, flush_seconds: float = 10.0,
+        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 4096, flush_seconds: float = 10.0,
         schema: pa.Schema = STEPS_SCHEMA,  # a sharded run's steps add a `shard` column
     ) -> None:
         super().__init__(run_dir / self.FILE_NAME, with_metadata(schema, metadata), None, flush_rows, flush_seconds)

@@ -182,6 +182,11 @@ class Scheduler:
         error = self.admission_error(request)
         if error is not None:
             raise ValueError(f"request {request.request_id} can never run: {error}")
+        self.enqueue(request)
+
+    def enqueue(self, request: Request) -> None:
+        """add_request for a request whose admission_error the caller has found to be None (the engine asks it once
+        for all the samples of a prompt)."""
         request.status = RequestStatus.WAITING
         params = request.sampling_params
         request.max_num_outputs = min(params.max_tokens, self.config.max_model_len - request.num_prompt_tokens)

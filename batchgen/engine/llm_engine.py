@@ -197,8 +197,8 @@ class LLMEngine:
             token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
             self._check_token_ids(params)
             bad_words = bad_words_token_ids(params.bad_words, self.detokenizer and self.detokenizer.tokenizer)
-            for sample in samples:
-                sample.prompt_token_ids = list(token_ids)
+            for sample in samples:  # token_ids is the first one's own copy
+                sample.prompt_token_ids = token_ids if sample is samples[0] else list(token_ids)
                 sample.bad_words_token_ids = bad_words
             error = self.scheduler.admission_error(samples[0])
             if error is None and guided_spec(params) is not None:
@@ -216,7 +216,7 @@ class LLMEngine:
                 # From position 1 on: the first prompt token has no logprob.
                 sample.prompt_logprobs = PromptLogprobs(sample.prompt_array, 1, params.prompt_logprobs)
                 sample.use_prefix_cache = False  # prompt logprobs need every prompt position's logits
-            self.scheduler.add_request(sample)
+            self.scheduler.enqueue(sample)
 
     def add_score_request(self, request_id: int, context_token_ids: list[int], continuation_token_ids: list[int],
                           prompt: str | None = None) -> None:
@@ -237,7 +237,7 @@ class LLMEngine:
         request.prompt_logprobs = PromptLogprobs(request.prompt_array, len(context_token_ids),  # the continuation's
                                                  PREFILL_ONLY.prompt_logprobs)
         request.max_cached_tokens = len(context_token_ids) - 1  # the last context position scores the first token
-        self.scheduler.add_request(request)
+        self.scheduler.enqueue(request)
 
     def _score_error(self, context_token_ids: list[int], continuation_token_ids: list[int]) -> str | None:
         if not continuation_token_ids:
@@ -276,7 +276,7 @@ class LLMEngine:
             self._finish_with_error(request, error)
             return
         request.max_cached_tokens = self.pooler.max_cached_tokens(request.prompt_token_ids)
-        self.scheduler.add_request(request)
+        self.scheduler.enqueue(request)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         """Token ids in the sampling options must be in the model's vocabulary."""

@@ -47,7 +47,7 @@ def guided_spec(params: SamplingParams) -> GuidedSpec | None:
 
 class _TokenTable:
     """The token table llguidance's TokenizerWrapper reads, for tokenizers whose decoder llguidance cannot infer
-    from tokenizer.json (such as the Shakespeare model's character-level WordLevel)."""
+    from tokenizer.json (such as the Shakespeare model's character-level one, whose decoder is Fuse)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self._tokenizer = tokenizer

@@ -99,6 +99,8 @@ OVERRIDE_FIELDS = tuple(OVERRIDE_RULES)
 
 def parse_overrides(record: dict[str, Any]) -> dict[str, Any]:
     """The overrides a row sets, normalized (a single stop string becomes a list); null means not set."""
+    if OVERRIDE_RULES.keys().isdisjoint(record):  # most rows: a prompt and an id, looked up once each
+        return {}
     overrides = {}
     for name, rule in OVERRIDE_RULES.items():
         value = record.get(name)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -33,19 +33,26 @@ def _part_number(part: Path) -> int:
 
 
 def records_table(records: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
-    """pa.Table.from_pylist, where a value may also be a one-row Array of its field's type."""
-    built = {name for record in records for name, value in record.items() if isinstance(value, pa.Array)}
-    if not built:
-        return pa.Table.from_pylist(records, schema=schema)
-    table = pa.Table.from_pylist([{name: value for name, value in record.items() if name not in built}
-                                  for record in records], schema=schema)
-    for name in built:
-        field = schema.field(name)
-        values = (record.get(name) for record in records)
-        column = pa.chunked_array([value if isinstance(value, pa.Array) else pa.array([value], type=field.type)
-                                   for value in values], type=field.type)
-        table = table.set_column(schema.get_field_index(name), field, column)
-    return table
+    """pa.Table.from_pylist, where a value of a nested field (a list) may also be a one-row Array of its field's
+    type. Built a column at a time: only the nested columns are searched for Arrays."""
+    columns = []
+    for field in schema:
+        values = [record.get(field.name) for record in records]
+        if pa.types.is_nested(field.type) and any(isinstance(value, pa.Array) for value in values):
+            columns.append(pa.chunked_array([value if isinstance(value, pa.Array) else pa.array([value], field.type)
+                                             for value in values], type=field.type))
+        else:
+            columns.append(pa.array(values, type=field.type))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def sorted_rows(table: pa.Table, sort_key: str | list[tuple[str, str]]) -> pa.Table:
+    """table.sort_by(sort_key), which leaves a table already in that order as it is (rows mostly finish in input
+    order) instead of gathering every column again."""
+    order = pc.sort_indices(table, sort_keys=[(sort_key, "ascending")] if isinstance(sort_key, str) else sort_key)
+    if np.array_equal(order.to_numpy(), np.arange(table.num_rows)):
+        return table
+    return table.take(order)
 
 
 class PartedParquetWriter:
@@ -63,7 +70,7 @@ class PartedParquetWriter:
         final_path: Path,
         schema: pa.Schema,
         sort_key: str | list[tuple[str, str]] | None,
-        flush_rows: int = 256,
+        flush_rows: int = 4096,
         flush_seconds: float = 10.0,
     ) -> None:
         self.final_path = final_path
@@ -134,7 +141,11 @@ class PartedParquetWriter:
     def existing_rows(self, columns: list[str] | None = None) -> pa.Table:
         """The rows in part files, earlier attempts included, in write order; buffered rows are not."""
         schema = self.schema if columns is None else pa.schema([self.schema.field(name) for name in columns])
-        tables = [pq.read_table(part, columns=columns).cast(schema) for part in self._parts()]
+        tables = []
+        for part in self._parts():
+            with pq.ParquetFile(part) as file:  # no dataset discovery: a job may leave many parts
+                table = file.read(columns=columns)
+            tables.append(table if table.schema.equals(schema) else table.cast(schema))
         return pa.concat_tables(tables) if tables else schema.empty_table()
 
     def _check_merged(self, table: pa.Table) -> None:
@@ -145,9 +156,9 @@ class PartedParquetWriter:
         if self._closed:
             return self.final_path
         self.flush()
-        table = self.existing_rows()
+        table = self.existing_rows().combine_chunks()  # a table of few chunks sorts and writes faster
         if self.sort_key is not None:
-            table = table.sort_by(self.sort_key)
+            table = sorted_rows(table, self.sort_key)
         self._check_merged(table)
         write_atomically(self.final_path, lambda file: pq.write_table(table, file))
         shutil.rmtree(self.parts_dir)
@@ -162,7 +173,7 @@ class CompletionWriter(PartedParquetWriter):
     FILE_NAME = "completions.parquet"
 
     def __init__(
-        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 256, flush_seconds: float = 10.0
+        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 4096, flush_seconds: float = 10.0
     ) -> None:
         super().__init__(
             run_dir / self.FILE_NAME,
@@ -197,8 +208,11 @@ class CompletionWriter(PartedParquetWriter):
         self._written.add(key)
 
     def _check_merged(self, table: pa.Table) -> None:
-        counts = Counter(zip(table.column("index").to_pylist(), table.column("sample_index").to_pylist(), strict=True))
-        duplicates = sorted({index for (index, _), count in counts.items() if count > 1})
+        """Rows come sorted by (index, sample_index), so a pair written twice is two neighbouring rows."""
+        index = table.column("index").to_numpy()
+        sample_index = table.column("sample_index").fill_null(0).to_numpy()
+        repeated = (index[1:] == index[:-1]) & (sample_index[1:] == sample_index[:-1])
+        duplicates = np.unique(index[1:][repeated]).tolist()
         if duplicates:
             raise DuplicateRowError(f"{self.parts_dir}: indices written more than once: {duplicates[:20]}")
 
@@ -209,7 +223,7 @@ class StepWriter(PartedParquetWriter):
     FILE_NAME = "steps.parquet"
 
     def __init__(
-        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 256, flush_seconds: float = 10.0,
+        self, run_dir: Path, metadata: dict[str, Any], flush_rows: int = 4096, flush_seconds: float = 10.0,
         schema: pa.Schema = STEPS_SCHEMA,  # a sharded run's steps add a `shard` column
     ) -> None:
         super().__init__(run_dir / self.FILE_NAME, with_metadata(schema, metadata), None, flush_rows, flush_seconds)

@@ -39,6 +39,11 @@ class BlockTables:
         self._last = _LastStep(requests, preemptions, num_blocks, rows)
         return rows
 
+    @property
+    def widest(self) -> int:
+        """The most blocks any request of the latest `rows` call holds."""
+        return int(self._last.num_blocks.max())
+
     def _write(self, request: Request) -> int:
         """Writes the request's blocks not yet in its row (all of them after a preemption); returns the row."""
         entry = self._rows.held(request) or self._rows.entry(request, self._grow)[0]

@@ -366,9 +366,13 @@ class ModelRunner:
             self.wait_for_step(launched.done)
         wait_ms = (time.perf_counter() - start) * 1000
         forward_ms, sample_ms = launched.timer.intervals_ms()
-        token_ids = [-1] * launched.num_seqs
-        for row, token in zip(launched.sample_rows, launched.sampled.tolist(), strict=True):
-            token_ids[row] = token
+        sampled = launched.sampled.tolist()
+        if len(sampled) == launched.num_seqs:  # every row samples (every decode step): row i's token is token i
+            token_ids = sampled
+        else:
+            token_ids = [-1] * launched.num_seqs
+            for row, token in zip(launched.sample_rows, sampled, strict=True):
+                token_ids[row] = token
         result = StepResult(token_ids, launched.prepare_ms, forward_ms, sample_ms, wait_ms, launched.padded_size,
                             launched.cascade_attention)
         if launched.logprobs is not None:

@@ -26,12 +26,15 @@ class PromptLogprobsPlan:
 def plan_prompt_logprobs(step: SchedulerOutput, inputs: StepInputs) -> PromptLogprobsPlan | None:
     """Called at launch, before `Scheduler.advance`; skips positions already recorded (a recompute after
     preemption scores the same prompt again). A continuation-scoring request's entries start recorded up to its
-    context (engine/continuation.py), so only its continuation's positions are scored."""
+    context (engine/continuation.py), so only its continuation's positions are scored. The step's decodes (its first
+    rows) compute an output token's position, never a prompt's, and are not looked at."""
     token_index: list[np.ndarray] = []
     targets: list[np.ndarray] = []
     ranges: list[ScoredRange] = []
     k = 0
-    for row, (request, count) in enumerate(zip(step.requests, step.num_scheduled_tokens, strict=True)):
+    first_chunk = step.num_decode_tokens
+    for row, request, count in zip(range(first_chunk, step.num_seqs), step.requests[first_chunk:],
+                                   step.num_scheduled_tokens[first_chunk:], strict=True):
         wanted = request.sampling_params.prompt_logprobs
         if wanted is None:
             continue

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 HERE = Path(__file__).resolve().parent
@@ -25,9 +25,10 @@ BLOCK, WARMUP = 256, 100
 def build_tokenizer(chars: list[str]) -> PreTrainedTokenizerFast:
     vocab = {c: i for i, c in enumerate(chars)}
     vocab[EOS] = len(chars)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
-    # One pre-token per character (newlines and spaces included), so WordLevel sees single chars.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # BPE without merges: each character (newlines and spaces included) is its own token, an unknown one EOS. The
+    # same ids as a WordLevel model behind a one-character Split pre-tokenizer, in half the time (tokenizers pays
+    # for each pre-token).
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=EOS))
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([EOS])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS, pad_token=EOS)

@@ -11,7 +11,11 @@ from hydra import compose, initialize_config_dir
 
 from batchgen.cli.main import CONF_DIR, to_config
 from batchgen.config import Config, ConfigError, EngineConfig
+from batchgen.core.block_manager import BlockManager
+from batchgen.core.request import Request
+from batchgen.core.scheduler import Scheduler
 from batchgen.engine.model_worker import resolve_engine_config
+from batchgen.sample.params import SamplingParams
 
 JOBS = sorted(p.stem for p in (CONF_DIR / "job").glob("*.yaml"))
 PRESETS = sorted(p.stem for p in (CONF_DIR / "preset").glob("*.yaml"))
@@ -63,6 +67,18 @@ def test_engine_config_is_resolved_for_the_model_and_device():
     with pytest.raises(ValueError, match="engine.max_model_len is not set and the model's config names no"):
         resolve_engine_config(EngineConfig(), SimpleNamespace(), cpu)
     assert resolve_engine_config(EngineConfig(max_model_len=32), SimpleNamespace(), cpu).max_model_len == 32
+
+
+def test_one_prefill_step_of_the_shakespeare_job_admits_a_full_batch_of_short_rows():
+    # Many short rows (real_jobs' many_rows): the token budget must not split their admission over several steps.
+    engine = composed("job=shakespeare", "engine.max_num_seqs=512").engine
+    resolved = resolve_engine_config(engine, SimpleNamespace(max_position_embeddings=256), torch.device("cpu"))
+    scheduler = Scheduler(resolved, BlockManager(num_blocks=4096, block_size=resolved.block_size))
+    for request_id in range(1024):  # 32-token prompts, each its own (no prefix shared)
+        prompt = [request_id % 60, request_id // 60, *[1] * 30]
+        scheduler.add_request(Request(request_id, prompt, SamplingParams(max_tokens=16)))
+    step = scheduler.schedule()
+    assert (step.kind, step.num_seqs) == ("prefill", 512)
 
 
 def test_default_job_asks_for_data_and_model():

@@ -36,6 +36,14 @@ def test_tokenizer_round_trips_text(text: str, tok) -> None:
     assert tok("ROMEO:\n")["input_ids"] == tok.encode("ROMEO:\n", add_special_tokens=False)
 
 
+def test_each_character_is_its_vocabulary_entry_and_an_unknown_one_is_eos(text: str, tok) -> None:
+    vocab = tok.get_vocab()
+    sample = text[:5000]
+    assert tok.encode(sample, add_special_tokens=False) == [vocab[c] for c in sample]
+    assert tok.encode("a\u00e9b", add_special_tokens=False) == [vocab["a"], tok.eos_token_id, vocab["b"]]
+    assert tok.encode(f"a{EOS}b", add_special_tokens=False) == [vocab["a"], tok.eos_token_id, vocab["b"]]
+
+
 def test_vocab_matches_config(text: str, tok) -> None:
     config = AutoConfig.from_pretrained(MODEL)
     chars = sorted(set(text))

@@ -216,14 +216,18 @@ class CompilePool:
     again."""
 
     def __init__(self, processes: int, setup: WorkerSetup):
-        # What the engine imports from, its own sys.path included (tests add the repository's root there).
-        env = {**os.environ, **setup.env, "PYTHONPATH": os.pathsep.join(path or os.getcwd() for path in sys.path)}
+        # What the engine imports from, its own sys.path included (tests add the repository's root there); no
+        # warnings, which the engine shows once and each process would repeat.
+        env = {**os.environ, **setup.env, "PYTHONPATH": os.pathsep.join(path or os.getcwd() for path in sys.path),
+               "PYTHONWARNINGS": "ignore"}
         self.workers: list[tuple[subprocess.Popen, Connection]] = []
         try:
             for _ in range(processes):
                 conn, child_conn = Pipe()
                 command = [sys.executable, "-m", __name__, str(child_conn.fileno()), str(int(setup.for_gpu))]
-                process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+                # A session of their own: a Ctrl-C stops the engine, whose pipes closing then ends them, rather than
+                # each of them with a traceback.
+                process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                            pass_fds=(child_conn.fileno(),))
                 child_conn.close()
                 self.workers.append((process, conn))

@@ -14,17 +14,25 @@ import torch
 pytest.importorskip("triton", reason="compile ahead runs where Triton does (torch's CPU build has none)")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter compiles nothing")
 
-from batchgen.config import EngineConfig  # noqa: E402
+from batchgen.config import EngineConfig, ModelConfig  # noqa: E402
+from batchgen.layers.activation import SiluAndMul  # noqa: E402
+from batchgen.layers.embedding import Embedding  # noqa: E402
+from batchgen.layers.linear import Linear  # noqa: E402
+from batchgen.layers.norms import RMSNorm  # noqa: E402
+from batchgen.models.loader import load_hf_config, load_model  # noqa: E402
 from batchgen.worker import compile_ahead  # noqa: E402
 from batchgen.worker.compile_ahead import (  # noqa: E402
     CompileAhead,
+    CompilePool,
     KernelSpec,
     MissingKernel,
+    PoolOutcome,
     WorkerSetup,
     dry_launches,
     on_disk,
     stop_at_missing_kernel,
 )
+from batchgen.worker.model_runner import ModelRunner  # noqa: E402
 from tests.helpers.triton_cpu_target import cpu_target, scale, scale_kernel  # noqa: E402
 
 
@@ -139,3 +147,29 @@ def test_the_processes_start_with_the_engine_only_on_a_fresh_machine(tmp_path, m
     finally:
         ahead.close()
     assert ahead.pool is None
+
+
+@pytest.mark.slow
+def test_a_models_graph_warm_ups_run_dry_and_their_kernels_compile_in_processes(tiny_model_dir, tmp_path):
+    """A tiny Qwen3's warm-up forwards of every bucket with batchgen's Triton layers on (those that take CPU inputs):
+    nothing launches (a launch would fail here), and each kernel they record compiles in the processes and is then
+    found on disk, as the engine's first launches find them."""
+    config = ModelConfig(path=str(tiny_model_dir("Qwen3ForCausalLM")))
+    model = load_model(config, load_hf_config(config), torch.bfloat16, torch.device("cpu"), "generate")
+    for layer in model.modules():
+        if isinstance(layer, (Linear, Embedding, RMSNorm, SiluAndMul)):
+            layer.use_triton("cpu")
+    engine = EngineConfig(max_num_seqs=16, max_model_len=64, max_num_batched_tokens=64, attention_backend="triton")
+    runner = ModelRunner(engine, model, torch.device("cpu"), torch.bfloat16)
+    with dry_launches() as recorded:
+        runner.warm_up_graphs()
+    specs = list(recorded)
+    assert {"_embedding_kernel", "_add_rms_norm_kernel", "_decode_kernel", "_greedy_chunk_kernel"} <= {
+        spec.name for spec in specs}
+    assert runner.kv_cache is None and kernels_on_disk(tmp_path) == []
+    pool = CompilePool(2, WorkerSetup({"TRITON_CACHE_DIR": str(tmp_path / "triton")}))
+    try:
+        assert pool.compile(specs) == PoolOutcome(compiled=len(specs), failed=[], stopped=None)
+    finally:
+        pool.close()
+    assert all(on_disk(spec) for spec in specs)

@@ -91,6 +91,9 @@ class EngineConfig:
     # On CUDA, torch.compile the small elementwise layers (norms, rotary, activation) instead of running their Triton
     # kernels: opt-in, for comparison; compiling costs seconds of every fresh process.
     torch_compile: bool = False
+    # On CUDA, a start that meets a Triton kernel missing from the disk cache (a fresh machine) compiles the start's
+    # kernels in parallel processes first (batchgen/worker/compile_ahead.py) instead of one by one at first launch
+    parallel_compile: bool = True
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of earlier prompts (vLLM v1's default)
     # Triton decode steps whose rows all start with the same KV blocks read that shared prefix once for the batch
     cascade_attention: bool = True

@@ -24,6 +24,7 @@ from batchgen.models.hf_config import max_positions
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.models.pooling_config import checkpoint_pooling
 from batchgen.models.registry import check_task
+from batchgen.worker.compile_ahead import CompileAhead
 from batchgen.worker.host_threads import intra_op_threads
 from batchgen.worker.model_runner import BitmaskProvider, ModelRunner
 from batchgen.worker.pooling import Pooler
@@ -106,6 +107,9 @@ class ModelWorker:
         self.hf_config = hf_config
         self.dtype = resolve_dtype(model_config.dtype, hf_config, device)
 
+        # Begun before the load: on a fresh machine its compile processes start up while the model loads. A start
+        # that fails drops it, which closes their pipes, and they exit.
+        compile_ahead = CompileAhead.begin(engine_config, device, tp.size)
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, device, task, tp)
         if not model.cuda_graphs and not engine_config.enforce_eager:
@@ -126,7 +130,12 @@ class ModelWorker:
         self.runner = ModelRunner(self.config, model, device, kv_cache_dtype, bitmask_provider)
         self.pooler = self._pooler(model_config, model) if task in POOLING_TASKS else None
         start = time.perf_counter()
-        kv_choice = self._num_kv_blocks(kv_demand)  # on CUDA, a forward that measures the activations' peak
+        captures = device.type == "cuda" and not engine_config.enforce_eager and self.pooler is None
+        decoding = None if kv_demand is None else kv_demand.num_decoding
+        graphs = captures and decoding != 0
+        # on CUDA, a forward that measures the activations' peak
+        kv_choice = compile_ahead.run(lambda: self._num_kv_blocks(kv_demand),
+                                      lambda: self._start_forwards(graphs, decoding))
         self.num_blocks = agree_min(kv_choice.num_blocks)
         self.runner.allocate_kv_cache(self.num_blocks)
         block_size = self.config.block_size
@@ -146,12 +155,12 @@ class ModelWorker:
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s): %s", self.num_blocks, block_size,
                  self.num_blocks * block_size, self.info["kv_cache_bytes"] / 2**30, self.info["kv_cache_dtype"],
                  reason)
-        if device.type == "cuda" and not engine_config.enforce_eager and self.pooler is None:
-            decoding = None if kv_demand is None else kv_demand.num_decoding
-            if decoding == 0:
-                log.info("CUDA graphs not captured: no row of the job takes a decode step (max_tokens <= 1)")
-            else:
-                self._capture_graphs(decoding)
+        if captures and not graphs:
+            log.info("CUDA graphs not captured: no row of the job takes a decode step (max_tokens <= 1)")
+        if graphs:
+            compile_ahead.run(lambda: self._capture_graphs(decoding), lambda: self.runner.warm_up_graphs(decoding))
+        compile_ahead.close()
+        self.info.update(compile_ahead.info)
 
     def _pooler(self, model_config: ModelConfig, model: torch.nn.Module) -> Pooler:
         hidden_size = self.hf_config.hidden_size
@@ -180,6 +189,13 @@ class ModelWorker:
                              f"KV cache (model and activations peak at {peak / 2**30:.2f} GiB of {total / 2**30:.1f})")
         return choose_num_blocks(available // block_bytes,
                                  f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}", limit)
+
+    def _start_forwards(self, graphs: bool, max_rows: int | None) -> None:
+        """The start's forwards on the device, run once more for compile_ahead's dry run: the KV-sizing profile's,
+        then (graphs) each CUDA graph's warm-up forward."""
+        self.runner.profile_peak_bytes(scores_logits=self.pooler is None)
+        if graphs:
+            self.runner.warm_up_graphs(max_rows)
 
     def _capture_graphs(self, max_rows: int | None) -> None:
         stats = self.runner.capture_graphs(max_rows)

@@ -41,6 +41,7 @@ OUTPUT_NEUTRAL_KEYS = (
     "engine.cpu_kv_cache_space_gib",
     "engine.cpu_threads",
     "engine.torch_compile",
+    "engine.parallel_compile",
     "engine.attention_backend",
     "model.impl",  # the same model on other modules and kernels, as engine.attention_backend (docs/models.md)
     "engine.enable_prefix_caching",

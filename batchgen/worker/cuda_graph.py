@@ -192,23 +192,40 @@ class CudaGraphRunner:
             self._early_read_limits[size] = min(limits, default=0)
         return self._early_read_limits[size]
 
+    def _warm_up(self, key: GraphKey) -> None:
+        """The forward before a capture, so that lazy initialisation and autotuning stay out of the graph; called
+        inside the key's pdl.early_start."""
+        self.buffers.clear(key.size)
+        self._forward(key.size, key.cascade, torch.empty_like(self.pending.ids))
+
     def _capture_one(self, key: GraphKey) -> None:
-        size, cascade, early = key
         # Warm-up and capture must not write into real KV blocks, nor the warm-up into the pending tokens. Both are
         # queued after any step still in flight (a cascade variant is captured mid-run), whose sampled ids the next
         # step reads; the next replay stages its own inputs.
         from batchgen.layers import pdl  # Triton only where graphs are captured (CUDA)
 
-        self.buffers.clear(size)
-        with pdl.early_start(early):
-            # warm-up: lazy initialisation and autotuning stay out of the graph
-            self._forward(size, cascade, torch.empty_like(self.pending.ids))
+        with pdl.early_start(key.early):
+            self._warm_up(key)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self.outputs[key] = self._forward(size, cascade, self.pending.ids)
+                self.outputs[key] = self._forward(key.size, key.cascade, self.pending.ids)
         self.graphs[key] = graph
         torch.cuda.synchronize()
+
+    def capture_keys(self) -> list[GraphKey]:
+        """What `capture` captures, in its order: every bucket, largest first, each with its early-start variant
+        where it has one."""
+        return [GraphKey(size, cascade=False, early=early) for size in sorted(self.sizes, reverse=True)
+                for early in ((False, True) if self.early_read_limit(size) else (False,))]
+
+    def warm_up_forwards(self) -> None:
+        """`capture`'s warm-up forwards alone, capturing nothing (compile_ahead's dry run of it)."""
+        from batchgen.layers import pdl
+
+        for key in self.capture_keys():
+            with pdl.early_start(key.early):
+                self._warm_up(key)
 
     def capture(self) -> CaptureStats:
         """Capture every bucket, with its early-start variant where it has one (up front: its kernels compile apart
@@ -218,18 +235,16 @@ class CudaGraphRunner:
         before = torch.cuda.memory_reserved()
         self._pool = torch.cuda.graph_pool_handle()
         seconds_per_size: dict[int, float] = {}
-        for size in sorted(self.sizes, reverse=True):
-            size_start = time.perf_counter()
-            for early in (False, True) if self.early_read_limit(size) else (False,):
-                key = GraphKey(size, cascade=False, early=early)
-                try:
-                    self._capture_one(key)
-                except torch.OutOfMemoryError:
-                    log.warning("CUDA-graph capture ran out of memory at batch size %d%s", size,
-                                " (early start)" if early else "")
-                    self.outputs.pop(key, None)
-                    torch.cuda.empty_cache()
-            seconds_per_size[size] = time.perf_counter() - size_start
+        for key in self.capture_keys():
+            key_start = time.perf_counter()
+            try:
+                self._capture_one(key)
+            except torch.OutOfMemoryError:
+                log.warning("CUDA-graph capture ran out of memory at batch size %d%s", key.size,
+                            " (early start)" if key.early else "")
+                self.outputs.pop(key, None)
+                torch.cuda.empty_cache()
+            seconds_per_size[key.size] = seconds_per_size.get(key.size, 0.0) + time.perf_counter() - key_start
         self.sizes = sorted({key.size for key in self.graphs})
         torch.cuda.synchronize()
         return CaptureStats(self.sizes, time.perf_counter() - start, torch.cuda.memory_reserved() - before,

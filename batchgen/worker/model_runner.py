@@ -215,15 +215,31 @@ class ModelRunner:
 
     def capture_graphs(self, max_rows: int | None = None) -> CaptureStats:
         """max_rows: the most requests a decode step can hold, when known: larger buckets would never replay."""
+        self.graphs = self._graph_runner(max_rows)
+        self.sampler_graphs = SamplerGraphs(self.graphs.sizes[-1], self.vocab_size, self.pending_tokens.ids,
+                                            self.device)
+        with torch.inference_mode():
+            return self.graphs.capture()
+
+    def warm_up_graphs(self, max_rows: int | None = None) -> None:
+        """capture_graphs' warm-up forwards alone, capturing nothing (compile_ahead's dry run of it). Before the KV
+        cache is allocated, over a scratch one-block cache, as profile_peak_bytes: a capture's padding rows read and
+        write no KV."""
+        scratch = self.kv_cache is None
+        if scratch:
+            self.allocate_kv_cache(1)
+        with torch.inference_mode():
+            self._graph_runner(max_rows).warm_up_forwards()
+        if scratch:
+            self._unbind_kv_cache()
+
+    def _graph_runner(self, max_rows: int | None) -> CudaGraphRunner:
         sizes = self.config.cuda_graph_sizes
         if max_rows is not None:
             sizes = sizes[:bisect.bisect_left(sizes, max_rows) + 1]
         buffers = GraphCaptureBuffers(sizes[-1], self.block_table_width, self.config.block_size, self.device,
                                       self.split_arrivals)
-        self.graphs = CudaGraphRunner(self.model, buffers, list(sizes), self.pending_tokens, self.cascade_attention)
-        self.sampler_graphs = SamplerGraphs(sizes[-1], self.vocab_size, self.pending_tokens.ids, self.device)
-        with torch.inference_mode():
-            return self.graphs.capture()
+        return CudaGraphRunner(self.model, buffers, list(sizes), self.pending_tokens, self.cascade_attention)
 
     # -- one step -------------------------------------------------------------------------------------------
 

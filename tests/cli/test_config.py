@@ -45,6 +45,11 @@ def test_quantization_defaults_to_none_and_takes_fp8():
         composed("job=shakespeare", "model.quantization=awq")
 
 
+def test_parallel_compile_defaults_to_on_and_turns_off():
+    assert composed("job=shakespeare").engine.parallel_compile is True
+    assert composed("job=shakespeare", "engine.parallel_compile=false").engine.parallel_compile is False
+
+
 def test_engine_options_compose_into_a_frozen_engine_config():
     engine = composed("job=shakespeare", "engine.max_num_seqs=4", "engine.cuda_graph.capture_sizes=[2,1]").engine
     assert (engine.max_num_seqs, engine.cuda_graph_sizes, engine.wanted_backlog) == (4, (1, 2), 8)

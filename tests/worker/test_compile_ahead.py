@@ -1,0 +1,172 @@
+"""Compile ahead without Triton: its compile processes (with stand-in kernels), when it is off, and how a start
+that meets a missing kernel goes on; on a GPU, a fresh start's job against the same job compiled serially."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.config import EngineConfig
+from batchgen.worker import compile_ahead
+from batchgen.worker.compile_ahead import (
+    CompileAhead,
+    CompilePool,
+    KernelSpec,
+    MissingKernel,
+    PoolOutcome,
+    WorkerSetup,
+)
+from tests.helpers.common import REPO, comparable
+
+FAKES = "tests.helpers.fake_kernels"
+
+
+def fake(name: str, path: Path) -> KernelSpec:
+    return KernelSpec(FAKES, name, str(path))
+
+
+PLAIN = WorkerSetup({}, for_gpu=False)
+
+
+def compiled(specs: list[KernelSpec], setup: WorkerSetup = PLAIN, processes: int = 2,
+             timeout: float = 120.0) -> tuple[PoolOutcome, list]:
+    """The pool's outcome, and its processes (closed)."""
+    pool = CompilePool(processes, setup)
+    processes_started = [process for process, _ in pool.workers]
+    try:
+        return pool.compile(specs, timeout), processes_started
+    finally:
+        pool.close()
+
+
+def test_the_pool_compiles_every_spec_in_its_own_processes_with_the_engines_variables(tmp_path):
+    setup = WorkerSetup({"BATCHGEN_TEST_VALUE": "from the engine"}, for_gpu=False)
+    outcome, processes = compiled([fake("writes", tmp_path / str(i)) for i in range(5)], setup)
+    assert outcome == PoolOutcome(compiled=5, failed=[], stopped=None)
+    written = [(tmp_path / str(i)).read_text().split(" ", 1) for i in range(5)]
+    assert {pid for pid, _ in written} <= {str(process.pid) for process in processes}
+    assert {value for _, value in written} == {"from the engine"}
+    assert all(process.poll() is not None for process in processes)
+
+
+def test_a_spec_that_fails_to_compile_is_reported_and_the_others_compile(tmp_path):
+    outcome, _ = compiled([fake("writes", tmp_path / "a"), fake("raises", tmp_path / "b"),
+                           fake("writes", tmp_path / "c")])
+    assert (outcome.compiled, outcome.stopped) == (2, None)
+    assert outcome.failed == [f"raises: RuntimeError: cannot compile {tmp_path / 'b'}"]
+    assert (tmp_path / "a").exists() and (tmp_path / "c").exists()
+
+
+def test_a_process_that_crashes_stops_the_pool_and_none_is_left(tmp_path):
+    outcome, processes = compiled([fake("crashes", tmp_path / "a")] + [fake("writes", tmp_path / str(i))
+                                                                       for i in range(4)], processes=1)
+    assert outcome.stopped == "a compile process ended"
+    assert not (tmp_path / "0").exists()
+    assert all(process.poll() is not None for process in processes)
+
+
+def test_a_pool_not_done_by_its_deadline_stops_and_its_processes_are_killed(tmp_path):
+    outcome, processes = compiled([fake("hangs", tmp_path / "a")], processes=1, timeout=1.0)
+    assert outcome == PoolOutcome(compiled=0, failed=[], stopped="not done after 1 s")
+    assert processes[0].poll() is not None
+
+
+def test_a_process_that_fails_to_start_stops_the_pool(tmp_path):
+    no_python = WorkerSetup({"PYTHONIOENCODING": "no-such-encoding"}, for_gpu=False)  # Python cannot start
+    outcome, _ = compiled([fake("writes", tmp_path / "a")], no_python)
+    assert outcome.stopped == "a compile process ended" and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("config, device, tensor_parallel_size", [
+    (EngineConfig(), torch.device("cpu"), 1),
+    (EngineConfig(parallel_compile=False), torch.device("cuda"), 1),
+    (EngineConfig(), torch.device("cuda"), 2),
+    (EngineConfig(torch_compile=True), torch.device("cuda"), 1),
+])
+def test_compile_ahead_is_off_where_it_does_not_apply(config, device, tensor_parallel_size):
+    """Off, a phase just runs (no Triton is imported to find that out)."""
+    ahead = CompileAhead.begin(config, device, tensor_parallel_size)
+    calls = []
+    assert ahead.run(lambda: calls.append("phase") or 7, lambda: calls.append("dry run")) == 7
+    assert calls == ["phase"] and ahead.pool is None and ahead.info == {}
+
+
+def test_a_triton_without_the_hook_turns_it_off_with_one_line(monkeypatch, caplog):
+    old_triton = types.ModuleType("triton")
+    old_triton.__version__ = "2.3.0"
+    monkeypatch.setitem(sys.modules, "triton", old_triton)
+    with caplog.at_level(logging.INFO, logger=compile_ahead.__name__):
+        ahead = CompileAhead.begin(EngineConfig(), torch.device("cuda"), 1)
+    assert ahead.setup is None and ahead.pool is None
+    assert [record.getMessage() for record in caplog.records] == [
+        "Parallel Triton compile unavailable (Triton 2.3.0 has no knobs.runtime.jit_cache_hook): kernels compile on "
+        "first launch"]
+
+
+def test_a_phase_that_meets_a_missing_kernel_runs_again_after_the_compile(monkeypatch):
+    """Once per start: a later phase that meets a missing kernel compiles it at its launch."""
+    compiles = []
+    monkeypatch.setattr(CompileAhead, "_compile", lambda self, dry_run, setup: compiles.append(dry_run))
+    watched = []
+    monkeypatch.setattr(compile_ahead, "stop_at_missing_kernel", lambda: watched.append(1) or contextlib.nullcontext())
+    ahead = CompileAhead(PLAIN, processes=2)
+    attempts = []
+
+    def profile() -> str:
+        attempts.append("profile")
+        if len(attempts) == 1:
+            raise MissingKernel("_embedding_kernel")
+        return "profiled"
+
+    assert ahead.run(profile, dry_run=print) == "profiled"
+    assert attempts == ["profile", "profile"] and compiles == [print] and len(watched) == 1
+    assert ahead.run(lambda: "captured", dry_run=len) == "captured"
+    assert compiles == [print] and len(watched) == 1  # the capture ran unwatched
+
+
+def test_parallel_compile_processes_leave_a_core_to_the_engine(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert compile_ahead.compile_processes() == 15
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four data-parallel ranks on the machine
+    assert compile_ahead.compile_processes() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert compile_ahead.compile_processes() == compile_ahead.MAX_PROCESSES
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_fresh_start_compiles_in_processes_and_decodes_the_same_greedy_tokens(tmp_path):
+    if compile_ahead.compile_processes() < 2:
+        pytest.skip("fewer than three cores: compile ahead is off")
+
+    def job(run: str, cache: str, *overrides: str) -> tuple[str, dict, list[dict]]:
+        run_dir = tmp_path / run
+        command = [sys.executable, "-m", "batchgen", f"hydra.run.dir={run_dir}", "engine.device=cuda",
+                   "job=shakespeare", "data.limit=64", "sampling.temperature=0", "job.progress=false", *overrides]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_DIR": str(tmp_path / cache)}
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return result.stdout + result.stderr, summary["engine"], comparable(run_dir / "completions.parquet")
+
+    log, engine, rows = job("fresh", "cache")
+    assert re.search(r"Compiled \d+ Triton kernels in \d+ processes in", log), log
+    assert engine["parallel_compile_kernels"] > 0 and engine["parallel_compile_processes"] >= 2
+    serial_log, serial_engine, serial_rows = job("serial", "serial_cache", "engine.parallel_compile=false")
+    assert "parallel_compile_kernels" not in serial_engine and "Triton kernels in" not in serial_log
+    assert rows == serial_rows
+    warm_log, warm_engine, warm_rows = job("warm", "cache")  # every kernel on disk: nothing to compile ahead
+    assert "parallel_compile_kernels" not in warm_engine and "Triton kernels in" not in warm_log
+    assert warm_rows == rows

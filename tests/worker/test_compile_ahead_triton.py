@@ -1,0 +1,175 @@
+"""Compile ahead on Triton itself, without a GPU: Triton builds for an sm_90 target here (tests/helpers/
+triton_cpu_target.py), so its dry run, its disk-cache lookups and its compile processes run as they do on one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import defaultdict
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="compile ahead runs where Triton does (torch's CPU build has none)")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter compiles nothing")
+
+from batchgen.config import EngineConfig, ModelConfig  # noqa: E402
+from batchgen.layers.activation import SiluAndMul  # noqa: E402
+from batchgen.layers.embedding import Embedding  # noqa: E402
+from batchgen.layers.linear import Linear  # noqa: E402
+from batchgen.layers.norms import RMSNorm  # noqa: E402
+from batchgen.models.loader import load_hf_config, load_model  # noqa: E402
+from batchgen.worker import compile_ahead  # noqa: E402
+from batchgen.worker.compile_ahead import (  # noqa: E402
+    CompileAhead,
+    CompilePool,
+    KernelSpec,
+    MissingKernel,
+    PoolOutcome,
+    WorkerSetup,
+    dry_launches,
+    on_disk,
+    stop_at_missing_kernel,
+)
+from batchgen.worker.model_runner import ModelRunner  # noqa: E402
+from tests.helpers.triton_cpu_target import cpu_target, scale, scale_kernel  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def empty_cache_for_sm90(tmp_path, monkeypatch):
+    """Empty Triton caches, on disk and in memory, and Triton building for sm_90 in this process."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setattr(scale_kernel, "device_caches", defaultdict(scale_kernel.create_binder))
+    with cpu_target():
+        yield
+
+
+def kernels_on_disk(tmp_path) -> list[str]:
+    return sorted(path.name for path in (tmp_path / "triton").glob("*/scale_kernel.json"))
+
+
+def recorded(launch) -> list[KernelSpec]:
+    with dry_launches() as specs:
+        launch()
+    return list(specs)
+
+
+def test_a_dry_run_records_each_specialization_once_and_launches_nothing(tmp_path):
+    x, out = torch.ones(100), torch.zeros(100)
+
+    def launches() -> None:
+        for _ in range(3):
+            scale(x, 2.0, out=out)
+        scale(x, 2.0, out=out, block=128)  # another constexpr: another specialization
+
+    specs = recorded(launches)
+    assert [spec.name for spec in specs] == ["scale_kernel", "scale_kernel"]
+    assert {spec.module for spec in specs} == {"tests.helpers.triton_cpu_target"}
+    assert [json.loads(spec.data)["constant_vals"][-1] for spec in specs] == [64, 128]
+    assert (out == 0).all()  # no kernel ran
+    assert kernels_on_disk(tmp_path) == []  # none compiled
+
+
+def test_a_kernel_this_process_compiled_is_skipped_in_a_dry_run_and_kept_after_it():
+    x, out = torch.ones(100), torch.zeros(100)
+    (spec,) = recorded(lambda: scale(x, 2.0, out=out))
+    scale_kernel.preload(spec.data)  # in memory now: outside a dry run its launch would run it (and fail here)
+    caches = scale_kernel.device_caches
+    assert recorded(lambda: scale(x, 2.0, out=out)) == [spec]
+    assert scale_kernel.device_caches is caches and len(caches[0][0]) == 1
+
+
+def test_a_watched_launch_stops_at_a_kernel_missing_from_the_disk_cache(tmp_path):
+    x, out = torch.ones(100), torch.zeros(100)
+    (spec,) = recorded(lambda: scale(x, 2.0, out=out))
+    with pytest.raises(MissingKernel, match="scale_kernel"), stop_at_missing_kernel():
+        scale(x, 2.0, out=out)
+    assert kernels_on_disk(tmp_path) == [] and not on_disk(spec)
+    scale_kernel.preload(spec.data)  # compiles it into the disk cache
+    assert on_disk(spec)
+
+
+@pytest.mark.slow
+def test_a_stopped_phase_has_its_kernels_compiled_in_processes_and_runs_again(tmp_path, caplog):
+    """The phase here is a launch's compile path (preload: a launch itself would fail without a GPU); the processes
+    build for the sm_90 target the launch recorded, as they would for the engine's GPU."""
+    x, out = torch.ones(100), torch.zeros(100)
+    (spec,) = recorded(lambda: scale(x, 2.0, out=out))
+    runs = []
+
+    def phase() -> str:
+        runs.append(kernels_on_disk(tmp_path))
+        scale_kernel.preload(spec.data)
+        return "done"
+
+    ahead = CompileAhead(WorkerSetup({"TRITON_CACHE_DIR": str(tmp_path / "triton")}), processes=2)
+    with caplog.at_level(logging.INFO, logger=compile_ahead.__name__):
+        assert ahead.run(phase, lambda: scale(x, 2.0, out=out)) == "done"
+    assert runs == [[], ["scale_kernel.json"]]  # stopped before compiling; then found it on disk
+    assert ahead.info["parallel_compile_kernels"] == 1 and ahead.info["parallel_compile_processes"] == 1
+    assert ahead.pool is None
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["Compiled 1 Triton kernels"]
+
+
+def test_a_dry_run_that_fails_leaves_the_kernels_to_their_first_launch(tmp_path, caplog):
+    def dry_run() -> None:
+        raise RuntimeError("a forward failed on garbage")
+
+    attempts = []
+
+    def phase() -> int:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise MissingKernel("scale_kernel")
+        return len(attempts)
+
+    ahead = CompileAhead(WorkerSetup({}, None), processes=2)
+    with caplog.at_level(logging.INFO, logger=compile_ahead.__name__):
+        assert ahead.run(phase, dry_run) == 2
+    assert ahead.pool is None and ahead.info == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        "Parallel Triton compile skipped: its dry run of the engine's start failed (RuntimeError: a forward failed "
+        "on garbage); kernels compile on first launch"]
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_the_processes_start_with_the_engine_only_on_a_fresh_machine(tmp_path, monkeypatch, fresh):
+    """An empty Triton cache: the first phase will stop, so they start up while the model loads; otherwise only a
+    phase that stops starts them (a warm start never does)."""
+    monkeypatch.setattr(compile_ahead, "compile_processes", lambda: 2)
+    if not fresh:
+        (tmp_path / "triton" / "an entry").mkdir(parents=True)
+    ahead = CompileAhead.begin(EngineConfig(), torch.device("cuda"), 1)
+    try:
+        assert ahead.setup.env["TRITON_CACHE_DIR"] == str(tmp_path / "triton") and ahead.setup.for_gpu
+        assert (ahead.pool is not None and len(ahead.pool.workers) == 2) if fresh else ahead.pool is None
+    finally:
+        ahead.close()
+    assert ahead.pool is None
+
+
+@pytest.mark.slow
+def test_a_models_graph_warm_ups_run_dry_and_their_kernels_compile_in_processes(tiny_model_dir, tmp_path):
+    """A tiny Qwen3's warm-up forwards of every bucket with batchgen's Triton layers on (those that take CPU inputs):
+    nothing launches (a launch would fail here), and each kernel they record compiles in the processes and is then
+    found on disk, as the engine's first launches find them."""
+    config = ModelConfig(path=str(tiny_model_dir("Qwen3ForCausalLM")))
+    model = load_model(config, load_hf_config(config), torch.bfloat16, torch.device("cpu"), "generate")
+    for layer in model.modules():
+        if isinstance(layer, (Linear, Embedding, RMSNorm, SiluAndMul)):
+            layer.use_triton("cpu")
+    engine = EngineConfig(max_num_seqs=16, max_model_len=64, max_num_batched_tokens=64, attention_backend="triton")
+    runner = ModelRunner(engine, model, torch.device("cpu"), torch.bfloat16)
+    with dry_launches() as recorded:
+        runner.warm_up_graphs()
+    specs = list(recorded)
+    assert {"_embedding_kernel", "_add_rms_norm_kernel", "_decode_kernel", "_greedy_chunk_kernel"} <= {
+        spec.name for spec in specs}
+    assert runner.kv_cache is None and kernels_on_disk(tmp_path) == []
+    pool = CompilePool(2, WorkerSetup({"TRITON_CACHE_DIR": str(tmp_path / "triton")}))
+    try:
+        assert pool.compile(specs) == PoolOutcome(compiled=len(specs), failed=[], stopped=None)
+    finally:
+        pool.close()
+    assert all(on_disk(spec) for spec in specs)

@@ -14,6 +14,7 @@ waits for the sampled ids): on a GPU the launch parts are what the host pays to 
 and sample launches run the work itself; host_outside_launch_ms leaves them out.
 
 Usage: python -m benchmarks.profile_prefill_host [--rows N] [--eager] [--many-rows] [--max-num-batched-tokens N]
+                                               [--cpu-time]
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class HostClock:
     """Accumulates host seconds per part for each step, over its launch and its application (the finished rows'
     outputs, built after it is applied, included)."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        """now: the clock, in seconds (wall time, or the thread's CPU time)."""
+        self.now = now
         self.steps: list[tuple[str, dict[str, float]]] = []  # (kind, seconds by part) of each applied step
         self._current: dict[str, float] | None = None  # the parts of the step being launched or applied
         self._launched: dict[int, dict[str, float]] = {}  # id(SchedulerOutput) -> its launch's parts
@@ -67,12 +70,12 @@ class HostClock:
             if part in self._open:
                 return fn(*args, **kwargs)
             self._open.add(part)
-            start = time.perf_counter()
+            start = self.now()
             try:
                 return fn(*args, **kwargs)
             finally:
                 if self._current is not None:
-                    self._current[part] += time.perf_counter() - start
+                    self._current[part] += self.now() - start
                 self._open.discard(part)
         return timed
 
@@ -146,6 +149,9 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--many-rows", action="store_true", help="the many_rows shape instead of the main job's")
     parser.add_argument("--max-num-batched-tokens", type=int, help="the steps' token budget (default: the job's)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time the parts in the thread's CPU time, not wall time: on a shared machine, the host's "
+                             "own work without the time other processes took (collect then leaves out the wait)")
     add_out_argument(parser)
     args = parser.parse_args()
     options = dict(max_num_seqs=512 if args.many_rows else 64, enforce_eager=args.eager,
@@ -161,15 +167,15 @@ def main() -> None:
         prompts = [json.loads(line)["prompt"] for line in lines]
         params = SamplingParams(max_tokens=64, temperature=0.8, top_k=40)
     requests = [(engine.detokenizer.encode(prompt), params) for prompt in prompts]
-    clock = HostClock()
+    clock = HostClock(time.thread_time if args.cpu_time else time.perf_counter)
     instrument(engine, clock)
     add_request = engine.add_request
     adding = [0.0]
 
     def timed_add_request(*args, **kwargs):
-        start = time.perf_counter()
+        start = clock.now()
         add_request(*args, **kwargs)
-        adding[0] += time.perf_counter() - start
+        adding[0] += clock.now() - start
 
     engine.add_request = timed_add_request
     with rare_collections():  # as a job's engine loop runs
@@ -191,13 +197,16 @@ def main() -> None:
     per_row = {part: 1e6 * seconds / len(requests) for part, seconds in per_row.items()}
     save_json(args.out, "profile_prefill_host" + ("_many_rows" if args.many_rows else ""),
               {"environment": environment(), "options": options, "rows": len(requests), "wall_s": wall,
+               "clock": "thread_time" if args.cpu_time else "perf_counter",
                "results": results, "us_per_row": per_row})
     headers = ["kind", "steps", "mean_rows", *PARTS, "host_ms", "host_outside_launch_ms", "median_forward_ms",
                "median_step_ms"]
-    print("Host ms per step (median) by part; collect includes waiting for the device and is not in host_ms")
+    clock_name = "thread CPU time" if args.cpu_time else "wall time"
+    print(f"Host ms per step (median, {clock_name}) by part; collect includes waiting for the device and is not in "
+          "host_ms")
     print(markdown_table(headers, [[r[h] for h in headers] for r in results]))
     if args.many_rows:
-        print(f"\nHost us per row over the run ({len(requests)} rows, {wall:.1f} s)")
+        print(f"\nHost us per row over the run ({clock_name}; {len(requests)} rows, {wall:.1f} s)")
         print(markdown_table(list(per_row), [list(per_row.values())]))
 
 

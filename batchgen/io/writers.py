@@ -117,8 +117,8 @@ class PartedParquetWriter:
         since the last flush (checked here, on write)."""
         if self._closed:
             raise RuntimeError(f"{self.final_path}: the writer is closed")
-        unknown = record.keys() - self._names
-        if unknown:
+        if not self._names.issuperset(record):
+            unknown = record.keys() - self._names
             raise ValueError(
                 f"{self.final_path}: unknown fields {sorted(unknown)}; the schema has {self.schema.names}"
             )

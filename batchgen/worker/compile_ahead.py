@@ -9,8 +9,9 @@ keyed by source, specialization, options and target only, so any process may com
    in the disk cache stops the phase (`MissingKernel`) before compiling it. A warm start pays nothing more.
 2. A dry run of the rest of the start: its forwards run with every Triton launch skipped and recorded instead
    (Triton's `jit_cache_hook`), torch ops on garbage, nothing captured; the specializations, deduplicated.
-3. Those not in the disk cache are compiled by worker processes (`JITFunction.preload`), and the phase runs again:
-   each first launch then loads its kernel from disk.
+3. Those not in the disk cache are compiled by compile processes (`JITFunction.preload`; one per core but one, at
+   most 16, started while the model loads when the cache is empty), and the phase runs again: each first launch then
+   loads its kernel from disk.
 
 Anything unexpected (another Triton without these hooks, a dry run or a worker that fails) loses only the speed-up:
 one line in the log, and the kernels compile at their first launch as before.

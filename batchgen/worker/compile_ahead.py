@@ -20,6 +20,7 @@ one line in the log, and the kernels compile at their first launch as before.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -47,7 +48,8 @@ T = TypeVar("T")
 MAX_PROCESSES = 16
 COMPILE_TIMEOUT_SECONDS = 300.0  # a whole start's kernels on two processes take well under a minute
 ENDED = "a compile process ended"
-# What a dry run or a preload raises when Triton's internals differ from 3.8's, or a forward fails on garbage
+# What a dry run or a preload raises when Triton's internals differ from 3.6's and 3.8's, or a forward fails on
+# garbage
 DRY_RUN_ERRORS = (RuntimeError, AttributeError, KeyError, IndexError, TypeError, ValueError, ImportError)
 PRELOAD_ERRORS = (RuntimeError, AttributeError, KeyError, TypeError, ValueError, ImportError, OSError)
 
@@ -63,6 +65,7 @@ class KernelSpec:
     module: str  # the module that defines the kernel
     name: str  # the kernel's name in it
     data: str  # Triton's specialization_data (JSON): what JITFunction.preload compiles
+    target: str  # the GPUTarget it was launched for (JSON of its fields): what the compile processes build for
 
 
 # -- the phases, watched ---------------------------------------------------------------------------------------
@@ -88,10 +91,24 @@ def stop_at_missing_kernel() -> Iterator[None]:
         yield
 
 
+def settled_kernel(spec: KernelSpec) -> Any:
+    """The spec's JIT function, its source's cache key computed as in any other process. Triton 3.6 adds the global
+    constants a called function reads to its caller's key before it computes them (3.8 after), so a key depended
+    on which kernels this process keyed first: computed again until it stops changing, every called function's are
+    in (the key 3.8 computes)."""
+    kernel = getattr(importlib.import_module(spec.module), spec.name)
+    key = kernel.cache_key
+    kernel.hash = None
+    while kernel.cache_key != key:
+        key = kernel.cache_key
+        kernel.hash = None
+    return kernel
+
+
 def on_disk(spec: KernelSpec) -> bool:
     """Whether the spec is in Triton's disk cache; loaded into the kernel's in-memory cache when it is, where the
     engine's first launch finds it."""
-    kernel = getattr(importlib.import_module(spec.module), spec.name)
+    kernel = settled_kernel(spec)
     try:
         with stop_at_missing_kernel():
             kernel.preload(spec.data)
@@ -120,37 +137,53 @@ class _NoLaunch:
 _NO_LAUNCH = _NoLaunch()
 
 
+class _DryRunCaches:
+    """Every JIT function's in-memory caches during a dry run, each empty at first. Set on the JITFunction class, a
+    data descriptor takes precedence over each function's own caches, which stay untouched in its __dict__ and are
+    seen again once the descriptor goes: this reaches every JIT function, those Triton keeps no list of (3.6) too."""
+
+    def __init__(self) -> None:
+        self.caches: dict[int, tuple[Any, defaultdict]] = {}  # by id(function): the function, kept alive, and its own
+
+    def __get__(self, function: Any, owner: type | None = None) -> Any:
+        if function is None:
+            return self
+        entry = self.caches.get(id(function))
+        if entry is None:
+            entry = self.caches[id(function)] = (function, defaultdict(function.create_binder))
+        return entry[1]
+
+    def __set__(self, function: Any, caches: defaultdict) -> None:
+        """A JIT function made during the dry run keeps the caches its __init__ makes for after it."""
+        function.__dict__["device_caches"] = caches
+
+
 @contextlib.contextmanager
 def dry_launches() -> Iterator[dict[KernelSpec, None]]:
     """Inside, no Triton kernel launches: each first launch of a specialization is recorded (in the yielded dict,
     in launch order) and skipped. Every JIT function starts from an empty in-memory cache, so one this process
     compiled earlier is skipped too: a kernel must never run on what a skipped one left unwritten."""
     from triton import knobs
-    from triton.runtime import jit
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
 
-    functions = jit._triton_jit_function_registry
-    kept = [(function, function.device_caches) for function in functions.values()]
     specs: dict[KernelSpec, None] = {}
 
     def record(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
-        specs.setdefault(KernelSpec(fn.module, fn.name, compile["specialization_data"]))
-        # Only into a registered function's cache, which is dropped below (one whose name another took keeps its own)
-        if any(function is fn.jit_function for function in functions.values()):
-            fn.jit_function.device_caches[compile["device"]][0][compile["key"]] = _NO_LAUNCH
+        # The target from the driver, as Triton 3.6's specialization data has none
+        target = json.dumps(dataclasses.asdict(driver.active.get_current_target()))
+        specs.setdefault(KernelSpec(fn.module, fn.name, compile["specialization_data"], target))
+        fn.jit_function.device_caches[compile["device"]][0][compile["key"]] = _NO_LAUNCH  # a dry run's cache
         return True  # Triton neither compiles nor launches
 
     previous_hook = knobs.runtime.jit_cache_hook
     try:
-        for function, _ in kept:
-            function.device_caches = defaultdict(function.create_binder)
+        JITFunction.device_caches = _DryRunCaches()
         knobs.runtime.jit_cache_hook = record
         yield specs
     finally:
         knobs.runtime.jit_cache_hook = previous_hook
-        for function in functions.values():  # each held stand-ins only; those registered before get theirs back
-            function.device_caches = defaultdict(function.create_binder)
-        for function, caches in kept:
-            function.device_caches = caches
+        del JITFunction.device_caches
 
 
 # -- the compile processes ------------------------------------------------------------------------------------
@@ -177,8 +210,11 @@ def _preload(spec: KernelSpec, for_gpu: bool) -> str | None:
             from triton.backends.compiler import GPUTarget
             from triton.runtime.driver import driver
 
-            driver.set_active(TargetDriver(GPUTarget(**json.loads(spec.data)["target"])))
-        getattr(importlib.import_module(spec.module), spec.name).preload(spec.data)
+            driver.set_active(TargetDriver(GPUTarget(**json.loads(spec.target))))
+            kernel = settled_kernel(spec)
+        else:
+            kernel = getattr(importlib.import_module(spec.module), spec.name)
+        kernel.preload(spec.data)
     except PRELOAD_ERRORS as error:
         return f"{spec.name}: {type(error).__name__}: {error}"
     return None
@@ -289,15 +325,15 @@ def compile_processes() -> int:
 
 
 def missing_triton_api() -> str | None:
-    """What this Triton lacks of what compile ahead uses, or None (Triton 3.8 has it all)."""
+    """What this Triton lacks of what compile ahead uses, or None (Triton 3.6 and 3.8 have it all)."""
     import triton
 
     if not hasattr(getattr(getattr(triton, "knobs", None), "runtime", None), "jit_cache_hook"):
         return f"Triton {triton.__version__} has no knobs.runtime.jit_cache_hook"
     from triton.runtime import jit
 
-    if not hasattr(jit, "_triton_jit_function_registry") or not hasattr(jit.JITFunction, "preload"):
-        return f"Triton {triton.__version__} has no JITFunction.preload or function registry"
+    if not hasattr(jit.JITFunction, "preload"):
+        return f"Triton {triton.__version__} has no JITFunction.preload"
     if not hasattr(triton._C.libtriton, "get_cache_invalidating_env_vars"):
         return f"Triton {triton.__version__} does not list the variables its cache keys depend on"
     return None

@@ -32,7 +32,7 @@ FAKES = "tests.helpers.fake_kernels"
 
 
 def fake(name: str, path: Path) -> KernelSpec:
-    return KernelSpec(FAKES, name, str(path))
+    return KernelSpec(FAKES, name, str(path), target="")  # no GPU target: they are built as they are
 
 
 PLAIN = WorkerSetup({}, for_gpu=False)

@@ -30,6 +30,7 @@ from batchgen.worker.compile_ahead import (  # noqa: E402
     WorkerSetup,
     dry_launches,
     on_disk,
+    settled_kernel,
     stop_at_missing_kernel,
 )
 from batchgen.worker.model_runner import ModelRunner  # noqa: E402
@@ -67,6 +68,8 @@ def test_a_dry_run_records_each_specialization_once_and_launches_nothing(tmp_pat
     assert [spec.name for spec in specs] == ["scale_kernel", "scale_kernel"]
     assert {spec.module for spec in specs} == {"tests.helpers.triton_cpu_target"}
     assert [json.loads(spec.data)["constant_vals"][-1] for spec in specs] == [64, 128]
+    # The target the compile processes build for, from the driver (Triton 3.6 writes none into the data)
+    assert {spec.target for spec in specs} == {json.dumps({"backend": "cuda", "arch": 90, "warp_size": 32})}
     assert (out == 0).all()  # no kernel ran
     assert kernels_on_disk(tmp_path) == []  # none compiled
 
@@ -88,6 +91,24 @@ def test_a_watched_launch_stops_at_a_kernel_missing_from_the_disk_cache(tmp_path
     assert kernels_on_disk(tmp_path) == [] and not on_disk(spec)
     scale_kernel.preload(spec.data)  # compiles it into the disk cache
     assert on_disk(spec)
+
+
+def test_a_kernels_cache_key_is_the_same_whichever_function_this_process_keyed_first(monkeypatch):
+    """The engine looks up what the compile processes built by this key; Triton 3.6 left out the PDL constants
+    wait_for_previous reads when the kernel was keyed before it."""
+    from batchgen.layers import elementwise_triton, pdl
+
+    kernel, called = elementwise_triton._add_rms_norm_kernel, pdl.wait_for_previous
+    spec = KernelSpec(kernel.module, "_add_rms_norm_kernel", data="", target="")
+
+    def keyed(first) -> str:
+        for function in (kernel, called):  # as in a fresh process
+            monkeypatch.setattr(function, "hash", None)
+            monkeypatch.setattr(function, "used_global_vals", {})
+        first.cache_key  # noqa: B018 (keyed first)
+        return settled_kernel(spec).cache_key
+
+    assert keyed(called) == keyed(kernel)
 
 
 @pytest.mark.slow

@@ -75,10 +75,10 @@ def _dequantized_twin(model: torch.nn.Module, float_dir: Path) -> torch.nn.Modul
 def test_fp8_close_to_dequantized_bf16(architecture: str, source: str, tiny_model_dir: Callable[..., Path],
                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode steps (the weight-only fp8 GEMV and expert kernels) and a prefill step of 19 rows (the weight-only
-    GEMM, its row limit moved to 19) match the dequantized bf16 model to within bf16 rounding; a prefill step on _scaled_mm (fp8 activations
-    too: FP8_GEMM_MAX_ROWS moved below 19) to within a sixth of the logits' range, with at least 80% of the greedy
-    tokens the same: a tiny random model's logits are flat, so one token's fp8 activation rounding can flip its
-    argmax (benchmarks/fp8_accuracy.py measures agreement on realistic weights)."""
+    GEMM, its row limit moved to 19) match the dequantized bf16 model to within bf16 rounding; a prefill step on
+    _scaled_mm (fp8 activations too: FP8_GEMM_MAX_ROWS moved below 19) to within a sixth of the logits' range, with
+    at least 80% of the greedy tokens the same: a tiny random model's logits are flat, so one token's fp8 activation
+    rounding can flip its argmax (benchmarks/fp8_accuracy.py measures agreement on realistic weights)."""
     float_dir = tiny_model_dir(architecture)
     if source == "quantization=fp8":
         model = _load(float_dir, quantization="fp8")

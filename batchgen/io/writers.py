@@ -145,7 +145,8 @@ class PartedParquetWriter:
         for part in self._parts():
             with pq.ParquetFile(part) as file:  # no dataset discovery: a job may leave many parts
                 table = file.read(columns=columns)
-            tables.append(table if table.schema.equals(schema) else table.cast(schema))
+            # An earlier attempt's part carries that attempt's metadata: the merged file takes this writer's.
+            tables.append(table if table.schema.equals(schema, check_metadata=True) else table.cast(schema))
         return pa.concat_tables(tables) if tables else schema.empty_table()
 
     def _check_merged(self, table: pa.Table) -> None:

@@ -136,6 +136,17 @@ def test_parts_flushed_by_row_count_are_readable_before_close(tmp_path: Path) ->
     assert writer.existing_rows().num_rows == 4
 
 
+def test_a_resumed_writer_merges_earlier_parts_under_its_own_metadata(tmp_path: Path) -> None:
+    first = CompletionWriter(tmp_path, METADATA, flush_rows=1)
+    first.write(completion(0))
+    resumed_metadata = {**METADATA, "resume_forced": {"differences": {"seed": [0, 5]}}}
+    resumed = CompletionWriter(tmp_path, resumed_metadata, flush_rows=1)
+    resumed.write(completion(1))
+    path = resumed.close()
+    assert read_metadata(path) == resumed_metadata
+    assert pq.read_table(path).column("index").to_pylist() == [0, 1]
+
+
 def test_parts_are_flushed_by_time(tmp_path: Path) -> None:
     writer = CompletionWriter(tmp_path, METADATA, flush_rows=1000, flush_seconds=0.0)
     writer.write(completion(0))

@@ -1,0 +1,97 @@
+"""The job's own work per row outside the engine, on the many_rows rows (`benchmarks/real_jobs.py many_rows`: JSONL rows
+of 8-32 characters of the play text, the Shakespeare tokenizer), in one process and without a model:
+- read: iter_prompts over the file and each row's sampling parameters (the job's reading, Job._read_shard);
+- tokenize: the prompts in the job's batched calls (Job._tokenize);
+- write: each row's completions record (completion_record, with a 16-token completion) written through a
+  CompletionWriter that flushes parts every job.flush_rows rows, as the job's loop does;
+- merge: closing the writer (the job's finish: the parts merged into completions.parquet).
+
+Microseconds per row of CPU time and of wall time; the job's defaults (job.flush_rows) are the tree's own.
+
+Usage: python -m benchmarks.job_io [--rows N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from batchgen.config import Config, DataConfig, JobConfig
+from batchgen.engine.collector import rare_collections
+from batchgen.engine.detokenizer import Detokenizer
+from batchgen.engine.outputs import RequestOutput
+from batchgen.io.readers import PromptRow, iter_prompts
+from batchgen.io.writers import CompletionWriter
+from batchgen.job.run import TOKENIZE_CHUNK_ROWS, completion_record
+from batchgen.sample.params import SamplingParams, row_params
+from benchmarks.common import add_out_argument, environment, load_model_config, markdown_table, save_json
+from benchmarks.real_jobs import TINY_WORKLOADS, write_text_rows
+
+PARTS = ("read", "tokenize", "write", "merge")
+SHAPE = TINY_WORKLOADS["many_rows"].rows  # the many_rows rows: 8-32 characters, max_tokens 16
+MAX_TOKENS = SHAPE.max_tokens
+
+
+def timed(seconds: dict[str, tuple[float, float]], part: str, fn: Callable[[], Any]) -> Any:
+    """fn(); its (CPU, wall) seconds into seconds[part]."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = fn()
+    seconds[part] = (time.process_time() - cpu, time.perf_counter() - wall)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=200_000)
+    add_out_argument(parser)
+    args = parser.parse_args()
+    detokenizer = Detokenizer.load(load_model_config("shakespeare"))
+    defaults = SamplingParams(max_tokens=MAX_TOKENS)
+    seconds: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="batchgen_job_io_") as tmp, rare_collections():
+        input_path = Path(tmp) / "input.jsonl"
+        write_text_rows(input_path, replace(SHAPE, rows=args.rows))
+        data = DataConfig(path=str(input_path), id_field="id")
+
+        def read() -> list[PromptRow]:
+            rows = list(iter_prompts(data, detokenizer.tokenizer))
+            for row in rows:
+                row_params(defaults, row.overrides, row.index)
+            return rows
+
+        rows = timed(seconds, "read", read)
+        prompts = [row.prompt for row in rows]
+        token_ids = timed(seconds, "tokenize", lambda: [
+            ids for start in range(0, len(prompts), TOKENIZE_CHUNK_ROWS)
+            for ids in detokenizer.encode_batch(prompts[start:start + TOKENIZE_CHUNK_ROWS])])
+        outputs = [RequestOutput(request_id=row.index, prompt=row.prompt, prompt_token_ids=ids, text="x" * MAX_TOKENS,
+                                 token_ids=list(range(MAX_TOKENS)), finish_reason="length", ttft_ms=1.0, tpot_ms=1.0,
+                                 latency_ms=2.0) for row, ids in zip(rows, token_ids, strict=True)]
+        run_dir = Path(tmp) / "run"
+        writer = CompletionWriter(run_dir, {"config": asdict(Config())}, JobConfig().flush_rows)
+
+        def write() -> None:
+            for row, output in zip(rows, outputs, strict=True):
+                writer.write(completion_record(row, output))
+
+        timed(seconds, "write", write)
+        timed(seconds, "merge", writer.close)
+        shutil.rmtree(run_dir)
+    per_row = {part: {"cpu_us": 1e6 * cpu / args.rows, "wall_us": 1e6 * wall / args.rows}
+               for part, (cpu, wall) in seconds.items()}
+    save_json(args.out, "job_io", {"environment": environment(), "rows": args.rows,
+                                   "flush_rows": JobConfig().flush_rows, "us_per_row": per_row})
+    print(f"\n## The job's work outside the engine: {args.rows} many_rows rows, us per row "
+          f"(job.flush_rows={JobConfig().flush_rows})\n")
+    print(markdown_table(["part", "cpu_us", "wall_us"],
+                         [[part, per_row[part]["cpu_us"], per_row[part]["wall_us"]] for part in PARTS]))
+
+
+if __name__ == "__main__":
+    main()

@@ -118,17 +118,17 @@ def test_fp8_linear_takes_the_gemv_for_one_row_the_gemm_up_to_its_limit_and_scal
     layer = Fp8Linear.quantized(Linear(64, 32, bias=False))
     assert layer.kernel_for(torch.randn(2, 64)) is Fp8Kernel.SCALED_MM  # the kernels run on CUDA inputs only
     layer.use_triton("cpu")
-    kernels = {rows: layer.kernel_for(torch.randn(rows, 64)) for rows in (1, 2, 3, 64, 128, 129, 4096)}
+    limit = fp8.FP8_GEMM_MAX_ROWS
+    kernels = {rows: layer.kernel_for(torch.randn(rows, 64)) for rows in (1, 2, 3, limit, limit + 1, 4096)}
     assert kernels == {1: Fp8Kernel.GEMV, 2: Fp8Kernel.SMALL_M_GEMM, 3: Fp8Kernel.SMALL_M_GEMM,
-                       64: Fp8Kernel.SMALL_M_GEMM, 128: Fp8Kernel.SMALL_M_GEMM, 129: Fp8Kernel.SCALED_MM,
-                       4096: Fp8Kernel.SCALED_MM}
+                       limit: Fp8Kernel.SMALL_M_GEMM, limit + 1: Fp8Kernel.SCALED_MM, 4096: Fp8Kernel.SCALED_MM}
     assert layer.runs_triton(torch.randn(1, 64))  # the GEMV, which the norm and SiLU fusions need
     assert not any(layer.runs_triton(torch.randn(rows, 64)) for rows in (2, 4, 8, 64))
     assert layer.kernel_for(torch.randn(0, 64)) is Fp8Kernel.SCALED_MM
     assert layer.kernel_for(torch.randn(2, 3, 64)) is Fp8Kernel.SCALED_MM
-    monkeypatch.setattr(fp8, "FP8_GEMM_MAX_ROWS", 16)  # read at each call, as a benchmark moves it
-    assert layer.kernel_for(torch.randn(16, 64)) is Fp8Kernel.SMALL_M_GEMM
-    assert layer.kernel_for(torch.randn(17, 64)) is Fp8Kernel.SCALED_MM
+    monkeypatch.setattr(fp8, "FP8_GEMM_MAX_ROWS", 2 * limit)  # read at each call, as a benchmark moves it
+    assert layer.kernel_for(torch.randn(2 * limit, 64)) is Fp8Kernel.SMALL_M_GEMM
+    assert layer.kernel_for(torch.randn(2 * limit + 1, 64)) is Fp8Kernel.SCALED_MM
 
 
 LLAMA3_8B_FP8 = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down (N, K)

@@ -123,8 +123,8 @@ def is_host(function: tuple[str, int, str]) -> bool:
 
 
 def profile_tables(path: Path, rows: int, top: int = 30) -> tuple[list[list[Any]], list[list[Any]]]:
-    """(the host functions with the most own time, import machinery left out, the entry points' cumulative time): rows of
-    [function, calls, us per row]."""
+    """(the host functions with the most own time, import machinery left out, the entry points' cumulative time):
+    rows of [function, calls, us per row]."""
     stats = pstats.Stats(str(path)).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, ...)
     own = sorted(((function, values[1], values[2]) for function, values in stats.items() if is_host(function)),
                  key=lambda item: -item[2])[:top]

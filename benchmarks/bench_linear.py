@@ -256,33 +256,32 @@ def run_gemm_sweep(shapes: dict[str, tuple[int, int, int]], args: argparse.Names
     return rows
 
 
-def sweep_table(rows: list[dict[str, Any]], top: int) -> str:
-    """Per (layer, M): the `top` fastest configs and the default one; microseconds and time / the fastest's."""
-    lines = []
+def fastest_and_default(rows: list[dict[str, Any]], top: int) -> list[tuple[dict[str, Any], float]]:
+    """Per (layer, M), in the rows' order: the `top` fastest timed rows and the default one, each with the fastest's
+    ms."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["layer"], row["m"]), []).append(row)
-    for (name, m), group in groups.items():
+    shown = []
+    for group in groups.values():
         timed = sorted((r for r in group if "ms" in r), key=lambda r: r["ms"])
-        shown = timed[:top] + [r for r in timed[top:] if r["default"]]
-        lines += [(name, m, r["block_n"], r["block_k"], r["num_warps"], "yes" if r["default"] else "",
-                   r["ms"] * 1000, r["ms"] / timed[0]["ms"]) for r in shown]
+        shown += [(r, timed[0]["ms"]) for r in timed[:top] + [r for r in timed[top:] if r["default"]]]
+    return shown
+
+
+def sweep_table(rows: list[dict[str, Any]], top: int) -> str:
+    """Per (layer, M): the `top` fastest configs and the default one; microseconds and time / the fastest's."""
+    lines = [(r["layer"], r["m"], r["block_n"], r["block_k"], r["num_warps"], "yes" if r["default"] else "",
+              r["ms"] * 1000, r["ms"] / best) for r, best in fastest_and_default(rows, top)]
     return markdown_table(["layer", "M", "BLOCK_N", "BLOCK_K", "warps", "default", "us", "vs best"], lines)
 
 
 def gemm_sweep_table(rows: list[dict[str, Any]], top: int) -> str:
     """Per (layer, M): the `top` fastest GEMM configs and the default one; microseconds, TB/s of fp8 weight bytes
     and time / the fastest's."""
-    lines = []
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault((row["layer"], row["m"]), []).append(row)
-    for (name, m), group in groups.items():
-        timed = sorted((r for r in group if "ms" in r), key=lambda r: r["ms"])
-        shown = timed[:top] + [r for r in timed[top:] if r["default"]]
-        lines += [(name, m, r["block_m"], r["block_n"], r["block_k"], r["split_k"], r["num_warps"], r["num_stages"],
-                   "yes" if r["weight_first"] else "", "yes" if r["default"] else "", r["ms"] * 1000,
-                   r["weight_tbs"], r["ms"] / timed[0]["ms"]) for r in shown]
+    lines = [(r["layer"], r["m"], r["block_m"], r["block_n"], r["block_k"], r["split_k"], r["num_warps"],
+              r["num_stages"], "yes" if r["weight_first"] else "", "yes" if r["default"] else "", r["ms"] * 1000,
+              r["weight_tbs"], r["ms"] / best) for r, best in fastest_and_default(rows, top)]
     return markdown_table(["layer", "M", "BLOCK_M", "BLOCK_N", "BLOCK_K", "split", "warps", "stages", "weight first",
                            "default", "us", "weight TB/s", "vs best"], lines)
 

@@ -16,6 +16,7 @@ import triton.language as tl
 from batchgen.sample.logprobs import LogprobsTensors
 
 _BLOCK = 4096  # logits per program
+MANY_ROWS = 256  # rows from which the blocks alone keep every SM reading
 
 
 @triton.jit
@@ -79,8 +80,11 @@ def score_top1(logits: torch.Tensor, token_ids: torch.Tensor) -> LogprobsTensors
     sums = torch.empty(rows, blocks, dtype=torch.float32, device=device)
     greater = torch.empty(rows, blocks, dtype=torch.int32, device=device)
     argmax = torch.empty(rows, blocks, dtype=torch.int32, device=device)
+    # Four warps (more bytes in flight per thread) read fastest once the rows alone fill the GPU: prompt logprobs'
+    # slices of about 1,700 rows (benchmarks/RESULTS.md, 2026-11-27d); a decode step's few rows keep eight.
+    warps = 4 if block < 2048 or rows >= MANY_ROWS else 8
     _score_block_kernel[(rows, blocks)](logits, logits.stride(0), token_ids, maxes, sums, greater, argmax,
-                                        VOCAB=vocab, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+                                        VOCAB=vocab, BLOCK=block, num_warps=warps)
     _score_merge_kernel[(rows,)](logits, logits.stride(0), token_ids, maxes, sums, greater, argmax, scored.logprobs,
                                  scored.ranks, scored.top_ids, scored.top_logprobs, blocks, VOCAB=vocab,
                                  BLOCKS=max(16, triton.next_power_of_2(blocks)), num_warps=1)

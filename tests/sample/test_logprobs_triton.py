@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton", reason="Triton kernels need triton (torch's CPU build has none)")
 
 from batchgen.sample.logprobs import score_slice  # noqa: E402
-from batchgen.sample.logprobs_triton import score_top1  # noqa: E402
+from batchgen.sample.logprobs_triton import MANY_ROWS, score_top1  # noqa: E402
 from tests.helpers.triton_support import DEVICE, TRITON_MARKS  # noqa: E402
 
 pytestmark = TRITON_MARKS
@@ -27,7 +27,7 @@ def reference(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[to
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("rows", "vocab"), [(3, 151_936), (7, 5_000), (4, 100)], ids=str)
+@pytest.mark.parametrize(("rows", "vocab"), [(3, 151_936), (7, 5_000), (4, 100), (MANY_ROWS, 5_000)], ids=str)
 def test_the_fused_kernel_equals_the_torch_path(rows: int, vocab: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows * vocab)
     # Few distinct values: every row has ties, for its maximum and for the chosen token's logit.

@@ -10,8 +10,8 @@ keyed by source, specialization, options and target only, so any process may com
 2. A dry run of the rest of the start: its forwards run with every Triton launch skipped and recorded instead
    (Triton's `jit_cache_hook`), torch ops on garbage, nothing captured; the specializations, deduplicated.
 3. Those not in the disk cache are compiled by compile processes (`JITFunction.preload`; one per core but one, at
-   most 16, started while the model loads when the cache is empty), and the phase runs again: each first launch then
-   loads its kernel from disk.
+   most 16, started while the model loads when the cache is empty), with their launchers where Triton compiles those
+   too (`build_launcher`), and the phase runs again: each first launch then loads its kernel from disk.
 
 Anything unexpected (another Triton without these hooks, a dry run or a worker that fails) loses only the speed-up:
 one line in the log, and the kernels compile at their first launch as before.
@@ -214,10 +214,23 @@ def _preload(spec: KernelSpec, for_gpu: bool) -> str | None:
             kernel = settled_kernel(spec)
         else:
             kernel = getattr(importlib.import_module(spec.module), spec.name)
-        kernel.preload(spec.data)
-    except PRELOAD_ERRORS as error:
+        compiled = kernel.preload(spec.data)
+        if for_gpu:
+            build_launcher(compiled)
+    except (*PRELOAD_ERRORS, subprocess.CalledProcessError) as error:
         return f"{spec.name}: {type(error).__name__}: {error}"
     return None
+
+
+def build_launcher(compiled: Any) -> None:
+    """Where Triton's launcher of a kernel is C code compiled for its signature (3.6: the CUDA backend's
+    `make_launcher`), the engine's first launch of the kernel runs the C compiler, in its own process, one kernel after
+    another (about half a second each). Built here instead, it lands in the disk cache and that launch loads it. Triton
+    3.8 launches without compiled launchers: nothing to do."""
+    from triton.backends.nvidia import driver as cuda_driver
+
+    if hasattr(cuda_driver, "make_launcher"):
+        cuda_driver.CudaLauncher(compiled.src, compiled.metadata)
 
 
 class TargetDriver:

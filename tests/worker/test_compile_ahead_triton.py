@@ -93,6 +93,30 @@ def test_a_watched_launch_stops_at_a_kernel_missing_from_the_disk_cache(tmp_path
     assert on_disk(spec)
 
 
+@pytest.mark.parametrize("compiled_launchers", [True, False], ids=["triton_3_6", "triton_3_8"])
+def test_a_compile_process_builds_the_kernels_launcher_where_triton_compiles_launchers(monkeypatch, tmp_path,
+                                                                                       compiled_launchers):
+    """Triton 3.6 compiles a C launcher for each kernel signature at the kernel's first launch (its CUDA backend's
+    make_launcher); a compile process builds it with the kernel. 3.8 has no such step."""
+    from triton.backends.nvidia import driver as cuda_driver
+
+    built = []
+    monkeypatch.setattr(cuda_driver, "CudaLauncher", lambda src, metadata: built.append((src, metadata)))
+    if compiled_launchers:
+        monkeypatch.setattr(cuda_driver, "make_launcher", lambda *args: "", raising=False)
+    else:
+        monkeypatch.delattr(cuda_driver, "make_launcher", raising=False)
+    x, out = torch.ones(100), torch.zeros(100)
+    (spec,) = recorded(lambda: scale(x, 2.0, out=out))
+    assert compile_ahead._preload(spec, for_gpu=True) is None
+    assert on_disk(spec)
+    if compiled_launchers:
+        ((src, metadata),) = built
+        assert src.fn.__name__ == "scale_kernel" and metadata.name == "scale_kernel"
+    else:
+        assert built == []
+
+
 def test_a_kernels_cache_key_is_the_same_whichever_function_this_process_keyed_first(monkeypatch):
     """The engine looks up what the compile processes built by this key; Triton 3.6 left out the PDL constants
     wait_for_previous reads when the kernel was keyed before it."""

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,7 @@ TOKENIZE_CHUNK_ROWS = 1024  # rows per batched tokenizer call: few calls, a boun
 
 TASK_COLUMNS = ("continuation_logprob", "continuation_num_tokens", "continuation_is_greedy", "embedding", "logits",
                 "probs", "label", "score")  # RequestOutput fields of the score, embed and classify tasks
+_task_values = attrgetter(*TASK_COLUMNS)  # in one call: a row's record is built per finished row
 
 
 def completion_record(row: PromptRow, output: RequestOutput | None = None) -> dict[str, Any]:
@@ -55,7 +57,7 @@ def completion_record(row: PromptRow, output: RequestOutput | None = None) -> di
     if output is None:
         return {"index": row.index, "id": row.id, "prompt": row.text, "finish_reason": "error", "error": row.error,
                 "sample_index": 0}
-    return {
+    record = {
         "index": row.index, "sample_index": output.sample_index, "id": row.id, "prompt": row.text,
         "completion": output.text, "num_cached_tokens": output.num_cached_tokens,
         "prompt_token_ids": output.prompt_token_ids, "output_token_ids": output.token_ids,
@@ -63,14 +65,15 @@ def completion_record(row: PromptRow, output: RequestOutput | None = None) -> di
         "finish_reason": output.finish_reason, "error": output.error,
         "ttft_ms": output.ttft_ms, "tpot_ms": output.tpot_ms, "latency_ms": output.latency_ms,
         "logprobs": output.logprobs, "prompt_logprobs": prompt_logprobs_value(output.prompt_logprobs),
-        **{column: getattr(output, column) for column in TASK_COLUMNS},
     }
+    record.update(zip(TASK_COLUMNS, _task_values(output), strict=True))
+    return record
 
 
 def prompt_logprobs_value(entries: Sequence[dict | None] | None) -> pa.Array | Sequence[dict | None] | None:
     """The prompt_logprobs column's value: built from the engine's arrays, or as given (the Ray runner's outputs
     arrive as JSON lists)."""
-    if not isinstance(entries, PromptLogprobEntries):
+    if entries is None or not isinstance(entries, PromptLogprobEntries):  # an ABC's isinstance is slow: most are None
         return entries
     scored, texts = entries.scored, entries.texts
     return LogprobArrays(scored.first, scored.token_ids, texts.texts(scored.token_ids), scored.logprobs,

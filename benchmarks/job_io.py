@@ -99,6 +99,9 @@ def main() -> None:
     detokenizer = Detokenizer.load(load_model_config("shakespeare"))
     defaults = SamplingParams(max_tokens=MAX_TOKENS)
     seconds: dict[str, tuple[float, float]] = {}
+    if args.job_phases:  # first: a job's process holds no other rows, which the collector would go over too
+        with tempfile.TemporaryDirectory(prefix="batchgen_job_io_") as tmp:
+            seconds.update(job_phases(Path(tmp), args.rows))
     with tempfile.TemporaryDirectory(prefix="batchgen_job_io_") as tmp, rare_collections():
         input_path = Path(tmp) / "input.jsonl"
         write_text_rows(input_path, replace(SHAPE, rows=args.rows))
@@ -123,9 +126,6 @@ def main() -> None:
         timed(seconds, "merge", writer.close)
         shutil.rmtree(run_dir)
         token_seconds = read_token_rows(Path(tmp), args.token_rows, detokenizer.tokenizer) if args.token_rows else None
-    if args.job_phases:
-        with tempfile.TemporaryDirectory(prefix="batchgen_job_io_") as tmp:
-            seconds.update(job_phases(Path(tmp), args.rows))
     per_row = {part: {"cpu_us": 1e6 * cpu / args.rows, "wall_us": 1e6 * wall / args.rows}
                for part, (cpu, wall) in seconds.items()}
     token_per_row = None if token_seconds is None else {

@@ -24,9 +24,13 @@ class ShardSplit:
         self.by = by
         self._loads = [(0, shard) for shard in range(num_shards)]  # a heap of (estimated work so far, shard)
         self._assignment = hashlib.sha256()
+        self._unsplit_rows = 0  # one shard: rows whose shard, 0, is not hashed yet (hashed at once by `digest`)
 
     def shard_of(self, index: int, work: int) -> int:
         """The shard of row `index`, whose estimated work is `work` (unused by the index split)."""
+        if self.num_shards == 1:
+            self._unsplit_rows += 1
+            return 0
         if self.by == "index":
             shard = index % self.num_shards
         else:
@@ -38,4 +42,6 @@ class ShardSplit:
     @property
     def digest(self) -> str:
         """A fingerprint of the whole assignment so far: shards that split the input alike agree on it."""
-        return self._assignment.hexdigest()[:16]
+        assignment = self._assignment.copy()
+        assignment.update(bytes(4 * self._unsplit_rows))  # shard 0 as 4 bytes, per row
+        return assignment.hexdigest()[:16]

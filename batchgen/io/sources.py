@@ -15,6 +15,8 @@ from batchgen.io.errors import InputError
 from batchgen.io.formats import hf_builder
 
 ARROW_BATCH_ROWS = 1024
+JSON_WHITESPACE = " \t\n\r"  # what json skips around a value
+_scan_json_value = json.JSONDecoder().scan_once  # json.loads's own parser, without its wrapping
 
 
 @dataclass
@@ -37,7 +39,7 @@ def jsonl_rows(path: Path, parse_only_with: tuple[bytes, ...] = ()) -> Iterator[
                 yield SourceRow(location, {})
                 continue
             try:
-                value = json.loads(line)
+                value = _json_value(line)
             except json.JSONDecodeError as error:
                 # Some of json's messages end in "at", meant to be followed by the position.
                 problem = error.msg.removesuffix(" at")
@@ -50,6 +52,20 @@ def jsonl_rows(path: Path, parse_only_with: tuple[bytes, ...] = ()) -> Iterator[
                 yield SourceRow(location, value)
             else:
                 yield SourceRow(location, None, f"expected a JSON object, got {type(value).__name__}")
+
+
+def _json_value(line: bytes) -> Any:
+    """json.loads(line). A line of UTF-8 text holding one JSON value (almost every line) is parsed by json's own
+    parser without json.loads's per-call work (finding the encoding, regular expressions); any other line goes through
+    json.loads, which decodes the other encodings (a BOM, UTF-16, surrogates) and raises its own errors."""
+    try:
+        text = line.decode()
+        value, end = _scan_json_value(text, len(text) - len(text.lstrip(JSON_WHITESPACE)))
+    except (UnicodeDecodeError, StopIteration, json.JSONDecodeError):
+        return json.loads(line)
+    if text[end:].lstrip(JSON_WHITESPACE):  # "Extra data"
+        return json.loads(line)
+    return value
 
 
 def _batch_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[SourceRow]:

@@ -32,17 +32,20 @@ def _part_number(part: Path) -> int:
     return int(part.stem.removeprefix(PART_PREFIX))
 
 
-def records_table(records: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
-    """pa.Table.from_pylist, where a value of a nested field (a list) may also be a one-row Array of its field's
-    type. Built a column at a time: only the nested columns are searched for Arrays."""
+def records_table(rows: list[tuple[Any, ...]], schema: pa.Schema) -> pa.Table:
+    """pa.Table.from_pylist of rows given as tuples of their values in the schema's order, where a value of a nested
+    field (a list) may also be a one-row Array of its field's type. Built a column at a time: only the nested columns
+    are searched for Arrays, and a column without values (another task's) is built as nulls."""
     columns = []
-    for field in schema:
-        values = [record.get(field.name) for record in records]
-        if pa.types.is_nested(field.type) and any(isinstance(value, pa.Array) for value in values):
-            columns.append(pa.chunked_array([value if isinstance(value, pa.Array) else pa.array([value], field.type)
-                                             for value in values], type=field.type))
+    for field, values in zip(schema, zip(*rows, strict=True), strict=True):
+        field_type = field.type  # each access to a Field's attribute builds a new object
+        if values.count(None) == len(values):
+            columns.append(pa.nulls(len(values), field_type))
+        elif pa.types.is_nested(field_type) and any(issubclass(kind, pa.Array) for kind in set(map(type, values))):
+            columns.append(pa.chunked_array([value if isinstance(value, pa.Array) else pa.array([value], field_type)
+                                             for value in values], type=field_type))
         else:
-            columns.append(pa.array(values, type=field.type))
+            columns.append(pa.array(values, type=field_type))
     return pa.Table.from_arrays(columns, schema=schema)
 
 
@@ -79,9 +82,10 @@ class PartedParquetWriter:
         self.sort_key = sort_key
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
-        self._names = frozenset(schema.names)  # schema.names builds a new list on every access
+        self._field_names = tuple(schema.names)  # schema.names builds a new list on every access
+        self._names = frozenset(self._field_names)
         self._required = [field.name for field in schema if not field.nullable]
-        self._buffer: list[dict[str, Any]] = []
+        self._buffer: list[tuple[Any, ...]] = []  # each row's values in the schema's order
         self._last_flush = time.monotonic()
         self._closed = False
         self._recover()
@@ -125,7 +129,7 @@ class PartedParquetWriter:
         missing = [name for name in self._required if record.get(name) is None]
         if missing:
             raise ValueError(f"{self.final_path}: record lacks the required fields {missing}")
-        self._buffer.append(dict(record))
+        self._buffer.append(tuple(map(record.get, self._field_names)))
         if len(self._buffer) >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 

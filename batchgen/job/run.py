@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,7 @@ TOKENIZE_CHUNK_ROWS = 1024  # rows per batched tokenizer call: few calls, a boun
 
 TASK_COLUMNS = ("continuation_logprob", "continuation_num_tokens", "continuation_is_greedy", "embedding", "logits",
                 "probs", "label", "score")  # RequestOutput fields of the score, embed and classify tasks
+_task_values = attrgetter(*TASK_COLUMNS)  # in one call: a row's record is built per finished row
 
 
 def completion_record(row: PromptRow, output: RequestOutput | None = None) -> dict[str, Any]:
@@ -55,7 +57,7 @@ def completion_record(row: PromptRow, output: RequestOutput | None = None) -> di
     if output is None:
         return {"index": row.index, "id": row.id, "prompt": row.text, "finish_reason": "error", "error": row.error,
                 "sample_index": 0}
-    return {
+    record = {
         "index": row.index, "sample_index": output.sample_index, "id": row.id, "prompt": row.text,
         "completion": output.text, "num_cached_tokens": output.num_cached_tokens,
         "prompt_token_ids": output.prompt_token_ids, "output_token_ids": output.token_ids,
@@ -63,14 +65,15 @@ def completion_record(row: PromptRow, output: RequestOutput | None = None) -> di
         "finish_reason": output.finish_reason, "error": output.error,
         "ttft_ms": output.ttft_ms, "tpot_ms": output.tpot_ms, "latency_ms": output.latency_ms,
         "logprobs": output.logprobs, "prompt_logprobs": prompt_logprobs_value(output.prompt_logprobs),
-        **{column: getattr(output, column) for column in TASK_COLUMNS},
     }
+    record.update(zip(TASK_COLUMNS, _task_values(output), strict=True))
+    return record
 
 
 def prompt_logprobs_value(entries: Sequence[dict | None] | None) -> pa.Array | Sequence[dict | None] | None:
     """The prompt_logprobs column's value: built from the engine's arrays, or as given (the Ray runner's outputs
     arrive as JSON lists)."""
-    if not isinstance(entries, PromptLogprobEntries):
+    if entries is None or not isinstance(entries, PromptLogprobEntries):  # an ABC's isinstance is slow: most are None
         return entries
     scored, texts = entries.scored, entries.texts
     return LogprobArrays(scored.first, scored.token_ids, texts.texts(scored.token_ids), scored.logprobs,
@@ -102,7 +105,8 @@ class Job:
         self.detokenizer = Detokenizer.load(config.model)
         rows = iter_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
                             model_name(config.model), self.task)
-        self.rows = self._read_shard(rows)
+        with rare_collections():  # a row is several objects: the default thresholds would go over the rows many times
+            self.rows = self._read_shard(rows)
         self.read_seconds = time.perf_counter() - read_start
         if self.num_input_rows == 0:
             if config.data.on_empty == "fail":
@@ -118,11 +122,12 @@ class Job:
             return
         self.outputs = RunOutputs(self.config, self.run_dir, forced)
         written = self.outputs.written
-        # A row is done when all its samples are; a resumed row generates only the samples it lacks.
+        # A row is done when all its samples are; a resumed row generates only the samples it lacks. Only rows that
+        # earlier attempts wrote samples of are in missing_samples: every other row lacks all its samples.
         self.num_samples = {row.index: 1 if row.error is not None else self.params[row.index].n for row in self.rows}
-        self.missing_samples = {row.index: [i for i in range(self.num_samples[row.index])
-                                            if i not in written.get(row.index, ())] for row in self.rows}
-        self.pending = [row for row in self.rows if self.missing_samples[row.index]]
+        self.missing_samples = {index: [i for i in range(self.num_samples[index]) if i not in samples]
+                                for index, samples in written.items() if index in self.num_samples}
+        self.pending = [row for row in self.rows if self.missing_samples.get(row.index, True)]
         self.stats = AttemptStats(self.outputs.attempt, startup_phases=self.startup_phases,
                                   read_input_seconds=self.read_seconds)
         if written:
@@ -228,8 +233,8 @@ class Job:
         signals = signals or StopSignals()
         rows_by_index = {row.index: row for row in self.pending}
         total_samples = sum(self.num_samples.values())
-        missing = sum(len(samples) for samples in self.missing_samples.values())
-        self.progress = Progress(total_samples, total_samples - missing, self.config.job)
+        done = sum(self.num_samples[index] - len(samples) for index, samples in self.missing_samples.items())
+        self.progress = Progress(total_samples, done, self.config.job)
         engine = profiler = None
         clock = self._lap("open_outputs_seconds", opening)
         try:
@@ -306,12 +311,13 @@ class Job:
 
     def _kv_demand(self, rows: list[PromptRow]) -> KVDemand:
         """The rows' prompt lengths and max_tokens, so that the KV cache is sized to the job."""
-        self._tokenize(rows)
         demand = []
-        for row in rows:
-            params = self.params[row.index]
-            num_prompt_tokens = self._num_prompt_tokens(row, params)
-            demand.extend([(num_prompt_tokens, params.max_tokens)] * params.n)  # each sample holds its own blocks
+        with rare_collections():  # a list of ids per row: the default thresholds would go over the rows many times
+            self._tokenize(rows)
+            for row in rows:
+                params = self.params[row.index]
+                num_prompt_tokens = self._num_prompt_tokens(row, params)
+                demand.extend([(num_prompt_tokens, params.max_tokens)] * params.n)  # each sample holds its own blocks
         return KVDemand(demand)
 
     def _tokenize(self, rows: list[PromptRow]) -> None:
@@ -353,7 +359,7 @@ class Job:
                 engine.add_pooling_request(row.index, row.prompt, row.prompt_token_ids)
                 continue
             engine.add_request(row.index, row.prompt, row.prompt_token_ids, self.params[row.index],
-                               self.missing_samples[row.index])
+                               self.missing_samples.get(row.index))  # None: all n samples
         return True
 
     def _add_score_request(self, engine: LLMEngine, row: PromptRow) -> None:

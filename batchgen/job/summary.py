@@ -6,6 +6,7 @@ import platform
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,11 @@ TIME_COLUMNS = ("schedule_ms", "prepare_ms", "forward_ms", "sample_ms", "wait_ms
 
 
 def versions() -> dict[str, str | None]:
+    return dict(_versions())
+
+
+@cache  # each lookup searches the installed packages; a job records them twice (the files' metadata, the summary)
+def _versions() -> dict[str, str | None]:
     import torch  # here, not at import: the job reads its inputs before the engine needs torch
 
     found: dict[str, str | None] = {"python": platform.python_version(), "cuda": torch.version.cuda}

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -317,3 +318,25 @@ def test_samples_of_a_row_sort_by_index_then_sample_and_a_row_is_finished_when_a
     table = pq.read_table(resumed.close())
     assert list(zip(table["index"].to_pylist(), table["sample_index"].to_pylist(), strict=True)) == [
         (0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+
+
+def test_a_part_holds_the_rows_from_pylist_would_build(tmp_path: Path) -> None:
+    """Columns built one at a time (nulls for a column no row sets, a nested value given as a one-row Array) hold
+    what pa.Table.from_pylist builds from the same records."""
+    records = [completion(0), error_completion(1), {**completion(2), "embedding": [0.5, 1.5], "label": "yes"},
+               {**completion(3), "output_token_ids": pa.array([[7, 8]], pa.list_(pa.int32())), "score": 2.0}]
+    writer = CompletionWriter(tmp_path, METADATA)
+    for record in records:
+        writer.write(record)  # sets a missing sample_index to 0
+    table = pq.read_table(writer.close())
+
+    records[3]["output_token_ids"] = [7, 8]
+    assert table.equals(pa.Table.from_pylist(records, schema=table.schema))
+
+
+def test_a_record_changed_after_its_write_is_written_as_it_was(tmp_path: Path) -> None:
+    writer = CompletionWriter(tmp_path, METADATA)
+    record = completion(0)
+    writer.write(record)
+    record["completion"] = "changed"
+    assert pq.read_table(writer.close()).column("completion").to_pylist() == ["completion 0"]

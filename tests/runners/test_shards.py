@@ -3,6 +3,7 @@ check, its combined summary and its results.jsonl."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -240,3 +241,12 @@ def test_shard_and_parallel_options_are_validated(tmp_path):
     both = Config(engine=EngineConfig(data_parallel_size=2), data=DataConfig(num_shards=2))
     with pytest.raises(ConfigError, match="engine.data_parallel_size and data.num_shards"):
         validate_runner(both)
+
+
+def test_one_shard_hashes_each_row_as_shard_0() -> None:
+    """A single shard keeps its rows' shard to hash at once; the digest is the one each row's 4 bytes give."""
+    split = ShardSplit(1, "work")
+    assert [split.shard_of(index, 5) for index in range(1000)] == [0] * 1000
+    assert split.digest == hashlib.sha256(b"\0\0\0\0" * 1000).hexdigest()[:16]
+    split.shard_of(1000, 5)
+    assert split.digest == hashlib.sha256(b"\0\0\0\0" * 1001).hexdigest()[:16]

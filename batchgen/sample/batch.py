@@ -130,7 +130,7 @@ class SamplingBatch:
 
     @property
     def wants_logprobs(self) -> bool:
-        return any(k is not None for k in self.logprobs)
+        return self.logprobs.count(None) != len(self.logprobs)
 
     def with_bitmask(self, array: np.ndarray | None, vocab_size: int, pinned: bool) -> SamplingBatch:
         """The batch with the rows' structured-output mask (None: no row guided), padded to the vocabulary's words

@@ -170,14 +170,14 @@ class Scheduler:
 
     def admission_error(self, request: Request) -> str | None:
         """Why this request can never run, or None."""
-        prompt_len, max_model_len = request.num_prompt_tokens, self.config.max_model_len
+        prompt_len, max_model_len = len(request.prompt_token_ids), self.config.max_model_len
         if prompt_len == 0:
             return "the prompt is empty"
         if prompt_len > max_model_len:
             return f"the prompt has {prompt_len} tokens, more than max_model_len={max_model_len}"
         max_tokens, cache = request.sampling_params.max_tokens, self.block_manager
         max_len = min(prompt_len + max_tokens, max_model_len)
-        if cache.blocks_needed(max_len) > cache.num_total_blocks:
+        if max_len > cache.num_total_blocks * cache.block_size:  # more blocks than the whole cache has
             return (f"the prompt ({prompt_len} tokens) with max_tokens={max_tokens} needs up to {max_len} tokens of KV "
                     f"cache = {cache.blocks_needed(max_len)} blocks of {cache.block_size} tokens, but the whole cache "
                     f"has {cache.num_total_blocks} blocks")
@@ -194,7 +194,7 @@ class Scheduler:
         for all the samples of a prompt)."""
         request.status = RequestStatus.WAITING
         params = request.sampling_params
-        request.max_num_outputs = min(params.max_tokens, self.config.max_model_len - request.num_prompt_tokens)
+        request.max_num_outputs = min(params.max_tokens, self.config.max_model_len - len(request.prompt_token_ids))
         eos = () if request.eos_token_id is None or params.ignore_eos else (request.eos_token_id,)
         request.stop_token_set = frozenset((*eos, *params.stop_token_ids))
         request.prompt_array  # noqa: B018 (made now, between steps: the prefill step slices it, hash_prompt reads it)
@@ -299,7 +299,7 @@ class Scheduler:
         self._mark_finished(request, reason, time.perf_counter())
 
     def _mark_finished(self, request: Request, reason: str, now: float) -> None:
-        if request.status == RequestStatus.WAITING:  # preempted while its last token was still pending
+        if request.status is RequestStatus.WAITING:  # preempted while its last token was still pending
             _remove_identical(self.waiting, request)
         self._prefilling.pop(id(request), None)
         request.status = RequestStatus.FINISHED

@@ -35,7 +35,12 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
 def hash_blocks(parent_hash: bytes | None, token_ids: list[int], block_size: int) -> list[bytes]:
     """The chained hash_block of each full block of token_ids, the first chained to parent_hash; the tokens are
     converted to bytes once for all the blocks."""
-    data, block_bytes = array("q", token_ids).tobytes(), 8 * block_size
+    return hash_token_bytes(parent_hash, array("q", token_ids).tobytes(), block_size)
+
+
+def hash_token_bytes(parent_hash: bytes | None, data: bytes, block_size: int) -> list[bytes]:
+    """hash_blocks of tokens given as their int64 bytes (array("q") or an int64 array's)."""
+    block_bytes = 8 * block_size
     hashes = []
     for offset in range(0, len(data) - block_bytes + 1, block_bytes):
         parent_hash = hashlib.sha256((parent_hash or b"") + data[offset:offset + block_bytes]).digest()
@@ -108,15 +113,38 @@ class BlockManager:
         """lookup_prefix's two answers and uncached_prompt_blocks past its hits: what the scheduler asks of every
         request it tries to admit, before allocating (an allocation may evict cached blocks, which would then count
         as uncached)."""
-        hits, next_hash = self.lookup_prefix(request)
-        return hits, next_hash, self.uncached_prompt_blocks(request, len(hits))
+        if not self.enable_prefix_caching or not request.use_prefix_cache:
+            return [], None, set()
+        # lookup_prefix and uncached_prompt_blocks in one pass: a prefill step admits hundreds of short rows.
+        num_prompt_full = self._hash_full_blocks(request, request.num_prompt_tokens)
+        num_full = self._hash_full_blocks(request, request.num_tokens - 1)
+        if request.max_cached_tokens is not None:
+            num_full = min(num_full, request.max_cached_tokens // self.block_size)
+        hashes, cached = request.block_hashes, self._cached
+        hits: list[int] = []
+        next_hash = None
+        for index in range(num_full):
+            block_id = cached.get(hashes[index])
+            if block_id is None:
+                next_hash = hashes[index]
+                break
+            hits.append(block_id)
+        if num_prompt_full <= len(hits):  # most short prompts: no full block left to compute
+            return hits, next_hash, set()
+        return hits, next_hash, {h for h in hashes[len(hits):num_prompt_full] if h not in cached}
 
     def hash_prompt(self, request: Request) -> None:
         """Hashes the request's full prompt blocks ahead of its admission, as vLLM does when a request arrives: a job
         adds rows between steps, while the device runs the step in flight, instead of inside the step that admits
         them."""
-        if self.enable_prefix_caching and request.use_prefix_cache:
+        if not self.enable_prefix_caching or not request.use_prefix_cache:
+            return
+        num_full = request.num_prompt_tokens // self.block_size
+        if request.block_hashes or not num_full:
             self._hash_full_blocks(request, request.num_prompt_tokens)
+        else:  # a new request (most): its prompt's int64 bytes are hashed as they are
+            prompt_bytes = request.prompt_array[:num_full * self.block_size].tobytes()
+            request.block_hashes.extend(hash_token_bytes(None, prompt_bytes, self.block_size))
 
     def uncached_prompt_blocks(self, request: Request, num_hits: int = 0) -> set[bytes]:
         """The hashes of the request's full prompt blocks that are not in the cache (yet); num_hits: its leading
@@ -181,12 +209,17 @@ class BlockManager:
 
     def try_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """`allocate` if the free blocks suffice (`can_allocate`), counting them once; whether it allocated."""
-        num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
-        if num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
-            return False
+        # _num_new_blocks inlined: every admission and every decode that starts a block asks this.
+        size, block_ids = self.block_size, request.block_ids
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * size + num_new_tokens
+        num_new_blocks = max(0, -(-num_tokens // size) - len(block_ids) - len(computed_blocks))
         if computed_blocks:  # most allocations have no cache hits to take
+            if num_new_blocks + self._num_unreferenced(computed_blocks) > len(self._free):
+                return False
             self._take_cached_blocks(request, computed_blocks)
-        request.block_ids.extend(self._take_free_blocks(num_new_blocks))
+        elif num_new_blocks > len(self._free):
+            return False
+        block_ids.extend(self._take_free_blocks(num_new_blocks))
         return True
 
     def _take_cached_blocks(self, request: Request, block_ids: Sequence[int]) -> None:

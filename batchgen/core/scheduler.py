@@ -102,39 +102,44 @@ class SchedulerOutput:
 
 @dataclass
 class _StepBuilder:
-    """A step as it is scheduled. A decode (a request that is_decoding and was not admitted in this step; an
-    admission is prefill even when the cache holds all but its last token) takes one token and samples, so its
-    entries are kept as the step's rows need them; the few prefill chunks are worked out in `build`."""
+    """A step as it is scheduled: each row's entries are kept as the step's rows need them, appended where the row is
+    scheduled. A decode (a request that is_decoding and was not admitted in this step; an admission is prefill even
+    when the cache holds all but its last token) takes one token and samples; a prefill chunk samples when it
+    reaches the end of the request's known tokens."""
 
     budget: int
     decodes: list[Request] = field(default_factory=list)
     decode_ends: list[int] = field(default_factory=list)  # num_computed_tokens + 1
     decode_slots: list[int] = field(default_factory=list)  # len(output_token_ids): the slot its token fills
-    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, scheduled tokens)
+    prefills: list[Request] = field(default_factory=list)
+    prefill_tokens: list[int] = field(default_factory=list)  # scheduled tokens
+    prefill_ends: list[int] = field(default_factory=list)  # num_computed_tokens once the chunk has run
+    prefill_slots: list[int] = field(default_factory=list)  # len(output_token_ids)
+    prefill_samples: list[bool] = field(default_factory=list)  # the chunk reaches the request's num_tokens
     preempted: list[Request] = field(default_factory=list)
     num_cached_tokens: int = 0
 
-    def add_prefill(self, request: Request, num_tokens: int) -> None:
-        self.prefills.append((request, num_tokens))
-        self.budget -= num_tokens
+    def add_prefill(self, request: Request, num_computed: int, num_tokens: int) -> None:
+        """A chunk of num_tokens after the request's first num_computed tokens (the caller takes them from the
+        budget)."""
+        num_prompt, num_outputs = len(request.prompt_token_ids), len(request.output_token_ids)
+        self.prefills.append(request)
+        self.prefill_tokens.append(num_tokens)
+        self.prefill_ends.append(num_computed + num_tokens)
+        self.prefill_slots.append(num_outputs)
+        self.prefill_samples.append(num_computed + num_tokens == num_prompt + num_outputs)
 
     def build(self) -> SchedulerOutput:
-        prefill_requests = [request for request, _ in self.prefills]
-        prefill_tokens = [num_tokens for _, num_tokens in self.prefills]
-        prefill_ends = [request.num_computed_tokens + num_tokens for request, num_tokens in self.prefills]
-        prefill_slots = [len(request.output_token_ids) for request in prefill_requests]
-        prefill_samples = [end == len(request.prompt_token_ids) + slot  # the chunk reaches request.num_tokens
-                           for request, end, slot in zip(prefill_requests, prefill_ends, prefill_slots, strict=True)]
         num_decodes = len(self.decodes)
         return SchedulerOutput(
-            requests=self.decodes + prefill_requests,
-            num_scheduled_tokens=[1] * num_decodes + prefill_tokens,
+            requests=self.decodes + self.prefills,
+            num_scheduled_tokens=[1] * num_decodes + self.prefill_tokens,
             preempted=self.preempted,
-            num_prefill_tokens=sum(prefill_tokens),
+            num_prefill_tokens=sum(self.prefill_tokens),
             num_decode_tokens=num_decodes,
             num_cached_tokens=self.num_cached_tokens,
-            rows=(self.decode_ends + prefill_ends, self.decode_slots + prefill_slots,
-                  [True] * num_decodes + prefill_samples),
+            rows=(self.decode_ends + self.prefill_ends, self.decode_slots + self.prefill_slots,
+                  [True] * num_decodes + self.prefill_samples),
         )
 
 
@@ -165,14 +170,14 @@ class Scheduler:
 
     def admission_error(self, request: Request) -> str | None:
         """Why this request can never run, or None."""
-        prompt_len, max_model_len = request.num_prompt_tokens, self.config.max_model_len
+        prompt_len, max_model_len = len(request.prompt_token_ids), self.config.max_model_len
         if prompt_len == 0:
             return "the prompt is empty"
         if prompt_len > max_model_len:
             return f"the prompt has {prompt_len} tokens, more than max_model_len={max_model_len}"
         max_tokens, cache = request.sampling_params.max_tokens, self.block_manager
         max_len = min(prompt_len + max_tokens, max_model_len)
-        if cache.blocks_needed(max_len) > cache.num_total_blocks:
+        if max_len > cache.num_total_blocks * cache.block_size:  # more blocks than the whole cache has
             return (f"the prompt ({prompt_len} tokens) with max_tokens={max_tokens} needs up to {max_len} tokens of KV "
                     f"cache = {cache.blocks_needed(max_len)} blocks of {cache.block_size} tokens, but the whole cache "
                     f"has {cache.num_total_blocks} blocks")
@@ -189,11 +194,11 @@ class Scheduler:
         for all the samples of a prompt)."""
         request.status = RequestStatus.WAITING
         params = request.sampling_params
-        request.max_num_outputs = min(params.max_tokens, self.config.max_model_len - request.num_prompt_tokens)
+        request.max_num_outputs = min(params.max_tokens, self.config.max_model_len - len(request.prompt_token_ids))
         eos = () if request.eos_token_id is None or params.ignore_eos else (request.eos_token_id,)
         request.stop_token_set = frozenset((*eos, *params.stop_token_ids))
+        request.prompt_array  # noqa: B018 (made now, between steps: the prefill step slices it, hash_prompt reads it)
         self.block_manager.hash_prompt(request)
-        request.prompt_array  # noqa: B018 (made now, between steps: the prefill step slices it)
         if self._waits_for_first_sample(request):
             self._siblings.setdefault(id(request.first_sample), []).append(request)
         else:
@@ -294,7 +299,7 @@ class Scheduler:
         self._mark_finished(request, reason, time.perf_counter())
 
     def _mark_finished(self, request: Request, reason: str, now: float) -> None:
-        if request.status == RequestStatus.WAITING:  # preempted while its last token was still pending
+        if request.status is RequestStatus.WAITING:  # preempted while its last token was still pending
             _remove_identical(self.waiting, request)
         self._prefilling.pop(id(request), None)
         request.status = RequestStatus.FINISHED
@@ -372,7 +377,7 @@ class Scheduler:
                 add_slot(num_outputs)
                 budget -= 1
             else:
-                step.prefills.append((request, num_new))
+                step.add_prefill(request, num_computed, num_new)
                 budget -= num_new
         step.budget = budget
 
@@ -395,34 +400,46 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, step: _StepBuilder) -> None:
-        if step.preempted or not self.waiting:
+        """Admits waiting requests FIFO while the budget, the free slots and the free blocks allow. A prefill step may
+        admit hundreds of short rows: the loop keeps its state in locals and inlines the per-row checks."""
+        waiting = self.waiting
+        if step.preempted or not waiting:
             return  # mixed scheduling calls this at every step
-        block_manager, block_size, max_num_seqs = self.block_manager, self.block_manager.block_size, \
-            self.config.max_num_seqs
+        block_manager, block_size = self.block_manager, self.block_manager.block_size
+        lookup_admission, try_allocate, add_prefill = (block_manager.lookup_admission, block_manager.try_allocate,
+                                                       step.add_prefill)
+        running, prefilling = self.running, self._prefilling
+        free_slots = self.config.max_num_seqs - len(running)
         in_flight = self._prompt_blocks_in_flight()
         deferred: list[Request] = []
-        while self.waiting and step.budget > 0 and len(self.running) < max_num_seqs:
-            request = self.waiting[0]
-            cached_blocks, next_hash, uncached = block_manager.lookup_admission(request)
+        budget, num_cached_tokens, running_status = step.budget, step.num_cached_tokens, RequestStatus.RUNNING
+        while waiting and budget > 0 and free_slots > 0:
+            request = waiting[0]
+            cached_blocks, next_hash, uncached = lookup_admission(request)
             if next_hash is not None and next_hash in in_flight:
-                deferred.append(self.waiting.popleft())  # it will find that block in the cache instead
-                if len(deferred) >= max_num_seqs:
+                deferred.append(waiting.popleft())  # it will find that block in the cache instead
+                if len(deferred) >= self.config.max_num_seqs:
                     break  # a long queue is not scanned whole at every step
                 continue
-            num_new = self._admission_tokens(request, cached_blocks, step.budget)
-            if not block_manager.try_allocate(request, num_new, cached_blocks):
+            num_cached = len(cached_blocks) * block_size
+            num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids) - num_cached, budget)
+            if not try_allocate(request, num_new, cached_blocks):
                 break
-            self.waiting.popleft()
-            in_flight |= uncached
-            request.num_computed_tokens = len(cached_blocks) * block_size
+            waiting.popleft()
+            if uncached:
+                in_flight |= uncached
+            request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
-                request.num_cached_tokens = request.num_computed_tokens
-            step.num_cached_tokens += request.num_computed_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._prefilling[id(request)] = request
-            step.add_prefill(request, num_new)
-        self.waiting.extendleft(reversed(deferred))
+                request.num_cached_tokens = num_cached
+            num_cached_tokens += num_cached
+            request.status = running_status
+            running.append(request)
+            free_slots -= 1
+            prefilling[id(request)] = request
+            budget -= num_new
+            add_prefill(request, num_cached, num_new)
+        step.budget, step.num_cached_tokens = budget, num_cached_tokens
+        waiting.extendleft(reversed(deferred))
 
     def _prompt_blocks_in_flight(self) -> set[bytes]:
         """Prompt blocks that running requests compute but have not cached yet (their prompt is not committed)."""

@@ -89,6 +89,17 @@ class _InFlight:
     launch_ms: float  # scheduling to queued: the host time of its launch, counted in its own step_ms
 
 
+@dataclass(frozen=True)
+class _CheckedParams:
+    """A row's sampling parameters as add_request checked them, before the row's seed."""
+
+    source: SamplingParams  # the object add_request was given
+    params: SamplingParams  # with the model's other EOS ids among its stop ids
+    bad_words_token_ids: list[list[int]]  # shared by the rows: never changed in place
+    guided: bool  # some guided_* option is set
+    error: str | None  # why a token id or bad word is refused (after the prompt's own checks)
+
+
 def request_seed(engine_seed: int, request_id: int) -> int:
     """A per-request seed that depends only on the engine seed and the request id, so resumed runs sample alike."""
     return (engine_seed * 1_000_003 + request_id * 7_919 + 1) % (2**31 - 1)
@@ -138,6 +149,7 @@ class LLMEngine:
         num_blocks, block_size = worker.num_blocks, self.config.block_size
         self.scheduler = Scheduler(self.config, BlockManager(num_blocks, block_size, self.config.enable_prefix_caching))
         self._finished_on_arrival: list[Request] = []
+        self._last_checked: _CheckedParams | None = None
         self._prompts: dict[tuple[int, int], str | None] = {}  # (request id, sample index) -> prompt text
         self._scoring: set[tuple[int, int]] = set()  # the keys of continuation-scoring requests
         self._pooled: dict[tuple[int, int], list[float]] = {}  # pooling requests' outputs, until they are returned
@@ -180,28 +192,30 @@ class LLMEngine:
                     params: SamplingParams, sample_indices: Sequence[int] | None = None) -> None:
         """Queue a prompt's `params.n` samples (or only `sample_indices`, for a resumed row), each a request with
         the same id; one that can never run finishes at once as an error (returned by the next step)."""
+        checked = self._checked_params(params)
+        params = checked.params
         if params.seed is None:
             params = params.with_seed(request_seed(self.config.seed, request_id))
-        eos = self.eos_token_ids
-        if len(eos) > 1:
-            params = replace(params, stop_token_ids=[*params.stop_token_ids, *eos[1:]])
+        eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         indices = range(params.n) if sample_indices is None else sample_indices
         samples = [Request(request_id, [], params.with_seed(sample_seed(params.seed, i)),
-                           eos_token_id=eos[0] if eos else None, sample_index=i) for i in indices]
+                           eos_token_id=eos_token_id, sample_index=i) for i in indices]
+        first = samples[0]
         for sample in samples:
             self._prompts[sample.key] = prompt
             if self.detokenizer is not None:
                 self.detokenizer.add_request(sample)
-            sample.first_sample = samples[0] if sample is not samples[0] else None
+            if sample is not first:
+                sample.first_sample = first
         try:
             token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
-            self._check_token_ids(params)
-            bad_words = bad_words_token_ids(params.bad_words, self.detokenizer and self.detokenizer.tokenizer)
+            if checked.error is not None:
+                raise ValueError(checked.error)
             for sample in samples:  # token_ids is the first one's own copy
-                sample.prompt_token_ids = token_ids if sample is samples[0] else list(token_ids)
-                sample.bad_words_token_ids = bad_words
-            error = self.scheduler.admission_error(samples[0])
-            if error is None and guided_spec(params) is not None:
+                sample.prompt_token_ids = token_ids if sample is first else list(token_ids)
+                sample.bad_words_token_ids = checked.bad_words_token_ids
+            error = self.scheduler.admission_error(first)
+            if error is None and checked.guided:
                 for sample in samples:
                     self._structured_output().add(sample)
         except ValueError as exc:
@@ -217,6 +231,27 @@ class LLMEngine:
                 sample.prompt_logprobs = PromptLogprobs(sample.prompt_array, 1, params.prompt_logprobs)
                 sample.use_prefix_cache = False  # prompt logprobs need every prompt position's logits
             self.scheduler.enqueue(sample)
+
+    def _checked_params(self, params: SamplingParams) -> _CheckedParams:
+        """What add_request works out from a row's parameters alone, worked out once for the rows that share the
+        object (a job's rows without overrides share its defaults; LLM.generate's prompts, its params). Kept only
+        while requests are unfinished: parameters are never changed in place while their rows run, but a caller may
+        change them between runs."""
+        checked = self._last_checked
+        if checked is not None and checked.source is params and self.has_unfinished_requests:
+            return checked
+        source = params
+        eos = self.eos_token_ids
+        if len(eos) > 1:
+            params = replace(params, stop_token_ids=[*params.stop_token_ids, *eos[1:]])
+        error, bad_words = None, []
+        try:
+            self._check_token_ids(params)
+            bad_words = bad_words_token_ids(params.bad_words, self.detokenizer and self.detokenizer.tokenizer)
+        except ValueError as exc:
+            error = str(exc)
+        self._last_checked = _CheckedParams(source, params, bad_words, guided_spec(params) is not None, error)
+        return self._last_checked
 
     def add_score_request(self, request_id: int, context_token_ids: list[int], continuation_token_ids: list[int],
                           prompt: str | None = None) -> None:
@@ -425,7 +460,8 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         prompt = self._prompts.pop(request.key)
-        task_fields = self._task_fields(request)
+        # A generate engine without scoring requests (most jobs) has no task fields to look up.
+        task_fields = self._task_fields(request) if self._scoring or self._pooled else {}
         text = None
         if self.detokenizer is not None:
             self.detokenizer.remove_request(request)

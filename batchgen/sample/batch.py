@@ -77,22 +77,27 @@ class SamplingBatch:
         `state` then holds. Greedy rows keep their filter values: the filters do not change an argmax."""
         n = len(params)
         logprobs = [p.logprobs for p in params]
-        sampled = [p for p in params if not p.greedy]
-        if not sampled and histories is None:  # argmax alone (the common greedy step): neutral rows
+        temperatures = [p.temperature for p in params]
+        random_rows = np.array(temperatures, dtype=np.float64) != 0  # greedy: temperature 0, compared as given
+        if not random_rows.any() and histories is None:  # argmax alone (the common greedy step): neutral rows
             return cls(SamplingFeatures(), np.repeat(_NEUTRAL_FLOATS, n, axis=1), np.repeat(_NEUTRAL_INTS, n, axis=1),
                        logprobs)
-        temperature = np.array([p.temperature for p in params], dtype=np.float32)
+        temperature = np.array(temperatures, dtype=np.float32)
+        top_p = np.array([p.top_p for p in params], dtype=np.float64)
+        min_p = np.array([p.min_p for p in params], dtype=np.float64)
+        top_k = np.maximum(np.array([p.top_k for p in params], dtype=np.int64), 0)
         one = np.float32(1)
         columns = {
             "temperature": temperature,
             "inv_temperature": one / np.where(temperature == 0, one, temperature),  # in float32, as the kernels read it
-            "top_p": [p.top_p for p in params],
-            "min_p": [p.min_p for p in params],
-            "repetition_penalty": [p.repetition_penalty for p in params],
-            "presence_penalty": [p.presence_penalty for p in params],
-            "frequency_penalty": [p.frequency_penalty for p in params],
+            "top_p": top_p,
+            "min_p": min_p,
+            # Without penalty state every row's penalties are off: their columns hold the neutral values.
+            "repetition_penalty": [p.repetition_penalty for p in params] if histories is not None else 1.0,
+            "presence_penalty": [p.presence_penalty for p in params] if histories is not None else 0.0,
+            "frequency_penalty": [p.frequency_penalty for p in params] if histories is not None else 0.0,
             "block_stops": 0,
-            "top_k": [max(p.top_k, 0) for p in params],
+            "top_k": top_k,
             "seed": [p.seed % _SEED_MODULUS for p in params],
             "position": positions,
             "state_row": 0,
@@ -111,10 +116,10 @@ class SamplingBatch:
         for i, name in enumerate(INT_FIELDS):
             ints[i] = columns[name]
         features = SamplingFeatures(
-            random=bool(sampled),
-            top_k=any(p.top_k > 0 for p in sampled),
-            top_p=any(p.top_p < 1 for p in sampled),
-            min_p=any(p.min_p > 0 for p in sampled),
+            random=bool(random_rows.any()),
+            top_k=bool((top_k[random_rows] > 0).any()),
+            top_p=bool((top_p[random_rows] < 1).any()),
+            min_p=bool((min_p[random_rows] > 0).any()),
             penalties=histories is not None,
         )
         return cls(features, floats, ints, logprobs, bad_words)
@@ -130,7 +135,7 @@ class SamplingBatch:
 
     @property
     def wants_logprobs(self) -> bool:
-        return any(k is not None for k in self.logprobs)
+        return self.logprobs.count(None) != len(self.logprobs)
 
     def with_bitmask(self, array: np.ndarray | None, vocab_size: int, pinned: bool) -> SamplingBatch:
         """The batch with the rows' structured-output mask (None: no row guided), padded to the vocabulary's words

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -30,12 +31,10 @@ class BlockTables:
                 and all(map(operator.is_, requests, last.requests)) and preemptions == last.preemptions):
             # The previous call's requests, none preempted since (most decode steps): blocks are only appended, so
             # only the rows whose block count grew are written.
-            for index in np.flatnonzero(num_blocks != last.num_blocks).tolist():
-                self._write(requests[index])
+            self._write([requests[index] for index in np.flatnonzero(num_blocks != last.num_blocks).tolist()])
             rows = last.rows
         else:
-            write = self._write
-            rows = np.array([write(request) for request in requests], dtype=np.int64)
+            rows = self._write(requests)
         self._last = _LastStep(requests, preemptions, num_blocks, rows)
         return rows
 
@@ -44,16 +43,32 @@ class BlockTables:
         """The most blocks any request of the latest `rows` call holds."""
         return int(self._last.num_blocks.max())
 
-    def _write(self, request: Request) -> int:
-        """Writes the request's blocks not yet in its row (all of them after a preemption); returns the row."""
-        entry = self._rows.held(request) or self._rows.entry(request, self._grow)[0]
-        if entry.preemptions != request.num_preemptions:  # recomputed into new blocks: rewrite the row
-            entry.written, entry.preemptions = 0, request.num_preemptions
-        blocks = request.block_ids
-        if len(blocks) > entry.written:
-            self.table[entry.row, entry.written:len(blocks)] = blocks[entry.written:]
-            entry.written = len(blocks)
-        return entry.row
+    def _write(self, requests: list[Request]) -> np.ndarray:
+        """Writes the requests' blocks not yet in their rows (all of them after a preemption), in one scatter for all
+        of them (a prefill step brings hundreds of new rows); returns their rows."""
+        entry_of, grow = self._rows.entry, self._grow
+        rows: list[int] = []
+        # Per request with blocks to write: its row, its first new column, its new blocks.
+        new_rows: list[int] = []
+        new_starts: list[int] = []
+        new_blocks: list[list[int]] = []
+        for request in requests:
+            entry = entry_of(request, grow)[0]
+            if entry.preemptions != request.num_preemptions:  # recomputed into new blocks: rewrite the row
+                entry.written, entry.preemptions = 0, request.num_preemptions
+            blocks = request.block_ids
+            if len(blocks) > entry.written:
+                new_rows.append(entry.row)
+                new_starts.append(entry.written)
+                new_blocks.append(blocks[entry.written:])
+                entry.written = len(blocks)
+            rows.append(entry.row)
+        if new_rows:
+            counts = np.array([len(blocks) for blocks in new_blocks], dtype=np.int64)
+            firsts = np.cumsum(counts) - counts  # each request's first entry in the flattened blocks
+            columns = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(np.array(new_starts) - firsts, counts)
+            self.table[np.repeat(np.array(new_rows), counts), columns] = list(chain.from_iterable(new_blocks))
+        return np.array(rows, dtype=np.int64)
 
     def release(self, requests: list[Request]) -> None:
         if requests:

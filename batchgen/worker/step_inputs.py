@@ -117,7 +117,7 @@ def _chunks(requests: list[Request], counts: list[int], ends: list[int], query_e
     pieces: list[np.ndarray] = []
     pending_chunks: list[tuple[int, int, int]] = []  # (first, end) token indices in the step, and the pending row
     for request, num_tokens, end, query_end in zip(requests, counts, ends, query_ends, strict=True):
-        if end <= request.num_prompt_tokens:  # most chunks: a slice of the prompt
+        if end <= len(request.prompt_token_ids):  # most chunks: a slice of the prompt
             pieces.append(request.prompt_array[end - num_tokens:end])
             continue
         chunk = request.token_ids(end - num_tokens, end)

@@ -626,3 +626,49 @@ def test_min_admit_rows_defaults_to_an_eighth_of_max_num_seqs():
     assert EngineConfig(max_num_seqs=512).admit_rows == 64
     assert EngineConfig(max_num_seqs=4).admit_rows == 1
     assert EngineConfig(max_num_seqs=512, min_admit_rows=1).admit_rows == 1
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("num_blocks", [1000, 40, 14])
+def test_rows_recorded_while_scheduling_equal_the_rows_of_the_requests(mixed, num_blocks):
+    """Each row's computed end, output slot and sampling flag are recorded where it is scheduled (hundreds of rows
+    admitted at once included); they equal what the requests say when the step is built, through shared prefixes
+    (deferred admissions), preemption and commits a step late (async scheduling)."""
+    rng = random.Random(num_blocks)
+    scheduler = make_scheduler(max_num_seqs=64, max_num_batched_tokens=96, num_blocks=num_blocks, mixed=mixed)
+    shared = [[rng.randrange(50) for _ in range(8)] for _ in range(3)]
+    next_id, previous, num_steps = 0, None, 0
+    while next_id < 300 or scheduler.has_unfinished_requests():
+        if next_id < 300 and rng.random() < 0.4:
+            for _ in range(rng.randint(1, 40)):
+                prompt = rng.choice(shared) + [rng.randrange(50) for _ in range(rng.randint(1, 10))]
+                request = Request(next_id, prompt, SamplingParams(max_tokens=rng.randint(1, 8)), eos_token_id=EOS)
+                next_id += 1
+                scheduler.add_request(request)
+        output = scheduler.schedule()
+        derived = SchedulerOutput(output.requests, output.num_scheduled_tokens, output.preempted,
+                                  output.num_prefill_tokens, output.num_decode_tokens)
+        assert (output.computed_ends, output.output_slots, output.samples) == \
+            (derived.computed_ends, derived.output_slots, derived.samples)
+        scheduler.advance(output)
+        if previous is not None:
+            scheduler.commit(*previous)
+        previous = (output, [fake_token(r) if s else -1 for r, s in zip(output.requests, output.samples, strict=True)])
+        num_steps += 1
+        assert num_steps < 5_000
+    scheduler.commit(*previous)
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_prefill_step_admits_many_rows_in_queue_order_within_slots_and_budget():
+    scheduler = make_scheduler(max_num_seqs=50, max_num_batched_tokens=200, block_size=4)
+    requests = add_requests(scheduler, [3] * 80)
+    output, _ = run_step(scheduler)
+    assert output.requests == requests[:50]  # the free slots
+    assert output.num_scheduled_tokens == [3] * 50 and output.samples == [True] * 50
+    assert [r.block_ids for r in output.requests] == [[i] for i in range(50)]
+    scheduler = make_scheduler(max_num_seqs=50, max_num_batched_tokens=100, block_size=4)
+    requests = add_requests(scheduler, [3] * 80)
+    output, _ = run_step(scheduler)
+    assert output.requests == requests[:34]  # the budget: 33 whole prompts, then a chunk of the 34th
+    assert output.num_scheduled_tokens == [3] * 33 + [1] and output.samples == [True] * 33 + [False]

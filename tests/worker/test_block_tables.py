@@ -87,3 +87,15 @@ def test_a_released_row_given_to_a_new_request_is_written_for_it():
     tables.release([old])
     new = request(1, [8, 9])
     assert table_of(tables, [new]) == [[8, 9]]
+
+
+def test_one_call_writes_new_grown_and_preempted_rows_alike():
+    tables = BlockTables(width=6, rows=2)
+    kept, grown, preempted = request(0, [1, 2]), request(1, [3]), request(2, [4, 5, 6])
+    tables.rows([kept, grown, preempted])
+    tables.rows([kept])  # another step: the next call is not a repeat of the first
+    grown.block_ids += [7, 8]
+    preempted.block_ids, preempted.num_preemptions = [9], 1
+    new = [request(10 + i, [20 + i, 30 + i, 40 + i][:i + 1]) for i in range(3)]
+    step = [new[0], preempted, kept, new[1], grown, new[2]]
+    assert table_of(tables, step) == [r.block_ids for r in step]

@@ -178,9 +178,17 @@ class BlockManager:
         token); returns how many of them are hashed. Each block is hashed once per request, at its first need."""
         hashes, size = request.block_hashes, self.block_size
         num_full = num_tokens // size
-        if len(hashes) >= num_full:
+        num_hashed = len(hashes)
+        if num_hashed >= num_full:
             return num_full
-        token_ids = request.known_token_ids(len(hashes) * size, num_full * size)
+        if num_hashed + 1 == num_full:
+            # One block (a decode's, at most one per request per step): hashed here, without known_token_ids' and
+            # hash_blocks' generality, as it runs for a sixteenth of a decode step's rows.
+            token_ids = request.known_block(num_hashed * size, num_full * size)
+            if token_ids is not None:
+                hashes.append(hash_block(hashes[-1] if hashes else None, token_ids))
+            return len(hashes)
+        token_ids = request.known_token_ids(num_hashed * size, num_full * size)
         hashes.extend(hash_blocks(hashes[-1] if hashes else None, token_ids, size))
         return len(hashes)
 

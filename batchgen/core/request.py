@@ -122,3 +122,15 @@ class Request:
             first_pending = len(self.prompt_token_ids) + outputs.index(PENDING_TOKEN)
             return token_ids[:max(0, first_pending - start)]
         return token_ids
+
+    def known_block(self, start: int, end: int) -> list[int] | None:
+        """token_ids(start, end) when none of them is pending, else None: known_token_ids for a range the caller
+        needs whole, without building the tokens it would cut off."""
+        outputs, num_prompt = self.output_token_ids, len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if outputs[-1] == PENDING_TOKEN and num_prompt + outputs.index(PENDING_TOKEN) < end:
+            return None
+        if start >= num_prompt:
+            return outputs[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + outputs[:end - num_prompt]

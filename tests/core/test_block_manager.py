@@ -262,3 +262,29 @@ def test_known_token_ids_stop_at_the_first_pending_slot():
     assert request.known_token_ids(3, 5) == [4, 5]
     assert request.known_token_ids(5, 7) == []
     assert request.known_token_ids(6, 7) == []
+
+
+def test_known_block_is_the_range_when_every_token_is_known():
+    request = make_request(prompt=[1, 2, 3])
+    request.output_token_ids = [4, 5, PENDING_TOKEN, PENDING_TOKEN]
+    for start in range(7):
+        for end in range(start + 1, 8):
+            known = request.known_token_ids(start, end)
+            assert request.known_block(start, end) == (known if len(known) == end - start else None)
+
+
+def test_one_block_at_a_time_hashes_as_the_whole_sequence():
+    """A decode fills one block per step: hashed alone, the chain is the one hash_blocks gives the whole sequence."""
+    manager = BlockManager(num_blocks=16, block_size=4)
+    request = make_request(prompt=[9, 8, 7, 6, 5])
+    admit(manager, request)
+    request.num_computed_tokens = 5
+    outputs = [11, 12, 13, 14, 15, 16, 17, 18]
+    for token in outputs:
+        request.output_token_ids += [token, PENDING_TOKEN]  # the next step's token is still pending
+        manager.allocate(request, 1)
+        request.num_computed_tokens += 1
+        manager.cache_full_blocks(request, request.num_computed_tokens)
+        request.output_token_ids.pop()
+    assert request.block_hashes == hash_blocks(None, [9, 8, 7, 6, 5, *outputs], 4)
+    assert request.num_hashed_blocks == 3

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from itertools import chain
+from itertools import repeat
 
 import numpy as np
 
@@ -24,51 +24,52 @@ class BlockTables:
 
     def rows(self, requests: list[Request]) -> np.ndarray:
         """The table row of each request, its new blocks written first."""
-        num_blocks = np.array([len(request.block_ids) for request in requests], dtype=np.int64)
-        preemptions = [request.num_preemptions for request in requests]
         last = self._last
-        if (last is not None and len(requests) == len(last.requests)
-                and all(map(operator.is_, requests, last.requests)) and preemptions == last.preemptions):
-            # The previous call's requests, none preempted since (most decode steps): blocks are only appended, so
-            # only the rows whose block count grew are written.
-            self._write([requests[index] for index in np.flatnonzero(num_blocks != last.num_blocks).tolist()])
-            rows = last.rows
-        else:
-            rows = self._write(requests)
-        self._last = _LastStep(requests, preemptions, num_blocks, rows)
-        return rows
+        if last is not None and len(requests) == len(last.requests) and all(map(operator.is_, requests,
+                                                                                last.requests)):
+            # The previous call's requests (most decode steps): its entries say what each row holds, so one pass
+            # finds the requests whose blocks changed since.
+            changed = [request for request, entry in zip(requests, last.entries, strict=True)
+                       if len(request.block_ids) != entry.written or request.num_preemptions != entry.preemptions]
+            if not changed:
+                return last.rows
+            if all(request.num_preemptions == entry.preemptions for request, entry in zip(changed, map(
+                    self._rows.held, changed), strict=True)):
+                # Blocks only appended, none preempted since: only the new blocks are written.
+                self._write(changed)
+                last.widest = max(last.widest, max(len(request.block_ids) for request in changed))
+                return last.rows
+        entries = [self._rows.entry(request, self._grow)[0] for request in requests]
+        self._write(requests, entries)
+        widest = max((len(request.block_ids) for request in requests), default=0)
+        self._last = _LastStep(requests, entries, np.array([entry.row for entry in entries], dtype=np.int64), widest)
+        return self._last.rows
 
     @property
     def widest(self) -> int:
         """The most blocks any request of the latest `rows` call holds."""
-        return int(self._last.num_blocks.max())
+        return self._last.widest
 
-    def _write(self, requests: list[Request]) -> np.ndarray:
+    def _write(self, requests: list[Request], entries: list[_Entry] | None = None) -> None:
         """Writes the requests' blocks not yet in their rows (all of them after a preemption), in one scatter for all
-        of them (a prefill step brings hundreds of new rows); returns their rows."""
-        entry_of, grow = self._rows.entry, self._grow
+        of them (a prefill step brings hundreds of new rows). entries: the requests' own, when the caller has them."""
+        if entries is None:
+            entries = list(map(self._rows.held, requests))
+        # Per block to write: its row, its column and the block.
         rows: list[int] = []
-        # Per request with blocks to write: its row, its first new column, its new blocks.
-        new_rows: list[int] = []
-        new_starts: list[int] = []
-        new_blocks: list[list[int]] = []
-        for request in requests:
-            entry = entry_of(request, grow)[0]
+        columns: list[int] = []
+        blocks: list[int] = []
+        for request, entry in zip(requests, entries, strict=True):
             if entry.preemptions != request.num_preemptions:  # recomputed into new blocks: rewrite the row
                 entry.written, entry.preemptions = 0, request.num_preemptions
-            blocks = request.block_ids
-            if len(blocks) > entry.written:
-                new_rows.append(entry.row)
-                new_starts.append(entry.written)
-                new_blocks.append(blocks[entry.written:])
-                entry.written = len(blocks)
-            rows.append(entry.row)
-        if new_rows:
-            counts = np.array([len(blocks) for blocks in new_blocks], dtype=np.int64)
-            firsts = np.cumsum(counts) - counts  # each request's first entry in the flattened blocks
-            columns = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(np.array(new_starts) - firsts, counts)
-            self.table[np.repeat(np.array(new_rows), counts), columns] = list(chain.from_iterable(new_blocks))
-        return np.array(rows, dtype=np.int64)
+            block_ids, written = request.block_ids, entry.written
+            if len(block_ids) > written:
+                rows.extend(repeat(entry.row, len(block_ids) - written))
+                columns.extend(range(written, len(block_ids)))
+                blocks.extend(block_ids[written:])
+                entry.written = len(block_ids)
+        if rows:
+            self.table[rows, columns] = blocks
 
     def release(self, requests: list[Request]) -> None:
         if requests:
@@ -90,9 +91,9 @@ class _Entry:
 
 @dataclass(slots=True)
 class _LastStep:
-    """The requests of the latest `rows` call, their preemption and block counts then, and their rows."""
+    """The requests of the latest `rows` call, their entries and rows, and the most blocks one of them holds."""
 
     requests: list[Request]
-    preemptions: list[int]
-    num_blocks: np.ndarray
+    entries: list[_Entry]
     rows: np.ndarray
+    widest: int

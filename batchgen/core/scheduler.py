@@ -214,14 +214,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _StepBuilder(budget=self.config.max_num_batched_tokens)
         if self.config.mixed_prefill_decode:
-            self._schedule_running(step, decodes=True, prefills=True)
+            self._schedule_every_running(step, prefills=True)
             self._admit_waiting(step)
         else:
             if self._wants_prefill_step():
                 self._schedule_running(step, decodes=False, prefills=True)
                 self._admit_waiting(step)
             if not step.decodes and not step.prefills:
-                self._schedule_running(step, decodes=True, prefills=False)
+                self._schedule_every_running(step, prefills=False)
         return step.build()
 
     def advance(self, output: SchedulerOutput) -> None:
@@ -341,6 +341,14 @@ class Scheduler:
         """How many of a waiting request's tokens after its cached blocks fit the budget."""
         return min(request.num_tokens - len(cached_blocks) * self.block_manager.block_size, budget)
 
+    def _schedule_every_running(self, step: _StepBuilder, prefills: bool) -> None:
+        """_schedule_running(step, decodes=True, prefills), by its decode-only loop where that is the same: no
+        request is mid-prefill and the budget holds a token for each."""
+        if not self._prefilling and step.budget >= len(self.running):
+            self._schedule_decodes(step)
+        else:
+            self._schedule_running(step, decodes=True, prefills=prefills)
+
     def _schedule_running(self, step: _StepBuilder, decodes: bool, prefills: bool) -> None:
         """Schedules running requests in admission order: decodes (1 token each), prefills (a chunk each), or both.
 
@@ -380,6 +388,29 @@ class Scheduler:
                 step.add_prefill(request, num_computed, num_new)
                 budget -= num_new
         step.budget = budget
+
+    def _schedule_decodes(self, step: _StepBuilder) -> None:
+        """Every running request's decode (most decode steps; see _schedule_every_running): _schedule_running's loop
+        without its budget and prefill checks, which could not stop or skip a request here."""
+        running_status, block_size = RequestStatus.RUNNING, self.block_manager.block_size
+        decodes, ends, slots = step.decodes, step.decode_ends, step.decode_slots
+        num_scheduled = len(decodes)
+        # Preemption pops the latest admitted requests off `running`: iterating it directly they are never reached.
+        for request in self.running:
+            if request.status is not running_status:
+                continue
+            num_outputs = len(request.output_token_ids)
+            if num_outputs and num_outputs >= request.max_num_outputs:
+                continue  # its pending token ends it, whatever the token is
+            num_computed = request.num_computed_tokens
+            # Most decodes: the token fits the request's last block.
+            if (num_computed >= len(request.block_ids) * block_size
+                    and not self._allocate_or_preempt(request, 1, step)):
+                break  # it preempted itself: it was the last running request
+            decodes.append(request)
+            ends.append(num_computed + 1)
+            slots.append(num_outputs)
+        step.budget -= len(decodes) - num_scheduled
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
         """Allocates blocks for the request's next tokens, preempting the latest admitted requests until they fit."""

@@ -148,3 +148,41 @@ def test_the_later_samples_of_a_scoring_prompt_join_when_the_first_finishes():
     assert first.is_finished and list(scheduler.waiting) == [second]
     output, _ = run_step(scheduler)
     assert output.num_cached_tokens == 8 and second.is_finished
+
+
+def run_workload(seed: int) -> list[tuple]:
+    """The steps of the seed's workload (drawn as in the progress test), each as its rows and preemptions."""
+    rng = random.Random(seed)
+    case = draw_case(rng)
+    scheduler = make_scheduler(case.max_num_seqs, case.max_num_batched_tokens, case.max_model_len, case.num_blocks,
+                               case.block_size, case.mixed, case.prefix_caching)
+    prompts = [draw_prompt_samples(rng, request_id, case.max_model_len) for request_id in range(30)]
+    steps: list[tuple] = []
+    in_flight: SchedulerOutput | None = None
+    while prompts or scheduler.has_unfinished_requests() or in_flight is not None:
+        num_arriving = rng.randint(0, 3)
+        for sample in (sample for samples in prompts[:num_arriving] for sample in samples):
+            scheduler.add_request(sample)
+        del prompts[:num_arriving]
+        launched = None
+        if scheduler.has_unfinished_requests():
+            output = scheduler.schedule()
+            steps.append(([r.key for r in output.requests], output.num_scheduled_tokens, output.computed_ends,
+                          output.output_slots, output.samples, [r.key for r in output.preempted]))
+            if output.num_tokens:
+                scheduler.advance(output)
+                launched = output
+        to_commit, in_flight = (in_flight, launched) if case.async_scheduling else (launched, None)
+        if to_commit is not None:
+            sampled = [rng.choice([EOS, rng.randint(1000, 2000)]) if samples else -1 for samples in to_commit.samples]
+            scheduler.commit(to_commit, sampled)
+    return steps
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_decode_loop_schedules_as_the_general_one(seed, monkeypatch):
+    """Scheduler._schedule_decodes, the loop of most decode steps, against _schedule_running's general loop."""
+    fast = run_workload(seed)
+    monkeypatch.setattr(Scheduler, "_schedule_decodes",
+                        lambda self, step: Scheduler._schedule_running(self, step, decodes=True, prefills=False))
+    assert fast == run_workload(seed)

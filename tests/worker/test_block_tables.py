@@ -1,6 +1,9 @@
 """The persistent host block tables: only new blocks are written, preemption rewrites, rows are reused."""
 
+import random
+
 import numpy as np
+import pytest
 
 from batchgen.core.request import Request
 from batchgen.sample.params import SamplingParams
@@ -99,3 +102,32 @@ def test_one_call_writes_new_grown_and_preempted_rows_alike():
     new = [request(10 + i, [20 + i, 30 + i, 40 + i][:i + 1]) for i in range(3)]
     step = [new[0], preempted, kept, new[1], grown, new[2]]
     assert table_of(tables, step) == [r.block_ids for r in step]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_steps_read_every_request_s_blocks_and_the_widest(seed):
+    """Steps of the previous step's requests (blocks appended, a preemption now and then) mixed with steps of other
+    requests (released, new, reordered): each request's row holds its blocks, and widest is the most any holds."""
+    rng = random.Random(seed)
+    tables = BlockTables(width=12, rows=2)
+    live = [request(i, [rng.randrange(100)]) for i in range(6)]
+    next_id = len(live)
+    step = list(live)
+    for _ in range(60):
+        action = rng.random()
+        if action < 0.6:  # the same requests again, some of them a block longer
+            for r in step:
+                if rng.random() < 0.3 and len(r.block_ids) < 12:
+                    r.block_ids.append(rng.randrange(100))
+        elif action < 0.7:  # one preempted and readmitted into fewer or more blocks
+            victim = rng.choice(step)
+            victim.block_ids = [rng.randrange(100) for _ in range(rng.randint(1, 12))]
+            victim.num_preemptions += 1
+        else:  # one finished and released, a new one admitted, the order shuffled
+            done = live.pop(rng.randrange(len(live)))
+            tables.release([done])
+            live.append(request(next_id, [rng.randrange(100) for _ in range(rng.randint(1, 12))]))
+            next_id += 1
+            step = rng.sample(live, len(live))
+        assert table_of(tables, step) == [r.block_ids for r in step]
+        assert tables.widest == max(len(r.block_ids) for r in step)

@@ -61,11 +61,13 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
     # The decodes come first, each sampling; then the prefill chunks.
     num_decodes, samples = step.num_decode_tokens, step.samples
     sample_rows = list(range(num_decodes))
-    sample_rows += [row for row in range(num_decodes, num_rows) if samples[row]]
-    if sum(counts) == num_rows:  # one token each: the decode shape, whose token i is query i
+    if num_decodes < num_rows:
+        sample_rows += [row for row in range(num_decodes, num_rows) if samples[row]]
+    if num_decodes == num_rows or sum(counts) == num_rows:  # one token each: the decode shape, token i is query i
         tokens = _one_token_each(requests, num_decodes, ends, seq_lens, pending)
         query_start_loc = np.arange(num_rows + 1, dtype=np.int32)
-        sample_token_index = np.array(sample_rows, dtype=np.int64)
+        sample_token_index = (np.arange(num_rows, dtype=np.int64) if len(sample_rows) == num_rows
+                              else np.array(sample_rows, dtype=np.int64))
         max_query_len = 1
     else:
         query_ends = list(accumulate(counts))

@@ -66,3 +66,14 @@ def test_a_decode_shaped_step_reads_decodes_last_slots_and_chunks_by_position():
     assert inputs.positions.tolist() == [3, 3, 2]
     assert inputs.pending_rows.tolist() == [-1, 0, -1]
     assert inputs.sample_rows == [0, 1, 2] and inputs.is_decode
+
+
+def test_a_decode_shaped_step_samples_only_the_chunks_that_reach_their_end():
+    # A one-token chunk in the middle of its prompt (the budget left one token) does not sample.
+    decode = Request(0, [10, 11], SamplingParams(), output_token_ids=[30], block_ids=[0, 1], num_computed_tokens=2)
+    middle = Request(1, [50, 51, 52], SamplingParams(), block_ids=[4, 5], num_computed_tokens=1)
+    step = SchedulerOutput([decode, middle], [1, 1], [], 1, 1)
+    inputs = build_step_inputs(step, block_size=2, tables=BlockTables(width=2))
+    assert inputs.input_ids.tolist() == [30, 51]
+    assert inputs.sample_rows == [0] and inputs.sample_token_index.tolist() == [0]
+    assert inputs.slot_mapping.tolist() == [2, 9]

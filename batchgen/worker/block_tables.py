@@ -7,6 +7,7 @@ that was the largest host cost of a decode step. A request's row is rewritten fr
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -29,15 +30,15 @@ class BlockTables:
                                                                                 last.requests)):
             # The previous call's requests (most decode steps): its entries say what each row holds, so one pass
             # finds the requests whose blocks changed since.
-            changed = [request for request, entry in zip(requests, last.entries, strict=True)
+            changed = [(request, entry) for request, entry in zip(requests, last.entries, strict=True)
                        if len(request.block_ids) != entry.written or request.num_preemptions != entry.preemptions]
             if not changed:
                 return last.rows
-            if all(request.num_preemptions == entry.preemptions for request, entry in zip(changed, map(
-                    self._rows.held, changed), strict=True)):
+            if all(request.num_preemptions == entry.preemptions for request, entry in changed):
                 # Blocks only appended, none preempted since: only the new blocks are written.
-                self._write(changed)
-                last.widest = max(last.widest, max(len(request.block_ids) for request in changed))
+                changed_requests, changed_entries = zip(*changed, strict=True)
+                self._write(changed_requests, changed_entries)
+                last.widest = max(last.widest, max(len(request.block_ids) for request in changed_requests))
                 return last.rows
         entries = [self._rows.entry(request, self._grow)[0] for request in requests]
         self._write(requests, entries)
@@ -50,11 +51,9 @@ class BlockTables:
         """The most blocks any request of the latest `rows` call holds."""
         return self._last.widest
 
-    def _write(self, requests: list[Request], entries: list[_Entry] | None = None) -> None:
+    def _write(self, requests: Sequence[Request], entries: Sequence[_Entry]) -> None:
         """Writes the requests' blocks not yet in their rows (all of them after a preemption), in one scatter for all
-        of them (a prefill step brings hundreds of new rows). entries: the requests' own, when the caller has them."""
-        if entries is None:
-            entries = list(map(self._rows.held, requests))
+        of them (a prefill step brings hundreds of new rows)."""
         # Per block to write: its row, its column and the block.
         rows: list[int] = []
         columns: list[int] = []

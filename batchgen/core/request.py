@@ -124,13 +124,15 @@ class Request:
         return token_ids
 
     def known_block(self, start: int, end: int) -> list[int] | None:
-        """token_ids(start, end) when none of them is pending, else None: known_token_ids for a range the caller
-        needs whole, without building the tokens it would cut off."""
+        """token_ids(start, end) when all of them are known (none pending, none past the last), else None:
+        known_token_ids for a range the caller needs whole, without building the tokens it would cut off."""
         outputs, num_prompt = self.output_token_ids, len(self.prompt_token_ids)
         if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if outputs[-1] == PENDING_TOKEN and num_prompt + outputs.index(PENDING_TOKEN) < end:
+            token_ids = self.prompt_token_ids[start:end]
+        elif outputs and outputs[-1] == PENDING_TOKEN and num_prompt + outputs.index(PENDING_TOKEN) < end:
             return None
-        if start >= num_prompt:
-            return outputs[start - num_prompt:end - num_prompt]
-        return self.prompt_token_ids[start:] + outputs[:end - num_prompt]
+        elif start >= num_prompt:
+            token_ids = outputs[start - num_prompt:end - num_prompt]
+        else:
+            token_ids = self.prompt_token_ids[start:] + outputs[:end - num_prompt]
+        return token_ids if len(token_ids) == end - start else None

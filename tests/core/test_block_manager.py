@@ -265,12 +265,13 @@ def test_known_token_ids_stop_at_the_first_pending_slot():
 
 
 def test_known_block_is_the_range_when_every_token_is_known():
-    request = make_request(prompt=[1, 2, 3])
-    request.output_token_ids = [4, 5, PENDING_TOKEN, PENDING_TOKEN]
-    for start in range(7):
-        for end in range(start + 1, 8):
-            known = request.known_token_ids(start, end)
-            assert request.known_block(start, end) == (known if len(known) == end - start else None)
+    for outputs in ([], [4, 5], [4, 5, PENDING_TOKEN, PENDING_TOKEN]):
+        request = make_request(prompt=[1, 2, 3])
+        request.output_token_ids = outputs
+        for start in range(7):
+            for end in range(start + 1, 10):  # up to two past the last token
+                known = request.known_token_ids(start, end)
+                assert request.known_block(start, end) == (known if len(known) == end - start else None)
 
 
 def test_one_block_at_a_time_hashes_as_the_whole_sequence():

@@ -96,18 +96,7 @@ class BlockManager:
         its block hashes (the scheduler asks both of every request it tries to admit)."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
             return PrefixLookup([], None)
-        hashes = request.block_hashes
-        num_full = self._hash_full_blocks(request, request.num_tokens - 1)
-        if request.max_cached_tokens is not None:
-            num_full = min(num_full, request.max_cached_tokens // self.block_size)
-        cached = self._cached
-        hits = []
-        for index in range(num_full):
-            block_id = cached.get(hashes[index])
-            if block_id is None:
-                return PrefixLookup(hits, hashes[index])
-            hits.append(block_id)
-        return PrefixLookup(hits, None)
+        return PrefixLookup(*self._cached_prefix(request))
 
     def lookup_admission(self, request: Request) -> tuple[list[int], bytes | None, set[bytes]]:
         """lookup_prefix's two answers and uncached_prompt_blocks past its hits: what the scheduler asks of every
@@ -115,23 +104,22 @@ class BlockManager:
         as uncached)."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
             return [], None, set()
-        # lookup_prefix and uncached_prompt_blocks in one pass: a prefill step admits hundreds of short rows.
-        num_prompt_full = self._hash_full_blocks(request, request.num_prompt_tokens)
+        hits, next_hash = self._cached_prefix(request)
+        return hits, next_hash, self._uncached_prompt_blocks(request, len(hits))
+
+    def _cached_prefix(self, request: Request) -> tuple[list[int], bytes | None]:
+        """lookup_prefix's answers, for a request that uses the cache."""
         num_full = self._hash_full_blocks(request, request.num_tokens - 1)
         if request.max_cached_tokens is not None:
             num_full = min(num_full, request.max_cached_tokens // self.block_size)
         hashes, cached = request.block_hashes, self._cached
         hits: list[int] = []
-        next_hash = None
         for index in range(num_full):
             block_id = cached.get(hashes[index])
             if block_id is None:
-                next_hash = hashes[index]
-                break
+                return hits, hashes[index]
             hits.append(block_id)
-        if num_prompt_full <= len(hits):  # most short prompts: no full block left to compute
-            return hits, next_hash, set()
-        return hits, next_hash, {h for h in hashes[len(hits):num_prompt_full] if h not in cached}
+        return hits, None
 
     def hash_prompt(self, request: Request) -> None:
         """Hashes the request's full prompt blocks ahead of its admission, as vLLM does when a request arrives: a job
@@ -151,7 +139,12 @@ class BlockManager:
         blocks just found in the cache, which need no second look."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
             return set()
+        return self._uncached_prompt_blocks(request, num_hits)
+
+    def _uncached_prompt_blocks(self, request: Request, num_hits: int) -> set[bytes]:
         num_full = self._hash_full_blocks(request, request.num_prompt_tokens)
+        if num_full <= num_hits:  # most short prompts: no full block left to compute
+            return set()
         cached = self._cached
         return {h for h in request.block_hashes[num_hits:num_full] if h not in cached}
 

@@ -460,8 +460,7 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         prompt = self._prompts.pop(request.key)
-        # A generate engine without scoring requests (most jobs) has no task fields to look up.
-        task_fields = self._task_fields(request) if self._scoring or self._pooled else {}
+        task_fields = self._task_fields(request)
         text = None
         if self.detokenizer is not None:
             self.detokenizer.remove_request(request)
@@ -493,6 +492,8 @@ class LLMEngine:
     def _task_fields(self, request: Request) -> dict[str, Any]:
         """A scoring request's continuation result, or a pooling request's embedding or classification; empty for a
         generated completion or an error."""
+        if not self._scoring and not self._pooled:  # a generate engine without scoring requests (most jobs)
+            return {}
         scoring = request.key in self._scoring
         self._scoring.discard(request.key)
         pooled = self._pooled.pop(request.key, None)

@@ -54,13 +54,15 @@ A workload that fails (a non-zero exit, or no result within --timeout) is report
 the last line of its output, and the next one runs. The table is printed last; the JSON goes to --out as
 real_jobs[_tiny][_<names>].json (names only when not every workload ran).
 
-Usage: python -m benchmarks.real_jobs [NAME ...] [--tiny] [--rows N] [--timeout S] [--pycache DIR] [--out DIR]
+Usage: python -m benchmarks.real_jobs [NAME ...] [--tiny] [--rows N] [--timeout S] [--pycache DIR] [--keep DIR]
+       [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -177,15 +179,20 @@ def job_arguments(workload: Workload, input_path: Path, run_dir: Path, tiny: boo
             f"hydra.run.dir={run_dir}"]
 
 
+KEPT_SUFFIXES = (".json", ".parquet", ".log")  # the completions themselves are left out: they can be large
+
+
 def last_line(output: str) -> str:
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     return lines[-1] if lines else ""
 
 
 def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float,
-                 extra: Sequence[str] = (), pycache: Path | None = None) -> dict[str, Any]:
+                 extra: Sequence[str] = (), pycache: Path | None = None, keep: Path | None = None) -> dict[str, Any]:
     """Writes the input, runs the job; its figures, or {"failed": ...} with the exit status and last output line.
-    pycache: the PYTHONPYCACHEPREFIX folder the job's bytecode is read from and written to (None: Python's own)."""
+    pycache: the PYTHONPYCACHEPREFIX folder the job's bytecode is read from and written to (None: Python's own).
+    keep: a folder to copy the run's own files into (summary.json, steps.parquet, the job's log), under the
+    workload's name, to study its steps after the benchmark."""
     directory.mkdir(parents=True)
     input_path = directory / "input.jsonl"
     if isinstance(workload.rows, TextRows):
@@ -207,6 +214,12 @@ def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float
         return {**result, "failed": f"timed out after {timeout:g} s"}
     if run.returncode != 0:
         return {**result, "failed": f"exit status {run.returncode}: {last_line(run.output)}"}
+    if keep is not None:
+        kept = keep / workload.name
+        kept.mkdir(parents=True, exist_ok=True)
+        for path in run_dir.iterdir():
+            if path.is_file() and path.suffix in KEPT_SUFFIXES and path.name != "completions.parquet":
+                shutil.copy2(path, kept / path.name)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text())
     steps = pq.read_table(run_dir / "steps.parquet").to_pylist()
@@ -327,6 +340,8 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="a suffix for the JSON's name, to tell runs with --set apart")
     parser.add_argument("--pycache", type=Path, default=Path(tempfile.gettempdir()) / "batchgen_real_jobs_pycache",
                         help="the jobs' PYTHONPYCACHEPREFIX, kept between runs (default: %(default)s)")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="copy each run's summary.json, steps.parquet and log into this folder, by workload")
     add_out_argument(parser)
     args = parser.parse_args()
     unknown = [name for name in args.names if name not in WORKLOADS]
@@ -341,7 +356,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="batchgen_real_jobs_") as tmp:
         for workload in workloads:
             result = run_workload(workload, Path(tmp) / workload.name, args.tiny, args.timeout, args.extra,
-                                  args.pycache)
+                                  args.pycache, args.keep)
             outcome = result.get("failed") or f"{result['process_s']:.1f} s"
             print(f"{workload.name}: {outcome}", flush=True)
             results.append(result)

@@ -59,7 +59,8 @@ def test_pytest_gpu_deals_every_file_once_into_balanced_groups():
 def test_real_jobs_tiny_fills_every_column_and_its_floor_is_below_the_process_time(tmp_path):
     pycache = tmp_path / "pycache"
     completed = subprocess.run([sys.executable, "-m", "benchmarks.real_jobs", "--tiny", "classify", "scoring",
-                                "--rows", "16", "--pycache", str(pycache), "--out", str(tmp_path)],
+                                "--rows", "16", "--pycache", str(pycache), "--out", str(tmp_path),
+                                "--keep", str(tmp_path / "kept")],
                                cwd=REPO, check=True, capture_output=True, text=True)
     header, rule, row, _ = completed.stdout.strip().splitlines()[-4:]  # the table is printed last
     columns = [cell.strip() for cell in header.strip("|").split("|")]
@@ -79,6 +80,10 @@ def test_real_jobs_tiny_fills_every_column_and_its_floor_is_below_the_process_ti
     assert 0 < result["startup_s"] == pytest.approx(sum(result["startup_phases"].values()))
     assert result["startup_s"] < result["process_s"] - result["engine_loop_s"]
     assert 0 < result["after_summary_s"] < result["process_s"] - result["startup_s"]
+    # --keep: each run's own files, to study its steps later; not its completions
+    for name in ("classify", "scoring"):
+        kept = {path.name for path in (tmp_path / "kept" / name).iterdir()}
+        assert {"summary.json", "steps.parquet"} <= kept and "completions.parquet" not in kept
 
 
 def test_real_jobs_reports_a_failed_workload_with_its_exit_status_and_last_line(tmp_path):

@@ -177,6 +177,7 @@ def load_baseline(tree: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location("baseline_attention_triton",
                                                   tree / "batchgen" / "layers" / "attention_triton.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there while the class is made
     spec.loader.exec_module(module)
     return module
 

@@ -55,7 +55,8 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
     possible: on a host whose caches the forward has just flushed, each numpy call costs microseconds."""
     requests, counts, ends = step.requests, step.num_scheduled_tokens, step.computed_ends
     num_rows = len(requests)
-    rows = tables.rows(requests)  # before reading tables.table: it may grow
+    # before reading tables.table: it may grow
+    rows = tables.rows(requests, step.grown_rows if step.same_rows_as_previous else None)
     block_tables = tables.table[rows, :block_table_width or tables.widest]
     seq_lens = np.array(ends, dtype=np.int64)
     # The decodes come first, each sampling; then the prefill chunks.

@@ -1,5 +1,6 @@
 """A step that repeats the previous step's rows (`SchedulerOutput.same_rows_as_previous`) writes only its grown
-block-table rows, and its inputs are those of the same step built without that signal."""
+block-table rows and moves the previous step's inputs on; its inputs are those of the same step built without that
+signal, each row's token read from the pending tokens instead of the host."""
 
 from __future__ import annotations
 
@@ -20,8 +21,18 @@ from batchgen.worker.step_inputs import StepInputs, build_step_inputs
 from tests.core.test_repeated_decodes import WORKLOADS, make_requests, sampled_token
 
 
+def token_ids(inputs: StepInputs, pending: PendingTokens) -> np.ndarray:
+    """The step's input ids as the device's embedding reads them."""
+    if inputs.pending_rows is None:
+        return inputs.input_ids
+    pending_ids = pending.ids.numpy()
+    return np.where(inputs.pending_rows >= 0, pending_ids[inputs.pending_rows], inputs.input_ids)
+
+
 def assert_same_inputs(inputs: StepInputs, expected: StepInputs) -> None:
     for field in fields(StepInputs):
+        if field.name in ("input_ids", "pending_rows"):  # compared as token_ids
+            continue
         value, expected_value = getattr(inputs, field.name), getattr(expected, field.name)
         if isinstance(expected_value, np.ndarray):
             assert np.array_equal(value, expected_value), field.name
@@ -41,6 +52,7 @@ def test_repeated_steps_build_the_inputs_of_the_general_path(workload, width):
     tables, general_tables = BlockTables(80, rows=4), BlockTables(80, rows=4)
     pending, general_pending = (PendingTokens(workload.max_num_seqs, torch.device("cpu")) for _ in range(2))
     in_flight: SchedulerOutput | None = None
+    previous_inputs = None
     repeated = 0
     rng = random.Random(workload.seed)
     while scheduler.has_unfinished_requests() or in_flight is not None:
@@ -49,9 +61,15 @@ def test_repeated_steps_build_the_inputs_of_the_general_path(workload, width):
             unsignalled = copy.copy(step)
             unsignalled.same_rows_as_previous, unsignalled.grown_rows = False, []
             repeated += step.same_rows_as_previous
-            inputs = build_step_inputs(step, workload.block_size, tables, width, pending)
+            inputs = build_step_inputs(step, workload.block_size, tables, width, pending, previous_inputs)
             expected = build_step_inputs(unsignalled, workload.block_size, general_tables, width, general_pending)
             assert_same_inputs(inputs, expected)
+            assert np.array_equal(token_ids(inputs, pending), token_ids(expected, general_pending))
+            previous_inputs = inputs
+            # The device's sampled ids: each sampling row's, by its row among the sampling rows.
+            sampled = [sampled_token(step.requests[row], step.output_slots[row]) for row in inputs.sample_rows]
+            for ids in (pending.ids, general_pending.ids):
+                ids[:len(sampled)] = torch.tensor(sampled, dtype=torch.int64)
             pending.sampled(step.requests, inputs.sample_rows)
             general_pending.sampled(step.requests, expected.sample_rows)
             scheduler.advance(step)

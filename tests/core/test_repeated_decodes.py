@@ -1,6 +1,6 @@
 """A decode step of the previous step's rows, scheduled from that step's arrays (`Scheduler._repeat_decodes`), is the
-step the general decode loop schedules: random workloads run through both, compared step by step and token for
-token."""
+step the general decode loop schedules, and a step of decodes committed by `Scheduler._commit_decodes` ends what the
+general commit loop ends: random workloads run through both, compared step by step and token for token."""
 
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ EOS = 2
 
 
 class GeneralScheduler(Scheduler):
-    """Every decode step through the general loop."""
+    """Every decode step through the general loops."""
 
     def _repeat_decodes(self, step) -> bool:
         return False
+
+    def _commit_decodes(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        return self._commit_rows(output, sampled_token_ids)
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,15 @@ def step_summary(output: SchedulerOutput) -> tuple:
             output.samples, [r.key for r in output.preempted], output.num_cached_tokens)
 
 
-def run(scheduler_type: type[Scheduler], workload: Workload) -> tuple[list[tuple], dict, int]:
-    """The steps scheduled, each request's outcome, and how many steps repeated the previous one's rows."""
+@dataclass
+class Run:
+    steps: list[tuple]  # step_summary of each step
+    cached_blocks: list[int]  # the prefix cache's blocks after each commit
+    outcomes: dict[tuple[int, int], tuple]  # each request's tokens, finish reason, preemptions and cached tokens
+    repeated: int  # steps that repeated the previous step's rows
+
+
+def run(scheduler_type: type[Scheduler], workload: Workload) -> Run:
     config = EngineConfig(max_num_seqs=workload.max_num_seqs, max_num_batched_tokens=workload.max_num_batched_tokens,
                           max_model_len=256, mixed_prefill_decode=workload.mixed)
     scheduler = scheduler_type(config, BlockManager(workload.num_blocks, workload.block_size,
@@ -83,11 +93,13 @@ def run(scheduler_type: type[Scheduler], workload: Workload) -> tuple[list[tuple
     rng = random.Random(workload.seed + 1)
     pending_arrivals = list(requests)
     steps, repeated, in_flight = [], 0, None
+    cached_blocks: list[int] = []
 
     def commit(output: SchedulerOutput) -> None:
         sampled = [sampled_token(r, slot) if samples else -1
                    for r, slot, samples in zip(output.requests, output.output_slots, output.samples, strict=True)]
         scheduler.commit(output, sampled)
+        cached_blocks.append(scheduler.block_manager.num_cached_blocks)  # the blocks each commit offered the cache
         for request, samples in zip(output.requests, output.samples, strict=True):
             # A stop string found in the text: the engine ends the request after the commit.
             if samples and not request.is_finished and request.output_token_ids[-1] == 13 and rng.random() < 0.5:
@@ -115,7 +127,7 @@ def run(scheduler_type: type[Scheduler], workload: Workload) -> tuple[list[tuple
         assert len(steps) < 5000
     outcomes = {r.key: (r.output_token_ids, r.finish_reason, r.num_preemptions, r.num_cached_tokens)
                 for r in requests}
-    return steps, outcomes, repeated
+    return Run(steps, cached_blocks, outcomes, repeated)
 
 
 WORKLOADS = [
@@ -135,17 +147,17 @@ WORKLOADS = [
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: f"seed{w.seed}")
 def test_repeated_decode_steps_equal_the_general_loop(workload):
-    steps, outcomes, repeated = run(Scheduler, workload)
-    general_steps, general_outcomes, general_repeated = run(GeneralScheduler, workload)
-    assert repeated > 0 and general_repeated == 0  # the workload exercises the array path
-    assert steps == general_steps
-    assert outcomes == general_outcomes
-    assert {reason for _, reason, _, _ in outcomes.values()} >= {"length", "stop"}
+    arrays, general = run(Scheduler, workload), run(GeneralScheduler, workload)
+    assert arrays.repeated > 0 and general.repeated == 0  # the workload exercises the array path
+    assert arrays.steps == general.steps
+    assert arrays.cached_blocks == general.cached_blocks
+    assert arrays.outcomes == general.outcomes
+    assert {reason for _, reason, _, _ in arrays.outcomes.values()} >= {"length", "stop"}
 
 
 def test_preemptions_happen_in_the_tiny_cache_workloads():
     """The workloads above that should preempt do, so their equality covers preemption."""
-    preempted = [any(step[5] for step in run(Scheduler, workload)[0]) for workload in WORKLOADS]
+    preempted = [any(step[5] for step in run(Scheduler, workload).steps) for workload in WORKLOADS]
     assert preempted[2] and preempted[3]
 
 

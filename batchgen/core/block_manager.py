@@ -223,6 +223,12 @@ class BlockManager:
         block_ids.extend(self._take_free_blocks(num_new_blocks))
         return True
 
+    def append_blocks(self, requests: list[Request]) -> None:
+        """One free block more for each request, in order (decodes whose token starts a block): try_allocate(request, 1)
+        for each, for a caller that has checked that enough blocks are free."""
+        for request, block_id in zip(requests, self._take_free_blocks(len(requests)), strict=True):
+            request.block_ids.append(block_id)
+
     def _take_cached_blocks(self, request: Request, block_ids: Sequence[int]) -> None:
         """References cache hits and appends them to the request's blocks, as already hashed."""
         free, ref_counts = self._free, self.ref_counts

@@ -41,14 +41,39 @@ they share them; then they join the front of the waiting queue.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from dataclasses import InitVar, dataclass, field
 from itertools import islice
+from operator import attrgetter
+
+import numpy as np
 
 from batchgen.config import EngineConfig
 from batchgen.core.block_manager import BlockManager
 from batchgen.core.request import PENDING_TOKEN, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """A step's decode rows (its first rows) as arrays: what the next step of the same rows derives its own from. Row
+    i is requests[i]."""
+
+    requests: list[Request]
+    computed_ends: np.ndarray  # (D,) int64: each request's num_computed_tokens once the step has run
+    output_slots: np.ndarray  # (D,) int64: the output slot each decode's token fills
+    max_num_outputs: np.ndarray  # (D,) int64: Request.max_num_outputs, fixed while a request runs
+
+    @classmethod
+    def from_lists(cls, requests: list[Request], computed_ends: list[int], output_slots: list[int]) -> DecodeRows:
+        count = len(requests)
+        return cls(requests, np.array(computed_ends, dtype=np.int64), np.array(output_slots, dtype=np.int64),
+                   np.fromiter(map(attrgetter("max_num_outputs"), requests), dtype=np.int64, count=count))
+
+    def next_step(self) -> DecodeRows:
+        """The same rows one decode further."""
+        return DecodeRows(self.requests, self.computed_ends + 1, self.output_slots + 1, self.max_num_outputs)
 
 
 @dataclass
@@ -66,6 +91,13 @@ class SchedulerOutput:
     samples: list[bool] = field(init=False)
     output_slots: list[int] = field(init=False)
     computed_ends: list[int] = field(init=False)  # each request's num_computed_tokens once the step has run
+    # The decode rows' arrays (None when the step has none, or was not built by the scheduler).
+    decode_rows: DecodeRows | None = None
+    # The step's requests are the previous step's, in the same order, each decoding again (most decode steps): the
+    # step inputs carry their block-table rows over. grown_rows: the rows given a new block in this step, the only
+    # block-table rows to write.
+    same_rows_as_previous: bool = False
+    grown_rows: list[int] = field(default_factory=list)
 
     def __post_init__(self, rows: tuple[list[int], list[int], list[bool]] | None) -> None:
         if rows is not None:
@@ -118,6 +150,10 @@ class _StepBuilder:
     prefill_samples: list[bool] = field(default_factory=list)  # the chunk reaches the request's num_tokens
     preempted: list[Request] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # Set where the decodes repeat the previous step's rows (Scheduler._repeat_decodes): their arrays, made from the
+    # previous step's, and the rows given a new block.
+    repeated: DecodeRows | None = None
+    grown_rows: list[int] = field(default_factory=list)
 
     def add_prefill(self, request: Request, num_computed: int, num_tokens: int) -> None:
         """A chunk of num_tokens after the request's first num_computed tokens (the caller takes them from the
@@ -131,6 +167,9 @@ class _StepBuilder:
 
     def build(self) -> SchedulerOutput:
         num_decodes = len(self.decodes)
+        decode_rows = self.repeated
+        if decode_rows is None and num_decodes:
+            decode_rows = DecodeRows.from_lists(self.decodes, self.decode_ends, self.decode_slots)
         return SchedulerOutput(
             requests=self.decodes + self.prefills,
             num_scheduled_tokens=[1] * num_decodes + self.prefill_tokens,
@@ -140,6 +179,9 @@ class _StepBuilder:
             num_cached_tokens=self.num_cached_tokens,
             rows=(self.decode_ends + self.prefill_ends, self.decode_slots + self.prefill_slots,
                   [True] * num_decodes + self.prefill_samples),
+            decode_rows=decode_rows,
+            same_rows_as_previous=self.repeated is not None and not self.prefills,
+            grown_rows=self.grown_rows,
         )
 
 
@@ -156,6 +198,7 @@ class Scheduler:
         # request. A request joins at admission and leaves once a launched chunk leaves only its last token to compute.
         self._prefilling: dict[int, Request] = {}
         self._siblings: dict[int, list[Request]] = {}  # id(first sample) -> later samples waiting for its prompt
+        self._previous_decodes: DecodeRows | None = None  # the latest launched step's rows, when all are decodes
 
     @property
     def num_waiting(self) -> int:
@@ -212,6 +255,7 @@ class Scheduler:
                 and request.num_prompt_tokens > self.block_manager.block_size)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. Each step the engine schedules is launched (`advance`) before the next is scheduled."""
         step = _StepBuilder(budget=self.config.max_num_batched_tokens)
         if self.config.mixed_prefill_decode:
             self._schedule_every_running(step, prefills=True)
@@ -222,12 +266,15 @@ class Scheduler:
                 self._admit_waiting(step)
             if not step.decodes and not step.prefills:
                 self._schedule_every_running(step, prefills=False)
+        self._previous_decodes = None  # set again when this step is launched
         return step.build()
 
     def advance(self, output: SchedulerOutput) -> None:
         """The step is launched: its tokens count as computed, and each sampled token gets a pending slot."""
         # The decodes come first, each one token that samples; then the prefill chunks.
         requests, first_chunk = output.requests, output.num_decode_tokens
+        # A step of decodes alone is one the next step may repeat.
+        self._previous_decodes = output.decode_rows if not output.num_prefill_tokens else None
         for request in islice(requests, first_chunk):
             request.num_computed_tokens += 1
             request.output_token_ids.append(PENDING_TOKEN)
@@ -248,10 +295,14 @@ class Scheduler:
                     prefilling.pop(id(request), None)
 
     def commit(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """The step's sampled ids arrived: fills the pending slots; returns the requests that finished.
+        """The step's sampled ids arrived: fills the pending slots; returns the requests that finished."""
+        if output.decode_rows is not None and not output.num_prefill_tokens:
+            return self._commit_decodes(output, sampled_token_ids)
+        return self._commit_rows(output, sampled_token_ids)
 
-        Runs for every request of every step, so its checks are inlined, and a request's blocks are offered to the
-        prefix cache only when one of them has filled."""
+    def _commit_rows(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        """commit for any step. Runs for every request of every step, so its checks are inlined, and a request's
+        blocks are offered to the prefix cache only when one of them has filled."""
         now = time.perf_counter()
         finished = []
         block_manager = self.block_manager
@@ -287,6 +338,41 @@ class Scheduler:
             else:
                 continue
             self._mark_finished(request, reason, now)
+            finished.append(request)
+        if finished:
+            self.running = [request for request in self.running if request.status is not finished_status]
+        return finished
+
+    def _commit_decodes(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        """commit for a step of decodes alone (most steps): _commit_rows less what cannot happen to a decode (a
+        request that samples nothing, a scoring request, a first token: the step that sampled it committed first),
+        its length check one array comparison."""
+        rows, block_manager = output.decode_rows, self.block_manager
+        requests = rows.requests
+        caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
+        running_status, finished_status = RequestStatus.RUNNING, RequestStatus.FINISHED
+        stop_rows = []
+        for row, request, slot, computed_end, token_id in zip(range(len(requests)), requests, output.output_slots,
+                                                              output.computed_ends, sampled_token_ids, strict=True):
+            status = request.status
+            if status is not running_status:
+                if status is finished_status:  # it ended at an earlier step: this token is discarded
+                    continue
+                # Preempted since this step was launched: it holds no blocks to cache, its token is still its own.
+            elif caching and computed_end // block_size > request.num_hashed_blocks:
+                block_manager.cache_full_blocks(request, computed_end)
+            request.output_token_ids[slot] = token_id
+            if token_id in request.stop_token_set:
+                stop_rows.append(row)
+        length_rows = np.flatnonzero(rows.output_slots >= rows.max_num_outputs - 1).tolist()  # slot + 1 outputs
+        if not stop_rows and not length_rows:
+            return []
+        now, finished = time.perf_counter(), []
+        for row in sorted({*stop_rows, *length_rows}):
+            request = requests[row]
+            if request.status is finished_status:
+                continue
+            self._mark_finished(request, "stop" if row in stop_rows else "length", now)
             finished.append(request)
         if finished:
             self.running = [request for request in self.running if request.status is not finished_status]
@@ -345,7 +431,8 @@ class Scheduler:
         """_schedule_running(step, decodes=True, prefills), by its decode-only loop where that is the same: no
         request is mid-prefill and the budget holds a token for each."""
         if not self._prefilling and step.budget >= len(self.running):
-            self._schedule_decodes(step)
+            if not self._repeat_decodes(step):
+                self._schedule_decodes(step)
         else:
             self._schedule_running(step, decodes=True, prefills=prefills)
 
@@ -411,6 +498,34 @@ class Scheduler:
             ends.append(num_computed + 1)
             slots.append(num_outputs)
         step.budget -= len(decodes) - num_scheduled
+
+    def _repeat_decodes(self, step: _StepBuilder) -> bool:
+        """_schedule_decodes with array operations, where the running requests are exactly the previous step's decodes
+        (most decode steps): each decodes again, its computed end and output slot one further. False, scheduling
+        nothing, where that does not hold or the step would differ from _schedule_decodes': a request whose pending
+        token ends it, or more requests starting a block than there are free blocks (the general loop preempts)."""
+        previous, running = self._previous_decodes, self.running
+        if (previous is None or len(previous.requests) != len(running)
+                or not all(map(operator.is_, previous.requests, running))):
+            return False
+        rows = previous.next_step()
+        if (rows.output_slots >= rows.max_num_outputs).any():
+            return False  # its pending token ends it, whatever the token is: it leaves the step
+        # The new token's position is the previous computed end. The previous step's token, one position before, fit
+        # the request's blocks, so the new one needs a block only at a block's start, and then only if the
+        # request's blocks end there.
+        positions, block_manager = previous.computed_ends, self.block_manager
+        block_size = block_manager.block_size
+        starting = np.flatnonzero(positions % block_size == 0).tolist()
+        grown_rows = [row for row in starting if positions[row] >= len(running[row].block_ids) * block_size]
+        if len(grown_rows) > block_manager.num_free_blocks:
+            return False
+        block_manager.append_blocks([running[row] for row in grown_rows])
+        step.decodes, step.decode_ends, step.decode_slots = rows.requests, rows.computed_ends.tolist(), \
+            rows.output_slots.tolist()
+        step.repeated, step.grown_rows = rows, grown_rows
+        step.budget -= len(running)
+        return True
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> bool:
         """Allocates blocks for the request's next tokens, preempting the latest admitted requests until they fit."""

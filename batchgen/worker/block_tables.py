@@ -23,9 +23,16 @@ class BlockTables:
         self._rows = RequestRows(_Entry, range(rows))
         self._last: _LastStep | None = None
 
-    def rows(self, requests: list[Request]) -> np.ndarray:
-        """The table row of each request, its new blocks written first."""
+    def rows(self, requests: list[Request], grown_rows: list[int] | None = None) -> np.ndarray:
+        """The table row of each request, its new blocks written first. grown_rows: where the requests are the
+        previous call's, in the same order (the scheduler says so: `SchedulerOutput.same_rows_as_previous`), the
+        rows whose requests have gained blocks since; None: found here."""
         last = self._last
+        if grown_rows is not None and last is not None and len(requests) == len(last.requests):
+            if grown_rows:
+                self._write([requests[row] for row in grown_rows], [last.entries[row] for row in grown_rows])
+                last.widest = max(last.widest, max(len(requests[row].block_ids) for row in grown_rows))
+            return last.rows
         if last is not None and len(requests) == len(last.requests) and all(map(operator.is_, requests,
                                                                                 last.requests)):
             # The previous call's requests (most decode steps): its entries say what each row holds, so one pass

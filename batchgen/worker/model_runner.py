@@ -152,6 +152,9 @@ class ModelRunner:
                                              logprobs_slice_rows(self.vocab_size, FUSED_LOGPROBS_BYTES_PER_LOGIT))
         self.sampling_state: SamplingState | None = None  # allocated when a request first uses penalties
         self._last_packed = LastPacked()
+        # The latest launched step's inputs and sampling rows' parameters, from which a step of the same rows moves on.
+        self._previous_inputs: StepInputs | None = None
+        self._previous_params: list[SamplingParams] = []
         self.sampler_graphs: SamplerGraphs | None = None
         # The Triton decode attention's per-(sequence, kv head) counters, shared by every layer, step and graph.
         num_kv_heads = max((layer.num_kv_heads for layer in self.attention_layers), default=0)
@@ -252,12 +255,14 @@ class ModelRunner:
         else:
             sample_requests = [r for r, samples in zip(step.requests, step.samples, strict=True) if samples]
             positions = [end for end, samples in zip(step.computed_ends, step.samples, strict=True) if samples]
-        sampling = self._step_sampling(sample_requests, positions)
+        sampling = self._step_sampling(sample_requests, positions, step.same_rows_as_previous)
         graphed = self.graphs is not None and _is_pure_decode(step) and sampling.fixed_shape
         graph_size = self.graphs.padded_size(step.num_seqs) if graphed else None
         width = self.block_table_width if graph_size else None
         block_size = self.config.block_size
-        inputs = build_step_inputs(step, block_size, self.block_tables, width, self.pending_tokens)
+        inputs = build_step_inputs(step, block_size, self.block_tables, width, self.pending_tokens,
+                                   self._previous_inputs)
+        self._previous_inputs = inputs
         cascade = self.cascade_attention and inputs.is_decode and shares_long_prefix(step.requests, block_size)
         timer = _Timer(self.device)
         prompt_logprobs = None
@@ -302,6 +307,7 @@ class ModelRunner:
         pooler folds into each request's output; nothing is sampled."""
         start = time.perf_counter()
         inputs = build_step_inputs(step, self.config.block_size, self.block_tables)
+        self._previous_inputs = None
         timer = _Timer(self.device)
         input_ids, positions, meta, _ = self._to_device(inputs)
         prepare_ms = (time.perf_counter() - start) * 1000
@@ -317,9 +323,11 @@ class ModelRunner:
         return LaunchedStep(step.num_seqs, [], torch.empty(0, dtype=torch.int64), done, timer, prepare_ms, None,
                             False, pooled=pooled)
 
-    def _step_sampling(self, requests: list[Request], positions: list[int]) -> SamplingBatch:
-        """positions: each request's num_tokens, the index of the token it samples (its step's computed end)."""
-        params = [r.sampling_params for r in requests]
+    def _step_sampling(self, requests: list[Request], positions: list[int], same_rows: bool) -> SamplingBatch:
+        """positions: each request's num_tokens, the index of the token it samples (its step's computed end).
+        same_rows: the requests are the previous step's, which all sampled."""
+        params = self._previous_params if same_rows else [r.sampling_params for r in requests]
+        self._previous_params = params
         if (batch := self._last_packed.repeat(params, positions)) is not None:  # most decode steps
             return batch
         histories = token_histories(requests, params)

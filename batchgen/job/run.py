@@ -39,7 +39,7 @@ from batchgen.sample.params import SamplingParams, row_params
 from batchgen.tp.errors import FollowerExited
 
 if TYPE_CHECKING:
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.llm_engine import LLMEngine, NewRow
 
 log = logging.getLogger(__name__)
 
@@ -348,19 +348,36 @@ class Job:
         self.progress.update([], errors=1)
 
     def _add_requests(self, engine: LLMEngine, rows: Iterator[PromptRow]) -> bool:
-        """Adds rows until about two batches wait (rows are read lazily); returns whether rows are left."""
+        """Adds rows until about two batches wait (rows are read lazily); returns whether rows are left. A generate
+        job's rows go in batches (LLMEngine.add_requests), each as many as the backlog has room for if all their
+        samples queue; what rows finishing at once as errors leave free, the next batch fills."""
+        if self.task != "generate":
+            return self._add_rows_one_by_one(engine, rows)
+        backlog = self.config.engine.wanted_backlog
+        while (room := backlog - engine.num_waiting) > 0:
+            batch: list[NewRow] = []
+            num_samples = 0
+            while num_samples < room:
+                row = next(rows, None)
+                if row is None:
+                    engine.add_requests(batch)
+                    return False
+                params, missing = self.params[row.index], self.missing_samples.get(row.index)  # None: all n samples
+                batch.append((row.index, row.prompt, row.prompt_token_ids, params, missing))
+                num_samples += params.n if missing is None else len(missing)
+            engine.add_requests(batch)
+        return True
+
+    def _add_rows_one_by_one(self, engine: LLMEngine, rows: Iterator[PromptRow]) -> bool:
+        """_add_requests for the score, embed and classify tasks."""
         while engine.num_waiting < self.config.engine.wanted_backlog:
             row = next(rows, None)
             if row is None:
                 return False
             if self.task == "score":
                 self._add_score_request(engine, row)
-                continue
-            if self.task != "generate":
+            else:
                 engine.add_pooling_request(row.index, row.prompt, row.prompt_token_ids)
-                continue
-            engine.add_request(row.index, row.prompt, row.prompt_token_ids, self.params[row.index],
-                               self.missing_samples.get(row.index))  # None: all n samples
         return True
 
     def _add_score_request(self, engine: LLMEngine, row: PromptRow) -> None:

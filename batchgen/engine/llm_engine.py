@@ -481,22 +481,22 @@ class LLMEngine:
         task_fields = self._task_fields(request)
         text = None
         if self.detokenizer is not None:
-            self.detokenizer.remove_request(request)
-            if request.finish_reason != "error" and not task_fields:
-                text = self.detokenizer.final_text(request)
+            text = self.detokenizer.remove_request(request, request.finish_reason != "error" and not task_fields)
+        token_ids = list(request.output_token_ids)
         ttft = tpot = latency = None
-        if request.first_token_time is not None:
-            ttft = (request.first_token_time - request.arrival_time) * 1000
-            latency = (request.finish_time - request.arrival_time) * 1000
-            if request.num_output_tokens > 1:
-                tpot = (request.finish_time - request.first_token_time) * 1000 / (request.num_output_tokens - 1)
+        first_token_time, arrival_time = request.first_token_time, request.arrival_time
+        if first_token_time is not None:
+            ttft = (first_token_time - arrival_time) * 1000
+            latency = (request.finish_time - arrival_time) * 1000
+            if len(token_ids) > 1:
+                tpot = (request.finish_time - first_token_time) * 1000 / (len(token_ids) - 1)
         return RequestOutput(
             request_id=request.request_id, prompt=prompt, prompt_token_ids=request.prompt_token_ids,
-            text=text, token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
+            text=text, token_ids=token_ids, finish_reason=request.finish_reason,
             error=request.error, ttft_ms=ttft, tpot_ms=tpot, latency_ms=latency,
             num_preemptions=request.num_preemptions, sample_index=request.sample_index,
             num_cached_tokens=request.num_cached_tokens,
-            logprobs=None if request.logprobs is None else request.logprobs[:request.num_output_tokens],
+            logprobs=None if request.logprobs is None else request.logprobs[:len(token_ids)],
             prompt_logprobs=self._prompt_logprob_entries(request, task_fields),
             **task_fields,
         )

@@ -103,3 +103,26 @@ def test_rows_added_in_one_call_are_the_requests_added_one_by_one(llm):
     assert len(one_by_one) == 13 and errors == {4, 5, 6, 7}
     while engine.has_unfinished_requests:
         engine.step()
+
+
+def test_outputs_carry_each_requests_text_and_timings_and_leave_no_state_behind(llm):
+    """A completion's text is its tokens decoded, cut before the stop string that ended it; an error has none; tpot
+    spreads the time after the first token over the tokens after it."""
+    params = [SamplingParams(max_tokens=6, seed=1), SamplingParams(max_tokens=12, seed=2, stop=["e", "a"], n=2),
+              SamplingParams(max_tokens=4, logit_bias={1000: 1.0})]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    samples = [outputs[0], *outputs[1].outputs, outputs[2]]
+    decode = llm.engine.detokenizer.decode
+    assert samples[0].text == decode(samples[0].token_ids) and samples[0].finish_reason == "length"
+    stopped, unstopped = samples[1:3]
+    assert (stopped.finish_reason, unstopped.finish_reason) == ("stop", "length")
+    full = decode(stopped.token_ids)
+    assert stopped.text == full[:min(i for i in (full.find("e"), full.find("a")) if i >= 0)] != full
+    assert unstopped.text == decode(unstopped.token_ids)
+    assert samples[3].finish_reason == "error" and samples[3].text is None and samples[3].ttft_ms is None
+    for sample in samples[:3]:
+        assert sample.latency_ms >= sample.ttft_ms > 0
+        if len(sample.token_ids) > 1:
+            assert sample.tpot_ms == pytest.approx((sample.latency_ms - sample.ttft_ms) / (len(sample.token_ids) - 1))
+    detokenizer = llm.engine.detokenizer
+    assert not detokenizer._stop_texts and not detokenizer.checks_stop_strings and not llm.engine._prompts

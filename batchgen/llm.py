@@ -63,11 +63,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         self._require_task("generate", "generate")
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            if isinstance(prompt, str):
-                self.engine.add_request(i, prompt, None, p)
-            else:
-                self.engine.add_request(i, None, list(prompt), p)
+        self.engine.add_requests((i, prompt, None, p, None) if isinstance(prompt, str)
+                                 else (i, None, list(prompt), p, None)
+                                 for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)))
         return group_samples(self._run(sum(p.n for p in params), "generate", use_tqdm))
 
     def loglikelihood(self, requests: Sequence[tuple[Text, Text]], use_tqdm: bool = True) -> list[tuple[float, bool]]:

@@ -2,7 +2,7 @@
 of 8-32 characters of the play text, the Shakespeare tokenizer), in one process and without a model:
 - read: iter_prompts over the file and each row's sampling parameters (the job's reading, Job._read_shard);
 - tokenize: the prompts in the job's batched calls (Job._tokenize);
-- write: each row's completions record (completion_record, with a 16-token completion) written through a
+- write: each row's completions values (completion_values, with a 16-token completion) written through a
   CompletionWriter that flushes parts every job.flush_rows rows, as the job's loop does;
 - merge: closing the writer (the job's finish: the parts merged into completions.parquet).
 With --token-rows N, also the classify rows (`benchmarks/real_jobs.py classify`: JSONL rows of 1,000 prompt token ids):
@@ -35,7 +35,7 @@ from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.outputs import RequestOutput
 from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.writers import CompletionWriter
-from batchgen.job.run import TOKENIZE_CHUNK_ROWS, Job, completion_record
+from batchgen.job.run import TOKENIZE_CHUNK_ROWS, Job, completion_values
 from batchgen.sample.params import SamplingParams, row_params
 from benchmarks.common import add_out_argument, environment, load_model_config, markdown_table, save_json
 from benchmarks.real_jobs import TINY_WORKLOADS, WORKLOADS, TokenRows, write_text_rows, write_token_rows
@@ -120,7 +120,7 @@ def main() -> None:
 
         def write() -> None:
             for row, output in zip(rows, outputs, strict=True):
-                writer.write(completion_record(row, output))
+                writer.write_values(completion_values(row, output))
 
         timed(seconds, "write", write)
         timed(seconds, "merge", writer.close)

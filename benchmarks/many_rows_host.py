@@ -15,8 +15,9 @@ host path a GPU run pays too. Reports microseconds per row:
 - host_loop: the loop less compute; host_total: the process less compute.
 And, per step kind, the steps, their mean rows and tokens.
 
-With --profile a second run goes under cProfile (`python -m cProfile -o`), and two tables list the host functions
-(outside the model, its layers and torch): the most own time, and chosen entry points' cumulative time, per row.
+With --profile a second run goes under cProfile (its profile written by an exit handler), and two tables list the host
+functions (outside the model, its layers and torch): the most own time, and chosen entry points' cumulative time, per
+row.
 cProfile slows what it counts: read these for shares, the first run's figures for time.
 
 Usage: python -m benchmarks.many_rows_host [--rows N] [--set KEY=VALUE ...] [--profile] [--out DIR]
@@ -61,13 +62,23 @@ ENTRY_POINTS = (
     ("batchgen/worker/model_runner.py", "collect"),
     ("batchgen/core/scheduler.py", "commit"),
     ("batchgen/engine/llm_engine.py", "_output"),
-    ("batchgen/job/run.py", "completion_record"),
-    ("batchgen/io/writers.py", "write"),
+    ("batchgen/job/run.py", "completion_values"),
+    ("batchgen/io/writers.py", "write_values"),
     ("batchgen/io/writers.py", "flush"),
     ("batchgen/job/progress.py", "update"),
     ("batchgen/job/run_outputs.py", "close"),
     ("batchgen/job/run_outputs.py", "write_summary"),
 )
+
+# `python -m batchgen` under cProfile: the job ends by os._exit after the exit handlers, so the profile is written by
+# one of them (`python -m cProfile -o` would write it after the script returns, which never happens).
+PROFILED_JOB = """import atexit, cProfile, runpy, sys
+profiler = cProfile.Profile()
+atexit.register(lambda: (profiler.disable(), profiler.dump_stats({path!r})))
+sys.argv = ["batchgen", *sys.argv[1:]]
+profiler.enable()
+runpy.run_module("batchgen", run_name="__main__", alter_sys=True)
+"""
 
 
 def loop_parts(steps: list[dict[str, Any]]) -> dict[str, float]:
@@ -98,7 +109,7 @@ def run_job(directory: Path, input_path: Path, rows: int, extra: list[str], prof
     run_dir = directory / ("run_profiled" if profile else "run")
     arguments = job_arguments(WORKLOAD, input_path, run_dir, tiny=True, extra=extra)
     if profile is not None:
-        arguments = ["-m", "cProfile", "-o", str(profile), *arguments]
+        arguments = ["-c", PROFILED_JOB.format(path=str(profile)), *arguments[2:]]  # arguments[:2]: -m batchgen
     run = run_process(arguments, timeout=3600)
     if run.returncode != 0:
         raise RuntimeError(f"the job exited {run.returncode}:\n{run.output[-3000:]}")

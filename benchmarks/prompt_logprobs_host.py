@@ -3,7 +3,7 @@ positions to completions.parquet, at the real_jobs `scoring` workload's size (64
 of 8,192 scored positions, one alternative: 255,936 positions).
 
 - attach_s: moving each step's values onto its requests (`attach_logprobs`), summed over the steps.
-- write_s: the finished outputs through `completion_record` into a CompletionWriter, closed (completions.parquet).
+- write_s: the finished outputs through `completion_values` into a CompletionWriter, closed (completions.parquet).
 - us_per_position: both, per scored position.
 Each is the median of --repeats runs.
 
@@ -34,7 +34,7 @@ from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.request_logprobs import attach_logprobs
 from batchgen.io.prompt_rows import PromptRow
 from batchgen.io.writers import CompletionWriter
-from batchgen.job.run import completion_record
+from batchgen.job.run import completion_values
 from batchgen.sample.logprobs import PromptLogprobRows, ScoredRange
 from batchgen.sample.params import SamplingParams
 from batchgen.worker.model_runner import StepResult
@@ -90,8 +90,8 @@ def measure(rows: int, prompt_tokens: int, step_positions: int, texts: TokenText
         for request in requests:
             output = RequestOutput(request.request_id, None, request.prompt_token_ids, None, [], "length",
                                    prompt_logprobs=PromptLogprobEntries(request.prompt_logprobs, texts))
-            writer.write(completion_record(PromptRow(request.request_id, str(request.request_id), None,
-                                                     request.prompt_token_ids, {}), output))
+            writer.write_values(completion_values(PromptRow(request.request_id, str(request.request_id), None,
+                                                      request.prompt_token_ids, {}), output))
         writer.close()
         write_s = time.perf_counter() - start
     positions = rows * (prompt_tokens - 1)

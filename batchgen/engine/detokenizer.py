@@ -64,9 +64,15 @@ class Detokenizer:
         if request.sampling_params.stop:
             self._with_stop_strings.add(request.key)
 
-    def remove_request(self, request: Request) -> None:
-        """The request's output is handed back: no later step checks its stop strings."""
-        self._with_stop_strings.discard(request.key)
+    def remove_request(self, request: Request, with_text: bool = True) -> str | None:
+        """The request's output is handed back: no later step checks its stop strings. Returns its completion text
+        (cut before the stop string that ended it) when with_text, else None."""
+        key = request.key
+        self._with_stop_strings.discard(key)
+        stopped = self._stop_texts.pop(key, None)
+        if not with_text:
+            return None
+        return stopped if stopped is not None else self.decode(request.output_token_ids)
 
     @property
     def checks_stop_strings(self) -> bool:
@@ -107,7 +113,3 @@ class Detokenizer:
         window = max(len(s) for s in stops) + STOP_WINDOW_MARGIN
         tail = self.decode(token_ids[max(0, end - window):end])
         return any(s in tail for s in stops)
-
-    def final_text(self, request: Request) -> str:
-        stopped = self._stop_texts.pop(request.key, None)
-        return stopped if stopped is not None else self.decode(request.output_token_ids)

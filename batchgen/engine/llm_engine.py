@@ -6,7 +6,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +87,10 @@ class _InFlight:
     launched: LaunchedStep
     schedule_ms: float
     launch_ms: float  # scheduling to queued: the host time of its launch, counted in its own step_ms
+
+
+# A row for add_requests: add_request's arguments (request id, prompt, prompt token ids, params, sample indices).
+NewRow = tuple[int, str | None, list[int] | None, SamplingParams, Sequence[int] | None]
 
 
 @dataclass(frozen=True)
@@ -192,45 +196,59 @@ class LLMEngine:
                     params: SamplingParams, sample_indices: Sequence[int] | None = None) -> None:
         """Queue a prompt's `params.n` samples (or only `sample_indices`, for a resumed row), each a request with
         the same id; one that can never run finishes at once as an error (returned by the next step)."""
-        checked = self._checked_params(params)
-        params = checked.params
-        if params.seed is None:
-            params = params.with_seed(request_seed(self.config.seed, request_id))
+        self.add_requests([(request_id, prompt, prompt_token_ids, params, sample_indices)])
+
+    def add_requests(self, rows: Iterable[NewRow]) -> None:
+        """add_request of each row, in order, in one call: what rows share (the EOS id, the checks of a parameters
+        object that follows rows sharing it) is looked up once, not once a row."""
         eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
-        indices = range(params.n) if sample_indices is None else sample_indices
-        samples = [Request(request_id, [], params.with_seed(sample_seed(params.seed, i)),
-                           eos_token_id=eos_token_id, sample_index=i) for i in indices]
-        first = samples[0]
-        for sample in samples:
-            self._prompts[sample.key] = prompt
+        engine_seed, scheduler, prompts = self.config.seed, self.scheduler, self._prompts
+        checked: _CheckedParams | None = None
+        for request_id, prompt, prompt_token_ids, source, sample_indices in rows:
+            if checked is None or checked.source is not source:
+                checked = self._checked_params(source)
+            params = checked.params
+            if params.seed is None:
+                params = params.with_seed(request_seed(engine_seed, request_id))
+            if sample_indices is None and params.n == 1:  # most rows: one sample, which keeps the row's seed
+                first = Request(request_id, [], params, eos_token_id=eos_token_id)
+                samples = [first]
+            else:
+                indices = range(params.n) if sample_indices is None else sample_indices
+                samples = [Request(request_id, [], params.with_seed(sample_seed(params.seed, i)),
+                                   eos_token_id=eos_token_id, sample_index=i) for i in indices]
+                first = samples[0]
+                for sample in samples[1:]:
+                    sample.first_sample = first
+            for sample in samples:
+                prompts[sample.request_id, sample.sample_index] = prompt
             if self.detokenizer is not None:
-                self.detokenizer.add_request(sample)
-            if sample is not first:
-                sample.first_sample = first
-        try:
-            token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
-            if checked.error is not None:
-                raise ValueError(checked.error)
-            for sample in samples:  # token_ids is the first one's own copy
-                sample.prompt_token_ids = token_ids if sample is first else list(token_ids)
-                sample.bad_words_token_ids = checked.bad_words_token_ids
-            error = self.scheduler.admission_error(first)
-            if error is None and checked.guided:
                 for sample in samples:
-                    self._structured_output().add(sample)
-        except ValueError as exc:
-            error = str(exc)
-        for sample in samples:
-            if error is not None:
-                self._finish_with_error(sample, error)
-                continue
-            if params.logprobs is not None:
-                sample.logprobs = []
-            if params.prompt_logprobs is not None:
-                # From position 1 on: the first prompt token has no logprob.
-                sample.prompt_logprobs = PromptLogprobs(sample.prompt_array, 1, params.prompt_logprobs)
-                sample.use_prefix_cache = False  # prompt logprobs need every prompt position's logits
-            self.scheduler.enqueue(sample)
+                    self.detokenizer.add_request(sample)
+            try:
+                token_ids = self._prompt_token_ids(prompt, prompt_token_ids, params)
+                if checked.error is not None:
+                    raise ValueError(checked.error)
+                for sample in samples:  # token_ids is the first one's own copy
+                    sample.prompt_token_ids = token_ids if sample is first else list(token_ids)
+                    sample.bad_words_token_ids = checked.bad_words_token_ids
+                error = scheduler.admission_error(first)
+                if error is None and checked.guided:
+                    for sample in samples:
+                        self._structured_output().add(sample)
+            except ValueError as exc:
+                error = str(exc)
+            for sample in samples:
+                if error is not None:
+                    self._finish_with_error(sample, error)
+                    continue
+                if params.logprobs is not None:
+                    sample.logprobs = []
+                if params.prompt_logprobs is not None:
+                    # From position 1 on: the first prompt token has no logprob.
+                    sample.prompt_logprobs = PromptLogprobs(sample.prompt_array, 1, params.prompt_logprobs)
+                    sample.use_prefix_cache = False  # prompt logprobs need every prompt position's logits
+                scheduler.enqueue(sample)
 
     def _checked_params(self, params: SamplingParams) -> _CheckedParams:
         """What add_request works out from a row's parameters alone, worked out once for the rows that share the
@@ -463,22 +481,22 @@ class LLMEngine:
         task_fields = self._task_fields(request)
         text = None
         if self.detokenizer is not None:
-            self.detokenizer.remove_request(request)
-            if request.finish_reason != "error" and not task_fields:
-                text = self.detokenizer.final_text(request)
+            text = self.detokenizer.remove_request(request, request.finish_reason != "error" and not task_fields)
+        token_ids = list(request.output_token_ids)
         ttft = tpot = latency = None
-        if request.first_token_time is not None:
-            ttft = (request.first_token_time - request.arrival_time) * 1000
-            latency = (request.finish_time - request.arrival_time) * 1000
-            if request.num_output_tokens > 1:
-                tpot = (request.finish_time - request.first_token_time) * 1000 / (request.num_output_tokens - 1)
+        first_token_time, arrival_time = request.first_token_time, request.arrival_time
+        if first_token_time is not None:
+            ttft = (first_token_time - arrival_time) * 1000
+            latency = (request.finish_time - arrival_time) * 1000
+            if len(token_ids) > 1:
+                tpot = (request.finish_time - first_token_time) * 1000 / (len(token_ids) - 1)
         return RequestOutput(
             request_id=request.request_id, prompt=prompt, prompt_token_ids=request.prompt_token_ids,
-            text=text, token_ids=list(request.output_token_ids), finish_reason=request.finish_reason,
+            text=text, token_ids=token_ids, finish_reason=request.finish_reason,
             error=request.error, ttft_ms=ttft, tpot_ms=tpot, latency_ms=latency,
             num_preemptions=request.num_preemptions, sample_index=request.sample_index,
             num_cached_tokens=request.num_cached_tokens,
-            logprobs=None if request.logprobs is None else request.logprobs[:request.num_output_tokens],
+            logprobs=None if request.logprobs is None else request.logprobs[:len(token_ids)],
             prompt_logprobs=self._prompt_logprob_entries(request, task_fields),
             **task_fields,
         )

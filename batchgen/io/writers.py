@@ -85,6 +85,7 @@ class PartedParquetWriter:
         self._field_names = tuple(schema.names)  # schema.names builds a new list on every access
         self._names = frozenset(self._field_names)
         self._required = [field.name for field in schema if not field.nullable]
+        self._required_positions = [position for position, field in enumerate(schema) if not field.nullable]
         self._buffer: list[tuple[Any, ...]] = []  # each row's values in the schema's order
         self._last_flush = time.monotonic()
         self._closed = False
@@ -119,19 +120,33 @@ class PartedParquetWriter:
         """Buffers one row (missing nullable fields are null; a value may be a one-row pyarrow Array of its field's
         type, built from arrays by the caller); flushes when flush_rows are buffered or flush_seconds have passed
         since the last flush (checked here, on write)."""
-        if self._closed:
-            raise RuntimeError(f"{self.final_path}: the writer is closed")
         if not self._names.issuperset(record):
             unknown = record.keys() - self._names
             raise ValueError(
                 f"{self.final_path}: unknown fields {sorted(unknown)}; the schema has {self.schema.names}"
             )
-        missing = [name for name in self._required if record.get(name) is None]
-        if missing:
-            raise ValueError(f"{self.final_path}: record lacks the required fields {missing}")
-        self._buffer.append(tuple(map(record.get, self._field_names)))
+        self.write_values(tuple(map(record.get, self._field_names)))
+
+    def write_values(self, values: tuple[Any, ...]) -> None:
+        """write() of the record whose values, in the schema's order, these are: a caller that makes one per row
+        builds no dict."""
+        if self._closed:
+            raise RuntimeError(f"{self.final_path}: the writer is closed")
+        if len(values) != len(self._field_names):
+            raise ValueError(f"{self.final_path}: a row has {len(values)} values; the schema has "
+                             f"{len(self._field_names)} fields {list(self._field_names)}")
+        for position in self._required_positions:
+            if values[position] is None:
+                missing = [name for name, value in zip(self._field_names, values, strict=True)
+                           if value is None and name in self._required]
+                raise ValueError(f"{self.final_path}: record lacks the required fields {missing}")
+        self._accept(values)
+        self._buffer.append(values)
         if len(self._buffer) >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
+
+    def _accept(self, values: tuple[Any, ...]) -> None:
+        """Subclasses raise here when a row that fits the schema breaks an invariant of the file."""
 
     def flush(self) -> None:
         """Writes the buffered rows as one new part file; after it returns they survive a crash."""
@@ -189,6 +204,8 @@ class CompletionWriter(PartedParquetWriter):
             flush_rows,
             flush_seconds,
         )
+        self._index_position = self.schema.get_field_index("index")
+        self._sample_index_position = self.schema.get_field_index("sample_index")
         written = self.existing_rows(["index", "sample_index"])
         self._written: set[tuple[int, int]] = set(zip(written.column("index").to_pylist(),
                                                       written.column("sample_index").to_pylist(), strict=True))
@@ -208,10 +225,12 @@ class CompletionWriter(PartedParquetWriter):
 
     def write(self, record: dict[str, Any]) -> None:
         record.setdefault("sample_index", 0)
-        key = (record.get("index"), record["sample_index"])
+        super().write(record)
+
+    def _accept(self, values: tuple[Any, ...]) -> None:
+        key = (values[self._index_position], values[self._sample_index_position])
         if key in self._written:
             raise DuplicateRowError(f"{self.final_path}: index {key[0]} was already written (sample_index {key[1]})")
-        super().write(record)
         self._written.add(key)
 
     def _check_merged(self, table: pa.Table) -> None:

@@ -39,7 +39,7 @@ from batchgen.sample.params import SamplingParams, row_params
 from batchgen.tp.errors import FollowerExited
 
 if TYPE_CHECKING:
-    from batchgen.engine.llm_engine import LLMEngine
+    from batchgen.engine.llm_engine import LLMEngine, NewRow
 
 log = logging.getLogger(__name__)
 
@@ -49,25 +49,25 @@ TOKENIZE_CHUNK_ROWS = 1024  # rows per batched tokenizer call: few calls, a boun
 
 TASK_COLUMNS = ("continuation_logprob", "continuation_num_tokens", "continuation_is_greedy", "embedding", "logits",
                 "probs", "label", "score")  # RequestOutput fields of the score, embed and classify tasks
-_task_values = attrgetter(*TASK_COLUMNS)  # in one call: a row's record is built per finished row
+_task_values = attrgetter(*TASK_COLUMNS)  # in one call: a row's values are built per finished row
+# The values of completion_values, in COMPLETIONS_SCHEMA's order.
+COMPLETION_COLUMNS = ("index", "id", "prompt", "completion", "prompt_token_ids", "output_token_ids",
+                      "num_prompt_tokens", "num_output_tokens", "finish_reason", "error", "ttft_ms", "tpot_ms",
+                      "latency_ms", "sample_index", "num_cached_tokens", "logprobs", "prompt_logprobs", *TASK_COLUMNS)
+# An input error row's values after its error: no timings, sample 0, nothing generated.
+_ERROR_ROW_TAIL = (None, None, None, 0, *(None,) * (len(COMPLETION_COLUMNS) - 14))
 
 
-def completion_record(row: PromptRow, output: RequestOutput | None = None) -> dict[str, Any]:
-    """One completions.parquet row; without an output, the row's own input error."""
+def completion_values(row: PromptRow, output: RequestOutput | None = None) -> tuple[Any, ...]:
+    """One completions.parquet row as its values in COMPLETION_COLUMNS' order (CompletionWriter.write_values: no dict
+    per row); without an output, the row's own input error."""
     if output is None:
-        return {"index": row.index, "id": row.id, "prompt": row.text, "finish_reason": "error", "error": row.error,
-                "sample_index": 0}
-    record = {
-        "index": row.index, "sample_index": output.sample_index, "id": row.id, "prompt": row.text,
-        "completion": output.text, "num_cached_tokens": output.num_cached_tokens,
-        "prompt_token_ids": output.prompt_token_ids, "output_token_ids": output.token_ids,
-        "num_prompt_tokens": len(output.prompt_token_ids), "num_output_tokens": len(output.token_ids),
-        "finish_reason": output.finish_reason, "error": output.error,
-        "ttft_ms": output.ttft_ms, "tpot_ms": output.tpot_ms, "latency_ms": output.latency_ms,
-        "logprobs": output.logprobs, "prompt_logprobs": prompt_logprobs_value(output.prompt_logprobs),
-    }
-    record.update(zip(TASK_COLUMNS, _task_values(output), strict=True))
-    return record
+        return (row.index, row.id, row.text, None, None, None, None, None, "error", row.error, *_ERROR_ROW_TAIL)
+    prompt_token_ids, token_ids = output.prompt_token_ids, output.token_ids
+    return (row.index, row.id, row.text, output.text, prompt_token_ids, token_ids, len(prompt_token_ids),
+            len(token_ids), output.finish_reason, output.error, output.ttft_ms, output.tpot_ms, output.latency_ms,
+            output.sample_index, output.num_cached_tokens, output.logprobs,
+            prompt_logprobs_value(output.prompt_logprobs), *_task_values(output))
 
 
 def prompt_logprobs_value(entries: Sequence[dict | None] | None) -> pa.Array | Sequence[dict | None] | None:
@@ -257,6 +257,7 @@ class Job:
                     self._write_error_row(row)
             rows = iter(rows_to_run)
             rows_left = True
+            write_values = self.outputs.completions.write_values
             returned = None  # when engine.step() last returned: the job's own work since then is job_ms
             with rare_collections() as collections:
                 while (rows_left or engine.has_unfinished_requests) and signals.received is None:
@@ -269,7 +270,7 @@ class Job:
                         self.outputs.steps.write({**vars(step), "attempt": self.stats.number, "job_ms": job_ms})
                     returned = time.perf_counter()
                     for output in finished:
-                        self.outputs.completions.write(completion_record(rows_by_index[output.request_id], output))
+                        write_values(completion_values(rows_by_index[output.request_id], output))
                         self._count(output)
                     self.progress.update(finished)
             clock = self._lap("engine_loop_seconds", clock)
@@ -342,24 +343,41 @@ class Job:
         self.stats.output_tokens += len(output.token_ids)
 
     def _write_error_row(self, row: PromptRow) -> None:
-        self.outputs.completions.write(completion_record(row))
+        self.outputs.completions.write_values(completion_values(row))
         self.stats.rows += 1
         self.progress.update([], errors=1)
 
     def _add_requests(self, engine: LLMEngine, rows: Iterator[PromptRow]) -> bool:
-        """Adds rows until about two batches wait (rows are read lazily); returns whether rows are left."""
+        """Adds rows until about two batches wait (rows are read lazily); returns whether rows are left. A generate
+        job's rows go in batches (LLMEngine.add_requests), each as many as the backlog has room for if all their
+        samples queue; what rows finishing at once as errors leave free, the next batch fills."""
+        if self.task != "generate":
+            return self._add_rows_one_by_one(engine, rows)
+        backlog = self.config.engine.wanted_backlog
+        while (room := backlog - engine.num_waiting) > 0:
+            batch: list[NewRow] = []
+            num_samples = 0
+            while num_samples < room:
+                row = next(rows, None)
+                if row is None:
+                    engine.add_requests(batch)
+                    return False
+                params, missing = self.params[row.index], self.missing_samples.get(row.index)  # None: all n samples
+                batch.append((row.index, row.prompt, row.prompt_token_ids, params, missing))
+                num_samples += params.n if missing is None else len(missing)
+            engine.add_requests(batch)
+        return True
+
+    def _add_rows_one_by_one(self, engine: LLMEngine, rows: Iterator[PromptRow]) -> bool:
+        """_add_requests for the score, embed and classify tasks."""
         while engine.num_waiting < self.config.engine.wanted_backlog:
             row = next(rows, None)
             if row is None:
                 return False
             if self.task == "score":
                 self._add_score_request(engine, row)
-                continue
-            if self.task != "generate":
+            else:
                 engine.add_pooling_request(row.index, row.prompt, row.prompt_token_ids)
-                continue
-            engine.add_request(row.index, row.prompt, row.prompt_token_ids, self.params[row.index],
-                               self.missing_samples.get(row.index))  # None: all n samples
         return True
 
     def _add_score_request(self, engine: LLMEngine, row: PromptRow) -> None:

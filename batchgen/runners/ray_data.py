@@ -33,7 +33,7 @@ from batchgen.io.openai_batch import model_name
 from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.writers import CompletionWriter
 from batchgen.job.progress import Progress
-from batchgen.job.run import check_run_dir, completion_record
+from batchgen.job.run import check_run_dir, completion_values
 from batchgen.job.run_outputs import RunOutputs
 from batchgen.job.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.job.summary import AttemptStats
@@ -91,7 +91,7 @@ def _request_rows(rows: list[PromptRow], missing: dict[int, list[int]], completi
     requests = []
     for row in rows:
         if row.error is not None:
-            completions.write(completion_record(row))
+            completions.write_values(completion_values(row))
             progress.update([], errors=1)
             continue
         requests.append({"row": json.dumps({"index": row.index, "prompt": row.prompt, "samples": missing[row.index],
@@ -191,7 +191,7 @@ class RayDriver:
             record = json.loads(line)
             if kind == OUTPUT:
                 output = RequestOutput(**record)
-                self.outputs.completions.write(completion_record(rows_by_index[output.request_id], output))
+                self.outputs.completions.write_values(completion_values(rows_by_index[output.request_id], output))
                 self.progress.update([output])
             elif kind == STEP:
                 shard = actor_numbers.setdefault(str(actor), len(actor_numbers))

@@ -340,3 +340,31 @@ def test_a_record_changed_after_its_write_is_written_as_it_was(tmp_path: Path) -
     writer.write(record)
     record["completion"] = "changed"
     assert pq.read_table(writer.close()).column("completion").to_pylist() == ["completion 0"]
+
+
+def test_values_in_schema_order_write_what_the_record_writes(tmp_path: Path) -> None:
+    """write_values (a row's values as a tuple in the schema's order) writes the part write() writes from the
+    record, missing sample_index aside (write sets it to 0), and checks the same things."""
+    records = [completion(0), error_completion(1), {**completion(2), "embedding": [0.5, 1.5], "label": "yes"},
+               {**completion(3), "output_token_ids": pa.array([[7, 8]], pa.list_(pa.int32())), "score": 2.0},
+               {**completion(1), "sample_index": 1}]
+    by_record = CompletionWriter(tmp_path / "record", METADATA)
+    by_values = CompletionWriter(tmp_path / "values", METADATA)
+    for record in records:
+        by_record.write(dict(record))
+        by_values.write_values(tuple({"sample_index": 0, **record}.get(name) for name in COMPLETIONS_SCHEMA.names))
+    assert pq.read_table(by_values.close()).equals(pq.read_table(by_record.close()))
+
+    writer = CompletionWriter(tmp_path / "checked", METADATA)
+    values = tuple(completion(0).get(name) for name in COMPLETIONS_SCHEMA.names)
+    finish_reason = COMPLETIONS_SCHEMA.get_field_index("finish_reason")
+    with pytest.raises(ValueError, match=r"required fields \['finish_reason'\]"):
+        writer.write_values(values[:finish_reason] + (None,) + values[finish_reason + 1:])
+    with pytest.raises(ValueError, match="a row has 3 values"):
+        writer.write_values(values[:3])
+    writer.write_values(values)
+    with pytest.raises(DuplicateRowError, match="index 0 was already written"):
+        writer.write_values(values)
+    writer.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.write_values(tuple(completion(1).get(name) for name in COMPLETIONS_SCHEMA.names))

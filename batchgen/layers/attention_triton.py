@@ -727,19 +727,20 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
-    """One program per (kv head, sequence, query tile); queries sit at the end of the sequence's context. The tile's
+    """One program per (query tile, kv head, sequence); queries sit at the end of the sequence's context. The tile's
     BLOCK_M rows are BLOCK_Q query positions times the GROUP query heads of the kv head (row r: position r // GROUP,
     head r % GROUP), so each K/V tile it reads serves every head of the group.
 
-    Under the causal mask a query tile's work grows with its position, and the GPU starts programs in grid order: the
-    last query tiles of every sequence and head (the most keys) start first, so the launch ends on the shortest ones
-    instead of a last wave of the longest.
+    Under the causal mask a query tile's work grows with its position, and the GPU starts programs in grid order:
+    each (kv head, sequence) starts from its last query tile (the most keys), so the launch ends on short tiles
+    instead of a last wave of long ones, while the programs of one sequence and head still run together and share
+    its K/V in L2.
 
     The KV loop runs over BLOCK_N-aligned tiles in up to three stages: where the window starts (WINDOWED only), the
     tiles every row of the query tile sees whole, which need no mask, and those on the causal diagonal."""
-    kvh = tl.program_id(0)
-    b = tl.program_id(1)
-    tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     if tile * BLOCK_Q >= q_len:
@@ -823,7 +824,7 @@ def prefill_attention(
     group = num_heads // num_kv_heads
     block_m = max(config.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
-    _prefill_kernel[(num_kv_heads, batch, triton.cdiv(max_query_len, block_q))](
+    _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E, sliding_window or _NO_WINDOW,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),

@@ -221,7 +221,7 @@ class LLMEngine:
                 for sample in samples[1:]:
                     sample.first_sample = first
             for sample in samples:
-                prompts[sample.request_id, sample.sample_index] = prompt
+                prompts[sample.key] = prompt
             if self.detokenizer is not None:
                 for sample in samples:
                     self.detokenizer.add_request(sample)

@@ -295,14 +295,10 @@ class Scheduler:
                     prefilling.pop(id(request), None)
 
     def commit(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """The step's sampled ids arrived: fills the pending slots; returns the requests that finished."""
-        if output.decode_rows is not None and not output.num_prefill_tokens:
-            return self._commit_decodes(output, sampled_token_ids)
-        return self._commit_rows(output, sampled_token_ids)
+        """The step's sampled ids arrived: fills the pending slots; returns the requests that finished.
 
-    def _commit_rows(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """commit for any step. Runs for every request of every step, so its checks are inlined, and a request's
-        blocks are offered to the prefix cache only when one of them has filled."""
+        Runs for every request of every step, so its checks are inlined, and a request's blocks are offered to the
+        prefix cache only when one of them has filled."""
         now = time.perf_counter()
         finished = []
         block_manager = self.block_manager
@@ -338,41 +334,6 @@ class Scheduler:
             else:
                 continue
             self._mark_finished(request, reason, now)
-            finished.append(request)
-        if finished:
-            self.running = [request for request in self.running if request.status is not finished_status]
-        return finished
-
-    def _commit_decodes(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """commit for a step of decodes alone (most steps): _commit_rows less what cannot happen to a decode (a
-        request that samples nothing, a scoring request, a first token: the step that sampled it committed first),
-        its length check one array comparison."""
-        rows, block_manager = output.decode_rows, self.block_manager
-        requests = rows.requests
-        caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
-        running_status, finished_status = RequestStatus.RUNNING, RequestStatus.FINISHED
-        stop_rows = []
-        for row, request, slot, computed_end, token_id in zip(range(len(requests)), requests, output.output_slots,
-                                                              output.computed_ends, sampled_token_ids, strict=True):
-            status = request.status
-            if status is not running_status:
-                if status is finished_status:  # it ended at an earlier step: this token is discarded
-                    continue
-                # Preempted since this step was launched: it holds no blocks to cache, its token is still its own.
-            elif caching and computed_end // block_size > request.num_hashed_blocks:
-                block_manager.cache_full_blocks(request, computed_end)
-            request.output_token_ids[slot] = token_id
-            if token_id in request.stop_token_set:
-                stop_rows.append(row)
-        length_rows = np.flatnonzero(rows.output_slots >= rows.max_num_outputs - 1).tolist()  # slot + 1 outputs
-        if not stop_rows and not length_rows:
-            return []
-        now, finished = time.perf_counter(), []
-        for row in sorted({*stop_rows, *length_rows}):
-            request = requests[row]
-            if request.status is finished_status:
-                continue
-            self._mark_finished(request, "stop" if row in stop_rows else "length", now)
             finished.append(request)
         if finished:
             self.running = [request for request in self.running if request.status is not finished_status]

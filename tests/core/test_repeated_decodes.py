@@ -1,6 +1,6 @@
 """A decode step of the previous step's rows, scheduled from that step's arrays (`Scheduler._repeat_decodes`), is the
-step the general decode loop schedules, and a step of decodes committed by `Scheduler._commit_decodes` ends what the
-general commit loop ends: random workloads run through both, compared step by step and token for token."""
+step the general decode loop schedules: random workloads run through both, compared step by step and token for
+token."""
 
 from __future__ import annotations
 
@@ -23,9 +23,6 @@ class GeneralScheduler(Scheduler):
 
     def _repeat_decodes(self, step) -> bool:
         return False
-
-    def _commit_decodes(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        return self._commit_rows(output, sampled_token_ids)
 
 
 @dataclass(frozen=True)

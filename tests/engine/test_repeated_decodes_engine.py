@@ -1,5 +1,5 @@
-"""Whole generations with decode steps that repeat the previous step's rows scheduled from its arrays, and steps of
-decodes committed by their own loop, give exactly what the general loops give, row for row and token for token."""
+"""Whole generations with decode steps that repeat the previous step's rows scheduled from its arrays give exactly
+what the general loop gives, row for row and token for token."""
 
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ def generate(monkeypatch: pytest.MonkeyPatch, repeat: bool, **engine_options) ->
         patch.setattr(Scheduler, "schedule", counted)
         if not repeat:
             patch.setattr(Scheduler, "_repeat_decodes", lambda self, step: False)
-            patch.setattr(Scheduler, "_commit_decodes", Scheduler._commit_rows)
         llm = LLM(str(MODEL_DIR), device="cpu", max_num_seqs=8, **engine_options)
         try:
             newline = llm.engine.detokenizer.encode("\n")[0]

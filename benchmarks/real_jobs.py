@@ -268,6 +268,7 @@ def job_figures(process_s: float, summary: dict[str, Any], steps: list[dict[str,
         "load_s": engine.get("load_seconds"),
         "kv_sizing_s": engine.get("kv_sizing_seconds"),
         "capture_s_per_size": engine.get("cuda_graph_capture_seconds_per_size"),
+        "warm_up_s": engine.get("warm_up_seconds"),
         # compile ahead (batchgen/worker/compile_ahead.py): the kernels it compiled, in how many processes, and its
         # seconds (absent where it did not run)
         **{key: value for key, value in engine.items() if key.startswith("parallel_compile_")},

@@ -126,6 +126,8 @@ class LLMEngine:
         `add_pooling_request`, and their steps prefill only, eagerly, without CUDA graphs."""
         self.task = task
         self.device = resolve_device(engine_config.device)
+        # Before the worker: its start's warm-up step asks for a step's bitmask (`_bitmask`).
+        self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
         self.followers: Followers | None = None  # tensor-parallel ranks 1..N-1
         if engine_config.tensor_parallel_size > 1:
             hf_config, gguf = load_hf_config(model_config), is_gguf_path(model_config.path)
@@ -148,7 +150,6 @@ class LLMEngine:
         self.detokenizer = detokenizer or Detokenizer.load(model_config)
         self.eos_token_ids = self._eos_token_ids(self.hf_config)
         self.profiler = profiler
-        self.structured_output: StructuredOutputManager | None = None  # built for the first guided request
         self._token_texts = TokenTexts(self.detokenizer)
         num_blocks, block_size = worker.num_blocks, self.config.block_size
         self.scheduler = Scheduler(self.config, BlockManager(num_blocks, block_size, self.config.enable_prefix_caching))

@@ -158,7 +158,10 @@ class ModelWorker:
         if captures and not graphs:
             log.info("CUDA graphs not captured: no row of the job takes a decode step (max_tokens <= 1)")
         if graphs:
-            compile_ahead.run(lambda: self._capture_graphs(decoding), lambda: self.runner.warm_up_graphs(decoding))
+            compile_ahead.run(lambda: self._capture_graphs(decoding),
+                              lambda: self._start_forwards(graphs, decoding, profile=False))
+        if device.type == "cuda":
+            compile_ahead.run(self._warm_up_step, lambda: self._start_forwards(False, decoding, profile=False))
         compile_ahead.close()
         self.info.update(compile_ahead.info)
 
@@ -190,12 +193,20 @@ class ModelWorker:
         return choose_num_blocks(available // block_bytes,
                                  f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}", limit)
 
-    def _start_forwards(self, graphs: bool, max_rows: int | None) -> None:
-        """The start's forwards on the device, run once more for compile_ahead's dry run: the KV-sizing profile's,
-        then (graphs) each CUDA graph's warm-up forward."""
-        self.runner.profile_peak_bytes(scores_logits=self.pooler is None)
+    def _start_forwards(self, graphs: bool, max_rows: int | None, profile: bool = True) -> None:
+        """The start's forwards on the device from a phase on, run once more for compile_ahead's dry run: the
+        KV-sizing profile's (profile), each CUDA graph's warm-up forward (graphs), then the warm-up step."""
+        if profile:
+            self.runner.profile_peak_bytes(scores_logits=self.pooler is None)
         if graphs:
             self.runner.warm_up_graphs(max_rows)
+        self.runner.warm_up_step(self.pooler)
+
+    def _warm_up_step(self) -> None:
+        start = time.perf_counter()
+        self.runner.warm_up_step(self.pooler)
+        self.info.update(warm_up_seconds=time.perf_counter() - start)
+        log.info("Warm-up step (the first launch of each prefill kernel) in %.2f s", self.info["warm_up_seconds"])
 
     def _capture_graphs(self, max_rows: int | None) -> None:
         stats = self.runner.capture_graphs(max_rows)

@@ -16,6 +16,7 @@ import torch
 
 from batchgen.config import EngineConfig
 from batchgen.core.kv_sizing import FUSED_LOGPROBS_BYTES_PER_LOGIT, LOGPROBS_BYTES_PER_LOGIT, logprobs_slice_rows
+from batchgen.core.prompt_logprobs import PromptLogprobs
 from batchgen.core.request import Request
 from batchgen.core.scheduler import SchedulerOutput
 from batchgen.layers import attention_torch
@@ -115,6 +116,12 @@ class LaunchedStep:
     cascade_attention: bool
     logprobs: StepLogprobs | None = None
     pooled: PooledStep | None = None
+
+
+# The warm-up step's prompt: a few blocks, so that its prefill reads K/V across blocks as a job's prompts do.
+WARM_UP_TOKENS = 48
+WARM_UP_REQUEST_ID = -1  # never a job's (they count from 0)
+WARM_UP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1)
 
 
 class ModelRunner:
@@ -235,6 +242,33 @@ class ModelRunner:
             self._graph_runner(max_rows).warm_up_forwards()
         if scratch:
             self._unbind_kv_cache()
+
+    def warm_up_step(self, pooler: Pooler | None = None) -> None:
+        """One eager prefill step of a short dummy prompt, launched and collected as the engine's loop does it:
+        greedy, scoring the prompt's and the sampled token's logprobs (with pooler: a pooling step instead). A
+        process pays for its first launch of each kernel (loaded from Triton's disk cache, or compiled) and its first
+        pass over the step's host path once: here, at the start, rather than in the job's first step. Before the KV
+        cache is allocated (compile_ahead's dry run), over a scratch cache of the step's blocks; with the cache, in
+        its first blocks, which hold nothing yet."""
+        num_tokens = max(2, min(WARM_UP_TOKENS, self.config.max_model_len, self.config.max_num_batched_tokens))
+        num_blocks = -(-num_tokens // self.config.block_size)
+        scratch = self.kv_cache is None
+        if scratch:
+            self.allocate_kv_cache(num_blocks)
+        request = Request(WARM_UP_REQUEST_ID, [0] * num_tokens, WARM_UP_PARAMS, block_ids=list(range(num_blocks)))
+        request.logprobs = []
+        request.prompt_logprobs = PromptLogprobs(request.prompt_array, 1, 1)
+        step = SchedulerOutput([request], [num_tokens], [], num_prefill_tokens=num_tokens, num_decode_tokens=0)
+        try:
+            self.collect(self.launch(step) if pooler is None else self.launch_pooling(step, pooler))
+        finally:
+            self.release([request])
+            if pooler is not None:
+                pooler.release([request])
+            self.pending_tokens.sampled([], [])
+            self._previous_inputs, self._previous_params, self._last_packed = None, [], LastPacked()
+            if scratch:
+                self._unbind_kv_cache()
 
     def _graph_runner(self, max_rows: int | None) -> CudaGraphRunner:
         sizes = self.config.cuda_graph_sizes

@@ -218,3 +218,16 @@ def test_a_models_graph_warm_ups_run_dry_and_their_kernels_compile_in_processes(
     finally:
         pool.close()
     assert all(on_disk(spec) for spec in specs)
+
+
+def test_the_warm_up_step_runs_dry_over_a_scratch_cache_and_records_the_prefill_kernels(tiny_model_dir):
+    """compile_ahead's dry run of the start includes the warm-up step (before the KV cache exists): its prefill
+    attention is recorded, nothing launches, and the scratch cache is unbound again."""
+    config = ModelConfig(path=str(tiny_model_dir("Qwen3ForCausalLM")))
+    model = load_model(config, load_hf_config(config), torch.bfloat16, torch.device("cpu"), "generate")
+    engine = EngineConfig(max_num_seqs=16, max_model_len=64, max_num_batched_tokens=64, attention_backend="triton")
+    runner = ModelRunner(engine, model, torch.device("cpu"), torch.bfloat16)
+    with dry_launches() as recorded:
+        runner.warm_up_step()
+    assert "_prefill_kernel" in {spec.name for spec in recorded}
+    assert runner.kv_cache is None

@@ -118,9 +118,13 @@ class LaunchedStep:
     pooled: PooledStep | None = None
 
 
-# The warm-up step's prompt: a few blocks, so that its prefill reads K/V across blocks as a job's prompts do.
-WARM_UP_TOKENS = 48
-WARM_UP_REQUEST_ID = -1  # never a job's (they count from 0)
+# The warm-up step: its kernels should be those of a job's steps, whose launches Triton specializes on integer
+# arguments equal to 1 (one row) and divisible by 16, and on the kernels' tiles. Rows: 3, as most steps' counts
+# are neither. Tokens: enough that its prompt logprobs take a long scoring step's kernels (four-warp score slices
+# from 256 rows), few enough to cost little.
+WARM_UP_ROWS = 3
+WARM_UP_TOKENS = 2048
+WARM_UP_REQUEST_ID = -1  # its rows' ids count down from it; a job's count up from 0
 WARM_UP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1)
 
 
@@ -244,27 +248,39 @@ class ModelRunner:
             self._unbind_kv_cache()
 
     def warm_up_step(self, pooler: Pooler | None = None) -> None:
-        """One eager prefill step of a short dummy prompt, launched and collected as the engine's loop does it:
-        greedy, scoring the prompt's and the sampled token's logprobs (with pooler: a pooling step instead). A
+        """One eager prefill step of a few dummy prompts, launched and collected as the engine's loop does it:
+        greedy, scoring the prompts' and the sampled tokens' logprobs (with pooler: a pooling step instead). A
         process pays for its first launch of each kernel (loaded from Triton's disk cache, or compiled) and its first
         pass over the step's host path once: here, at the start, rather than in the job's first step. Before the KV
         cache is allocated (compile_ahead's dry run), over a scratch cache of the step's blocks; with the cache, in
-        its first blocks, which hold nothing yet."""
-        num_tokens = max(2, min(WARM_UP_TOKENS, self.config.max_model_len, self.config.max_num_batched_tokens))
-        num_blocks = -(-num_tokens // self.config.block_size)
+        its first blocks, which hold nothing yet. An engine too small for the step's rows skips it."""
+        block_size = self.config.block_size
         scratch = self.kv_cache is None
+        row_tokens = min(self.config.max_model_len, min(WARM_UP_TOKENS, self.config.max_num_batched_tokens)
+                         // WARM_UP_ROWS)
+        if row_tokens >= 16:  # the step's token count a multiple of 16, as a full step's: Triton specializes on it
+            row_tokens -= row_tokens % 16
+        row_blocks = -(-row_tokens // block_size)
+        if not scratch:  # a cache sized to a small job
+            row_blocks = min(row_blocks, self.kv_cache.shape[2] // WARM_UP_ROWS)
+            row_tokens = min(row_tokens, row_blocks * block_size)
+        if row_tokens < 2:  # a prompt logprob needs two tokens
+            return
         if scratch:
-            self.allocate_kv_cache(num_blocks)
-        request = Request(WARM_UP_REQUEST_ID, [0] * num_tokens, WARM_UP_PARAMS, block_ids=list(range(num_blocks)))
-        request.logprobs = []
-        request.prompt_logprobs = PromptLogprobs(request.prompt_array, 1, 1)
-        step = SchedulerOutput([request], [num_tokens], [], num_prefill_tokens=num_tokens, num_decode_tokens=0)
+            self.allocate_kv_cache(WARM_UP_ROWS * row_blocks)
+        requests = [Request(WARM_UP_REQUEST_ID - i, [0] * row_tokens, WARM_UP_PARAMS,
+                            block_ids=list(range(i * row_blocks, (i + 1) * row_blocks))) for i in range(WARM_UP_ROWS)]
+        for request in requests:
+            request.logprobs = []
+            request.prompt_logprobs = PromptLogprobs(request.prompt_array, 1, 1)
+        step = SchedulerOutput(requests, [row_tokens] * WARM_UP_ROWS, [], num_prefill_tokens=row_tokens * WARM_UP_ROWS,
+                               num_decode_tokens=0)
         try:
             self.collect(self.launch(step) if pooler is None else self.launch_pooling(step, pooler))
         finally:
-            self.release([request])
+            self.release(requests)
             if pooler is not None:
-                pooler.release([request])
+                pooler.release(requests)
             self.pending_tokens.sampled([], [])
             self._previous_inputs, self._previous_params, self._last_packed = None, [], LastPacked()
             if scratch:

@@ -7,6 +7,7 @@ at most the unflushed buffer, and a resumed job rebuilds the final file from the
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -61,7 +62,8 @@ def sorted_rows(table: pa.Table, sort_key: str | list[tuple[str, str]]) -> pa.Ta
 class PartedParquetWriter:
     """Buffers records; each flush writes one complete Parquet part file (tmp name, fsync, os.replace into
     <final stem>.parts/part-<n>.parquet). close() merges all parts into the final file atomically (tmp +
-    os.replace) sorted by sort_key (None: write order), then removes the parts directory.
+    os.replace) sorted by sort_key (None: write order), then removes the parts directory. A part that alone holds
+    every row, already in that order, is renamed into the final file instead of being read and written again.
 
     Opening a writer where a previous one left parts or a final file resumes: their rows are kept (a final
     file moves back into a part, so close() always rebuilds from parts) and stale tmp files are removed.
@@ -87,6 +89,9 @@ class PartedParquetWriter:
         self._required = [field.name for field in schema if not field.nullable]
         self._required_positions = [position for position, field in enumerate(schema) if not field.nullable]
         self._buffer: list[tuple[Any, ...]] = []  # each row's values in the schema's order
+        # The first part this writer flushed, with its rows, while no other part exists and its rows are in the final
+        # order: close() renames it (and checks its rows) rather than merging.
+        self._whole_part: tuple[Path, pa.Table] | None = None
         self._last_flush = time.monotonic()
         self._closed = False
         self._recover()
@@ -152,7 +157,10 @@ class PartedParquetWriter:
         """Writes the buffered rows as one new part file; after it returns they survive a crash."""
         if self._buffer:
             table = records_table(self._buffer, self.schema)
-            write_atomically(self._part_path(self._next_part), lambda file: pq.write_table(table, file))
+            path = self._part_path(self._next_part)
+            write_atomically(path, lambda file: pq.write_table(table, file))
+            in_final_order = self.sort_key is None or sorted_rows(table, self.sort_key) is table
+            self._whole_part = (path, table) if self._next_part == 0 and in_final_order else None
             self._next_part += 1
             self._buffer.clear()
         self._last_flush = time.monotonic()
@@ -178,11 +186,18 @@ class PartedParquetWriter:
         if self._closed:
             return self.final_path
         self.flush()
-        table = self.existing_rows().combine_chunks()  # a table of few chunks sorts and writes faster
-        if self.sort_key is not None:
-            table = sorted_rows(table, self.sort_key)
-        self._check_merged(table)
-        write_atomically(self.final_path, lambda file: pq.write_table(table, file))
+        if self._whole_part is not None and self._parts() == [self._whole_part[0]]:
+            part, table = self._whole_part
+            self._check_merged(table)
+            os.replace(part, self.final_path)  # written and fsynced as a part: the rename is the merge
+            fsync_directory(self.final_path.parent)
+        else:
+            table = self.existing_rows().combine_chunks()  # a table of few chunks sorts and writes faster
+            if self.sort_key is not None:
+                table = sorted_rows(table, self.sort_key)
+            self._check_merged(table)
+            write_atomically(self.final_path, lambda file: pq.write_table(table, file))
+        self._whole_part = None
         shutil.rmtree(self.parts_dir)
         self._closed = True
         return self.final_path

@@ -125,6 +125,23 @@ def test_rows_are_sorted_by_index_after_out_of_order_writes(tmp_path: Path) -> N
     assert pq.read_table(writer.close()).column("index").to_pylist() == [0, 1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize(("indices", "renamed"), [([0, 1, 2], True), ([1, 0, 2], False)], ids=["in order", "unsorted"])
+def test_close_renames_a_lone_part_already_in_order(tmp_path: Path, indices: list[int], renamed: bool) -> None:
+    """The one part of rows in their final order becomes completions.parquet as it is; unsorted rows are rewritten."""
+    writer = CompletionWriter(tmp_path, METADATA)
+    for index in indices:
+        writer.write(completion(index))
+    writer.flush()
+    (part,) = part_files(writer)
+    part_inode = part.stat().st_ino
+
+    path = writer.close()
+
+    assert (path.stat().st_ino == part_inode) is renamed
+    assert pq.read_table(path).to_pylist() == uninterrupted_run(tmp_path / "reference", 3)
+    assert read_metadata(path) == METADATA and not writer.parts_dir.exists()
+
+
 def test_parts_flushed_by_row_count_are_readable_before_close(tmp_path: Path) -> None:
     writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
     for index in range(5):

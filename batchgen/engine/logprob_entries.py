@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
 import numpy as np
+import pyarrow as pa
 
 from batchgen.core.prompt_logprobs import PromptLogprobs
 from batchgen.engine.detokenizer import Detokenizer
@@ -18,9 +19,10 @@ class TokenTexts:
     def __init__(self, detokenizer: Detokenizer | None):
         self._tokenizer = None if detokenizer is None else detokenizer.tokenizer
         self._texts: dict[int, str] = {}
-        # The texts decoded so far by token id, for lookups of whole arrays: (V,) str objects and whether each is set.
-        self._table = np.empty(0, dtype=object)
-        self._in_table = np.zeros(0, dtype=bool)
+        # For lookups of whole arrays: the texts decoded so far as one Arrow array, in the order they were first looked
+        # up, and each token id's place in it (-1: not yet).
+        self._decoded = pa.array([], type=pa.string())
+        self._places = np.zeros(0, dtype=np.int32)
 
     def text(self, token_id: int) -> str | None:
         if self._tokenizer is None:
@@ -30,19 +32,22 @@ class TokenTexts:
             text = self._texts[token_id] = self._tokenizer.decode([token_id])
         return text
 
-    def texts(self, token_ids: np.ndarray) -> np.ndarray | None:
-        """The texts of an array of token ids, as an object array of its shape: one indexing of the table, after the
-        ids it lacks are added (each decoded once)."""
+    def texts(self, token_ids: np.ndarray) -> pa.StringArray | None:
+        """The texts of an array of token ids, flattened (C order), as one Arrow array gathered from the texts decoded
+        so far, after the ids they lack are added (each decoded once): no Python object per id."""
         if self._tokenizer is None:
             return None
-        if token_ids.size and token_ids.max() >= len(self._table):
-            size = int(token_ids.max()) + 1
-            self._table = np.concatenate([self._table, np.empty(size - len(self._table), dtype=object)])
-            self._in_table = np.concatenate([self._in_table, np.zeros(size - len(self._in_table), dtype=bool)])
-        missing = np.unique(token_ids[~self._in_table[token_ids]])
-        self._table[missing] = [self.text(token_id) for token_id in missing.tolist()]
-        self._in_table[missing] = True
-        return self._table[token_ids]
+        token_ids = token_ids.reshape(-1)
+        if token_ids.size and token_ids.max() >= len(self._places):
+            grown = np.full(int(token_ids.max()) + 1, -1, dtype=np.int32)
+            grown[:len(self._places)] = self._places
+            self._places = grown
+        missing = np.unique(token_ids[self._places[token_ids] < 0])
+        if missing.size:
+            self._places[missing] = np.arange(len(self._decoded), len(self._decoded) + missing.size, dtype=np.int32)
+            self._decoded = pa.concat_arrays(
+                [self._decoded, pa.array([self.text(token_id) for token_id in missing.tolist()], type=pa.string())])
+        return self._decoded.take(self._places[token_ids])
 
 
 def entry(token_id: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float],

@@ -19,11 +19,11 @@ class LogprobArrays:
 
     num_missing: int
     token_ids: np.ndarray  # (P,)
-    texts: np.ndarray | None  # (P,) str objects; None: no tokenizer, every text null
+    texts: pa.StringArray | None  # (P,); None: no tokenizer, every text null
     logprobs: np.ndarray  # (P,)
     ranks: np.ndarray  # (P,)
     top_ids: np.ndarray  # (P, k), most likely first
-    top_texts: np.ndarray | None  # (P, k)
+    top_texts: pa.StringArray | None  # (P * k,), a position's k after each other
     top_logprobs: np.ndarray  # (P, k)
 
     def to_arrow(self) -> pa.ListArray:
@@ -53,7 +53,7 @@ def _floats(values: np.ndarray, missing: int = 0) -> pa.Array:
     return pa.array(_padded(values, np.float32, missing))
 
 
-def _strings(texts: np.ndarray | None, count: int, missing: int = 0) -> pa.Array:
+def _strings(texts: pa.StringArray | None, count: int, missing: int = 0) -> pa.Array:
     if texts is None:
         return pa.nulls(missing + count, pa.string())
-    return pa.concat_arrays([pa.nulls(missing, pa.string()), pa.array(texts.reshape(-1), type=pa.string())])
+    return pa.concat_arrays([pa.nulls(missing, pa.string()), texts]) if missing else texts

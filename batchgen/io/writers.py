@@ -7,11 +7,12 @@ at most the unflushed buffer, and a resumed job rebuilds the final file from the
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +50,21 @@ def records_table(rows: list[tuple[Any, ...]], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=schema)
 
 
+def dictionary_columns(schema: pa.Schema) -> list[str]:
+    """The Parquet paths of the schema's leaf columns that are not floating point, the ones written with a dictionary:
+    ids, texts and labels repeat, while logprobs, timings and embeddings rarely do, and a dictionary of them costs most
+    of a scoring file's encoding time for a larger file."""
+    def leaves(path: str, field_type: pa.DataType) -> list[tuple[str, pa.DataType]]:
+        if pa.types.is_list(field_type):
+            return leaves(f"{path}.list.element", field_type.value_type)  # Parquet's nested list naming
+        if pa.types.is_struct(field_type):
+            return [leaf for child in field_type for leaf in leaves(f"{path}.{child.name}", child.type)]
+        return [(path, field_type)]
+
+    return [path for field in schema for path, leaf_type in leaves(field.name, field.type)
+            if not pa.types.is_floating(leaf_type)]
+
+
 def sorted_rows(table: pa.Table, sort_key: str | list[tuple[str, str]]) -> pa.Table:
     """table.sort_by(sort_key), which leaves a table already in that order as it is (rows mostly finish in input
     order) instead of gathering every column again."""
@@ -61,7 +77,8 @@ def sorted_rows(table: pa.Table, sort_key: str | list[tuple[str, str]]) -> pa.Ta
 class PartedParquetWriter:
     """Buffers records; each flush writes one complete Parquet part file (tmp name, fsync, os.replace into
     <final stem>.parts/part-<n>.parquet). close() merges all parts into the final file atomically (tmp +
-    os.replace) sorted by sort_key (None: write order), then removes the parts directory.
+    os.replace) sorted by sort_key (None: write order), then removes the parts directory. A part that alone holds
+    every row, already in that order, is renamed into the final file instead of being read and written again.
 
     Opening a writer where a previous one left parts or a final file resumes: their rows are kept (a final
     file moves back into a part, so close() always rebuilds from parts) and stale tmp files are removed.
@@ -86,7 +103,11 @@ class PartedParquetWriter:
         self._names = frozenset(self._field_names)
         self._required = [field.name for field in schema if not field.nullable]
         self._required_positions = [position for position, field in enumerate(schema) if not field.nullable]
+        self._dictionary_columns = dictionary_columns(schema)
         self._buffer: list[tuple[Any, ...]] = []  # each row's values in the schema's order
+        # The first part this writer flushed, with its rows, while no other part exists and its rows are in the final
+        # order: close() renames it (and checks its rows) rather than merging.
+        self._whole_part: tuple[Path, pa.Table] | None = None
         self._last_flush = time.monotonic()
         self._closed = False
         self._recover()
@@ -152,10 +173,16 @@ class PartedParquetWriter:
         """Writes the buffered rows as one new part file; after it returns they survive a crash."""
         if self._buffer:
             table = records_table(self._buffer, self.schema)
-            write_atomically(self._part_path(self._next_part), lambda file: pq.write_table(table, file))
+            path = self._part_path(self._next_part)
+            write_atomically(path, lambda file: self._write_table(table, file))
+            in_final_order = self.sort_key is None or sorted_rows(table, self.sort_key) is table
+            self._whole_part = (path, table) if self._next_part == 0 and in_final_order else None
             self._next_part += 1
             self._buffer.clear()
         self._last_flush = time.monotonic()
+
+    def _write_table(self, table: pa.Table, file: BinaryIO) -> None:
+        pq.write_table(table, file, use_dictionary=self._dictionary_columns)
 
     def existing_rows(self, columns: list[str] | None = None) -> pa.Table:
         """The rows in part files, earlier attempts included, in write order; buffered rows are not."""
@@ -178,11 +205,18 @@ class PartedParquetWriter:
         if self._closed:
             return self.final_path
         self.flush()
-        table = self.existing_rows().combine_chunks()  # a table of few chunks sorts and writes faster
-        if self.sort_key is not None:
-            table = sorted_rows(table, self.sort_key)
-        self._check_merged(table)
-        write_atomically(self.final_path, lambda file: pq.write_table(table, file))
+        if self._whole_part is not None and self._parts() == [self._whole_part[0]]:
+            part, table = self._whole_part
+            self._check_merged(table)
+            os.replace(part, self.final_path)  # written and fsynced as a part: the rename is the merge
+            fsync_directory(self.final_path.parent)
+        else:
+            table = self.existing_rows().combine_chunks()  # a table of few chunks sorts and writes faster
+            if self.sort_key is not None:
+                table = sorted_rows(table, self.sort_key)
+            self._check_merged(table)
+            write_atomically(self.final_path, lambda file: self._write_table(table, file))
+        self._whole_part = None
         shutil.rmtree(self.parts_dir)
         self._closed = True
         return self.final_path

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.io.atomic import write_atomically
-from batchgen.io.writers import CompletionWriter, StepWriter, write_json_atomic
+from batchgen.io.writers import CompletionWriter, StepWriter, dictionary_columns, write_json_atomic
 from batchgen.job.run_outputs import SUMMARY_FILE
 from batchgen.job.summary import generation_phase, job_totals, summary_document
 from batchgen.runners.errors import MergeError
@@ -87,7 +87,7 @@ def check_same_split(markers: dict[int, ShardMarker], where: Path) -> None:
 
 
 def _write_parquet(path: Path, table: pa.Table) -> None:
-    write_atomically(path, lambda file: pq.write_table(table, file))
+    write_atomically(path, lambda file: pq.write_table(table, file, use_dictionary=dictionary_columns(table.schema)))
 
 
 def merge_shards(root: Path) -> dict[str, Any]:

@@ -11,9 +11,11 @@ import pytest
 from batchgen.core.prompt_logprobs import PromptLogprobs
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.logprob_entries import PromptLogprobEntries, TokenTexts
-from batchgen.io.schema import LOGPROB_ENTRY
+from batchgen.engine.outputs import RequestOutput
+from batchgen.io.prompt_rows import PromptRow
+from batchgen.io.schema import COMPLETIONS_SCHEMA, LOGPROB_ENTRY
 from batchgen.io.writers import CompletionWriter
-from batchgen.job.run import prompt_logprobs_value
+from batchgen.job.run import completion_values, prompt_logprobs_value
 
 ENTRIES = pa.list_(LOGPROB_ENTRY)
 
@@ -82,3 +84,80 @@ def test_a_writer_part_takes_built_columns_lists_and_nulls(tmp_path):
     table = pq.read_table(writer.close())
     assert table.column("prompt_logprobs").to_pylist() == [list(entries[0]), list(entries[1]), None]
     assert table.column("id").to_pylist() == ["a", "b", "c"]
+
+
+def expected_entries(scored_values: dict[str, np.ndarray], first: int, k: int, with_texts: bool) -> list[dict | None]:
+    """A row's prompt_logprobs entries built from the values recorded, in Python: the per-position form."""
+    def text(token_id: int) -> str | None:
+        return f"t{token_id}" if with_texts else None
+
+    entries: list[dict | None] = [None] * first
+    for position in range(len(scored_values["logprobs"])):
+        top_ids = scored_values["top_ids"][position, :k].tolist()
+        top_logprobs = scored_values["top_logprobs"][position, :k].tolist()
+        token_id = int(scored_values["token_ids"][position])
+        entries.append({"token_id": token_id, "text": text(token_id),
+                        "logprob": float(scored_values["logprobs"][position]),
+                        "rank": int(scored_values["ranks"][position]),
+                        "top": [{"token_id": t, "text": text(t), "logprob": lp}
+                                for t, lp in zip(top_ids, top_logprobs, strict=True)]})
+    return entries
+
+
+@pytest.mark.parametrize("with_texts", [False, True])
+@pytest.mark.parametrize("parts", ["one in order", "one out of order", "two attempts"])
+def test_completions_written_from_arrays_equal_the_rows_built_per_position(tmp_path, with_texts, parts):
+    """Rows with prompt logprobs (k 1 and 3, a scored context's null entries, -inf, n = 2) among rows without them,
+    through completion_values and the writer (one part renamed into the file, one part sorted, or the parts of a killed
+    attempt and its resume merged): completions.parquet equals the table built from the same values as Python lists."""
+    rng = np.random.default_rng(7)
+    texts = TokenTexts(Detokenizer(CountingTokenizer()) if with_texts else None)
+    written, expected = [], []
+    for index in range(12):
+        prompt = rng.integers(0, 300, int(rng.integers(2, 40))).tolist()
+        row = PromptRow(index, f"row-{index}", None, prompt, {})
+        for sample_index in range(1 + index % 2):
+            entries = None
+            expected_logprobs = None
+            if index % 3:
+                first, k = (1, 1) if index % 3 == 1 else (min(5, len(prompt)), 3)
+                scored = PromptLogprobs(np.array(prompt), first, k)
+                count = len(prompt) - first
+                values = {"token_ids": np.array(prompt[first:]), "logprobs": -rng.random(count, dtype=np.float32),
+                          "ranks": rng.integers(1, 300, count),
+                          "top_ids": rng.integers(0, 300, (count, 4)),
+                          "top_logprobs": -rng.random((count, 4), dtype=np.float32) * 3}
+                values["logprobs"][count // 2:count // 2 + 1] = -np.inf
+                values["top_logprobs"][:1, -1] = -np.inf
+                scored.record(first, values["logprobs"], values["ranks"], values["top_ids"], values["top_logprobs"])
+                entries = PromptLogprobEntries(scored, texts)
+                expected_logprobs = expected_entries(values, first, k, with_texts)
+            output = RequestOutput(index, None, prompt, None, [5, 6], "length", sample_index=sample_index,
+                                   prompt_logprobs=entries)
+            written.append(completion_values(row, output))
+            expected.append({"index": index, "id": row.id, "prompt_token_ids": prompt, "output_token_ids": [5, 6],
+                             "num_prompt_tokens": len(prompt), "num_output_tokens": 2, "finish_reason": "length",
+                             "sample_index": sample_index, "num_cached_tokens": 0,
+                             "prompt_logprobs": expected_logprobs})
+    if parts == "two attempts":
+        killed = CompletionWriter(tmp_path, {}, flush_rows=4)
+        for values in written[:10]:
+            killed.write_values(values)
+        del killed  # two parts flushed, two rows buffered and lost: the resume writes them again
+        writer = CompletionWriter(tmp_path, {}, flush_rows=4)
+        for values in written[8:]:
+            writer.write_values(values)
+    else:
+        writer = CompletionWriter(tmp_path, {})
+        if parts == "one out of order":
+            written[:4] = reversed(written[:4])
+        for values in written:
+            writer.write_values(values)
+
+    table = pq.read_table(writer.close())
+
+    expected_table = pa.Table.from_pylist(expected, schema=COMPLETIONS_SCHEMA)
+    assert table.schema.equals(COMPLETIONS_SCHEMA)
+    assert table.equals(expected_table)
+    assert table.to_pylist() == expected_table.to_pylist()
+    assert not writer.parts_dir.exists()

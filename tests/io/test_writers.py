@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.io.schema import COMPLETIONS_SCHEMA, STEPS_SCHEMA, read_metadata
-from batchgen.io.writers import CompletionWriter, DuplicateRowError, StepWriter, write_json_atomic
+from batchgen.io.writers import CompletionWriter, DuplicateRowError, StepWriter, dictionary_columns, write_json_atomic
 from batchgen.job.run import TASK_COLUMNS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -123,6 +123,43 @@ def test_rows_are_sorted_by_index_after_out_of_order_writes(tmp_path: Path) -> N
     for index in [5, 2, 0, 4, 1, 3]:
         writer.write(completion(index))
     assert pq.read_table(writer.close()).column("index").to_pylist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(("indices", "renamed"), [([0, 1, 2], True), ([1, 0, 2], False)], ids=["in order", "unsorted"])
+def test_close_renames_a_lone_part_already_in_order(tmp_path: Path, indices: list[int], renamed: bool) -> None:
+    """The one part of rows in their final order becomes completions.parquet as it is; unsorted rows are rewritten."""
+    writer = CompletionWriter(tmp_path, METADATA)
+    for index in indices:
+        writer.write(completion(index))
+    writer.flush()
+    (part,) = part_files(writer)
+    part_inode = part.stat().st_ino
+
+    path = writer.close()
+
+    assert (path.stat().st_ino == part_inode) is renamed
+    assert pq.read_table(path).to_pylist() == uninterrupted_run(tmp_path / "reference", 3)
+    assert read_metadata(path) == METADATA and not writer.parts_dir.exists()
+
+
+def test_float_columns_are_written_without_a_dictionary(tmp_path: Path) -> None:
+    entry = {"token_id": 7, "text": "a", "logprob": -0.5, "rank": 1,
+             "top": [{"token_id": 7, "text": "a", "logprob": -0.5}]}
+    writer = CompletionWriter(tmp_path, METADATA)
+    writer.write({**completion(0), "logprobs": [entry, entry], "prompt_logprobs": [None, entry]})
+    path = writer.close()
+
+    columns = pq.ParquetFile(path).metadata.row_group(0)
+    dictionary = {columns.column(i).path_in_schema: columns.column(i).has_dictionary_page
+                  for i in range(columns.num_columns)}
+    assert set(dictionary_columns(COMPLETIONS_SCHEMA)) <= dictionary.keys()  # the paths name the file's columns
+    floats = {"ttft_ms", "tpot_ms", "latency_ms", "logprobs.list.element.logprob",
+              "logprobs.list.element.top.list.element.logprob", "prompt_logprobs.list.element.logprob",
+              "prompt_logprobs.list.element.top.list.element.logprob", "continuation_logprob",
+              "embedding.list.element", "logits.list.element", "probs.list.element", "score"}
+    without = {path for path, has_dictionary in dictionary.items() if not has_dictionary}
+    assert without == floats | {"continuation_is_greedy"}  # Parquet has no dictionary of booleans
+    assert pq.read_table(path).to_pylist()[0]["prompt_logprobs"] == [None, entry]
 
 
 def test_parts_flushed_by_row_count_are_readable_before_close(tmp_path: Path) -> None:

@@ -175,8 +175,9 @@ class PartedParquetWriter:
             table = records_table(self._buffer, self.schema)
             path = self._part_path(self._next_part)
             write_atomically(path, lambda file: self._write_table(table, file))
-            in_final_order = self.sort_key is None or sorted_rows(table, self.sort_key) is table
-            self._whole_part = (path, table) if self._next_part == 0 and in_final_order else None
+            first_in_order = self._next_part == 0 and (self.sort_key is None
+                                                       or sorted_rows(table, self.sort_key) is table)
+            self._whole_part = (path, table) if first_in_order else None
             self._next_part += 1
             self._buffer.clear()
         self._last_flush = time.monotonic()

@@ -91,18 +91,41 @@ def stop_at_missing_kernel() -> Iterator[None]:
         yield
 
 
-def settled_kernel(spec: KernelSpec) -> Any:
-    """The spec's JIT function, its source's cache key computed as in any other process. Triton 3.6 adds the global
-    constants a called function reads to its caller's key before it computes them (3.8 after), so a key depended
-    on which kernels this process keyed first: computed again until it stops changing, every called function's are
-    in (the key 3.8 computes)."""
-    kernel = getattr(importlib.import_module(spec.module), spec.name)
+def settle(kernel: Any) -> None:
+    """Computes the JIT function's source cache key again until it stops changing. Triton 3.6 adds the global
+    constants a called function reads to its caller's key before it computes them (3.8 after), so a key depended on
+    which kernels this process keyed first: settled, every called function's are in (the key 3.8 computes)."""
     key = kernel.cache_key
     kernel.hash = None
     while kernel.cache_key != key:
         key = kernel.cache_key
         kernel.hash = None
+
+
+def settled_kernel(spec: KernelSpec) -> Any:
+    """The spec's JIT function, its cache key settled (`settle`) as in any other process."""
+    kernel = getattr(importlib.import_module(spec.module), spec.name)
+    settle(kernel)
     return kernel
+
+
+_settled: set[int] = set()  # ids of the JIT functions settle_loaded_kernels has settled in this process
+
+
+def settle_loaded_kernels() -> None:
+    """Settles the cache key of every Triton kernel in batchgen's modules loaded so far, so that this process looks
+    each one up by the key compile processes store it under. Unsettled, Triton 3.6's key of the embedding kernel
+    differed, and every warm start's first phase missed a kernel that was on disk and ran the whole start's dry run
+    for nothing."""
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("batchgen.") or module is None:
+            continue
+        for kernel in list(vars(module).values()):
+            if isinstance(kernel, JITFunction) and id(kernel) not in _settled:
+                settle(kernel)
+                _settled.add(id(kernel))
 
 
 def on_disk(spec: KernelSpec) -> bool:
@@ -414,6 +437,7 @@ class CompileAhead:
         start: after that, whatever is still missing compiles at its first launch."""
         if self.setup is None:
             return phase()
+        settle_loaded_kernels()
         with contextlib.suppress(MissingKernel), stop_at_missing_kernel():
             return phase()
         # It stopped; its frames (and their tensors) went with the exception, before the dry run allocates its own.
@@ -446,6 +470,9 @@ class CompileAhead:
             except PRELOAD_ERRORS as error:
                 failed.append(f"{spec.name}: {type(error).__name__}: {error}")
         if not missing:
+            self.info.update(parallel_compile_dry_run_seconds=dry_run_seconds)
+            log.info("Parallel Triton compile: the start's dry run (%.2f s) found every kernel on disk",
+                     dry_run_seconds)
             if failed:
                 log.warning("Parallel Triton compile: %d kernels cannot be compiled ahead, the first: %s", len(failed),
                             failed[0])

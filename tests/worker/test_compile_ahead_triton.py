@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+import types
 from collections import defaultdict
 
 import pytest
@@ -231,3 +233,16 @@ def test_the_warm_up_step_runs_dry_over_a_scratch_cache_and_records_the_prefill_
         runner.warm_up_step()
     assert "_prefill_kernel" in {spec.name for spec in recorded}
     assert runner.kv_cache is None
+
+
+def test_a_loaded_kernel_keyed_out_of_order_is_looked_up_by_its_settled_key(monkeypatch):
+    """settle_loaded_kernels recomputes the key of each kernel in batchgen's loaded modules: one keyed before the
+    functions it calls (Triton 3.6) then has the key a compile process stores it under."""
+    settled = scale_kernel.cache_key
+    module = types.ModuleType("batchgen.kernels_under_test")
+    module.scale_kernel = scale_kernel
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(compile_ahead, "_settled", set())
+    monkeypatch.setattr(scale_kernel, "hash", "keyed before its callees")
+    compile_ahead.settle_loaded_kernels()
+    assert scale_kernel.cache_key == settled

@@ -13,6 +13,7 @@ from batchgen.io.atomic import DirectoryLock
 from batchgen.runners.data_parallel import run_data_parallel
 from batchgen.runners.local import run_local
 from batchgen.runners.ranks import Rank, run_rank
+from batchgen.worker.compile_ahead import key_triton_in_background
 
 
 def launch(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str, Any]:
@@ -25,6 +26,8 @@ def launch(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str
         with DirectoryLock(run_dir):
             return run_ray(config, run_dir)
     check_gpus(config)
+    if runs_on_cuda(config):
+        key_triton_in_background()
     if config.engine.data_parallel_size > 1:
         with DirectoryLock(run_dir):
             return run_data_parallel(config, run_dir, task_overrides)
@@ -33,11 +36,15 @@ def launch(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str
     return run_local(config, run_dir)
 
 
+def runs_on_cuda(config: Config) -> bool:
+    return config.engine.device != "cpu" and torch.cuda.is_available()
+
+
 def check_gpus(config: Config) -> None:
     """On CUDA each rank takes a GPU: data-parallel ranks (engine.data_parallel_size, or torchrun's on this host)
     times tensor-parallel ranks of each."""
     engine = config.engine
-    if engine.device == "cpu" or not torch.cuda.is_available():
+    if not runs_on_cuda(config):
         return
     data_parallel = engine.data_parallel_size if engine.data_parallel_size > 1 else int(
         os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -27,6 +27,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -351,6 +352,23 @@ class CompilePool:
 
 
 # -- one engine start ------------------------------------------------------------------------------------------
+
+
+def key_triton_in_background() -> threading.Thread:
+    """Starts hashing Triton's own files on a thread: every process computes that part of the kernels' cache keys
+    once, at its first kernel (about 0.4 s on an H200's host), and on the thread most of it (hashlib's) runs beside
+    the job's reading of its input, without the GIL."""
+    thread = threading.Thread(target=_key_triton, name="triton-key", daemon=True)
+    thread.start()
+    return thread
+
+
+def _key_triton() -> None:
+    try:
+        from triton.runtime.cache import triton_key  # Triton 3.6 and 3.8 keep it here
+    except ImportError:  # no Triton (torch's CPU build), or one that keys elsewhere: its first kernel pays it
+        return
+    triton_key()
 
 
 def compile_processes() -> int:

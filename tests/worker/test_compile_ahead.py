@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -174,3 +175,19 @@ def test_a_fresh_start_compiles_in_processes_and_decodes_the_same_greedy_tokens(
     assert not any(key.startswith("parallel_compile") for key in warm_engine), warm_engine
     assert "Triton kernels in" not in warm_log and "dry run" not in warm_log
     assert warm_rows == rows
+
+
+def test_tritons_own_key_is_computed_on_a_thread_where_triton_is(monkeypatch):
+    """Without Triton (torch's CPU build) the thread ends quietly; with it, Triton's once-a-process key is cached."""
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        triton_key = None
+    else:
+        triton_key.cache_clear()
+    compile_ahead.key_triton_in_background().join(timeout=60)
+    assert errors == []
+    if triton_key is not None:
+        assert triton_key.cache_info().currsize == 1

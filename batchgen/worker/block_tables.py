@@ -59,10 +59,10 @@ class BlockTables:
 
     def _write(self, requests: Sequence[Request], entries: Sequence[_Entry]) -> None:
         """Writes the requests' blocks not yet in their rows (all of them after a preemption), in one scatter for all
-        of them (a prefill step brings hundreds of new rows): per request, Python gathers only where its new blocks
-        start in the flattened table and how many there are; numpy spreads them into each block's index."""
-        width = self.table.shape[1]
-        starts: list[int] = []  # per request with new blocks: the flat index of its first new block
+        of them (a prefill step brings hundreds of new rows): per request, Python gathers only its row, the column of
+        its first new block and how many there are; numpy spreads them over each block."""
+        rows: list[int] = []  # per request with new blocks: its row,
+        first_columns: list[int] = []  # the column of its first new block,
         counts: list[int] = []  # and how many it has
         blocks: list[int] = []  # the new blocks, request after request
         for request, entry in zip(requests, entries, strict=True):
@@ -70,15 +70,18 @@ class BlockTables:
                 entry.written, entry.preemptions = 0, request.num_preemptions
             block_ids, written = request.block_ids, entry.written
             if len(block_ids) > written:
-                starts.append(entry.row * width + written)
+                rows.append(entry.row)
+                first_columns.append(written)
                 counts.append(len(block_ids) - written)
                 blocks += block_ids[written:]
                 entry.written = len(block_ids)
         if blocks:
             num_new = np.array(counts)
-            # Block k of the step's new blocks goes to its request's start plus its index among that request's.
-            offsets = np.array(starts) - (np.cumsum(num_new) - num_new)
-            self.table.put(np.arange(len(blocks)) + np.repeat(offsets, num_new), blocks)
+            # A block's column: its index among the step's new blocks, less its request's first one's, plus the
+            # request's first column.
+            firsts = np.cumsum(num_new) - num_new
+            columns = np.arange(len(blocks)) + np.repeat(np.array(first_columns) - firsts, num_new)
+            self.table[np.repeat(np.array(rows), num_new), columns] = blocks
 
     def release(self, requests: list[Request]) -> None:
         if requests:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
 
@@ -60,22 +59,29 @@ class BlockTables:
 
     def _write(self, requests: Sequence[Request], entries: Sequence[_Entry]) -> None:
         """Writes the requests' blocks not yet in their rows (all of them after a preemption), in one scatter for all
-        of them (a prefill step brings hundreds of new rows)."""
-        # Per block to write: its row, its column and the block.
-        rows: list[int] = []
-        columns: list[int] = []
-        blocks: list[int] = []
+        of them (a prefill step brings hundreds of new rows): per request, Python gathers only its row, the column of
+        its first new block and how many there are; numpy spreads them over each block."""
+        rows: list[int] = []  # per request with new blocks: its row,
+        first_columns: list[int] = []  # the column of its first new block,
+        counts: list[int] = []  # and how many it has
+        blocks: list[int] = []  # the new blocks, request after request
         for request, entry in zip(requests, entries, strict=True):
             if entry.preemptions != request.num_preemptions:  # recomputed into new blocks: rewrite the row
                 entry.written, entry.preemptions = 0, request.num_preemptions
             block_ids, written = request.block_ids, entry.written
             if len(block_ids) > written:
-                rows.extend(repeat(entry.row, len(block_ids) - written))
-                columns.extend(range(written, len(block_ids)))
-                blocks.extend(block_ids[written:])
+                rows.append(entry.row)
+                first_columns.append(written)
+                counts.append(len(block_ids) - written)
+                blocks += block_ids[written:]
                 entry.written = len(block_ids)
-        if rows:
-            self.table[rows, columns] = blocks
+        if blocks:
+            num_new = np.array(counts)
+            # A block's column: its index among the step's new blocks, less its request's first one's, plus the
+            # request's first column.
+            firsts = np.cumsum(num_new) - num_new
+            columns = np.arange(len(blocks)) + np.repeat(np.array(first_columns) - firsts, num_new)
+            self.table[np.repeat(np.array(rows), num_new), columns] = blocks
 
     def release(self, requests: list[Request]) -> None:
         if requests:

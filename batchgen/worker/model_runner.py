@@ -120,8 +120,8 @@ class LaunchedStep:
 
 # The warm-up step: its kernels should be those of a job's steps, whose launches Triton specializes on integer
 # arguments equal to 1 (one row) and divisible by 16, and on the kernels' tiles. Rows: 3, as most steps' counts
-# are neither. Tokens: enough that its prompt logprobs take a long scoring step's kernels (four-warp score slices
-# from 256 rows), few enough to cost little.
+# are neither (fewer where max_num_seqs is). Tokens: enough that its prompt logprobs take a long scoring step's
+# kernels (four-warp score slices from 256 rows), few enough to cost little.
 WARM_UP_ROWS = 3
 WARM_UP_TOKENS = 2048
 WARM_UP_REQUEST_ID = -1  # its rows' ids count down from it; a job's count up from 0
@@ -256,24 +256,24 @@ class ModelRunner:
         its first blocks, which hold nothing yet. An engine too small for the step's rows skips it."""
         block_size = self.config.block_size
         scratch = self.kv_cache is None
-        row_tokens = min(self.config.max_model_len, min(WARM_UP_TOKENS, self.config.max_num_batched_tokens)
-                         // WARM_UP_ROWS)
+        rows = min(WARM_UP_ROWS, self.config.max_num_seqs)  # a step's device buffers hold max_num_seqs rows
+        row_tokens = min(self.config.max_model_len, min(WARM_UP_TOKENS, self.config.max_num_batched_tokens) // rows)
         if row_tokens >= 16:  # the step's token count a multiple of 16, as a full step's: Triton specializes on it
             row_tokens -= row_tokens % 16
         row_blocks = -(-row_tokens // block_size)
         if not scratch:  # a cache sized to a small job
-            row_blocks = min(row_blocks, self.kv_cache.shape[2] // WARM_UP_ROWS)
+            row_blocks = min(row_blocks, self.kv_cache.shape[2] // rows)
             row_tokens = min(row_tokens, row_blocks * block_size)
         if row_tokens < 2:  # a prompt logprob needs two tokens
             return
         if scratch:
-            self.allocate_kv_cache(WARM_UP_ROWS * row_blocks)
+            self.allocate_kv_cache(rows * row_blocks)
         requests = [Request(WARM_UP_REQUEST_ID - i, [0] * row_tokens, WARM_UP_PARAMS,
-                            block_ids=list(range(i * row_blocks, (i + 1) * row_blocks))) for i in range(WARM_UP_ROWS)]
+                            block_ids=list(range(i * row_blocks, (i + 1) * row_blocks))) for i in range(rows)]
         for request in requests:
             request.logprobs = []
             request.prompt_logprobs = PromptLogprobs(request.prompt_array, 1, 1)
-        step = SchedulerOutput(requests, [row_tokens] * WARM_UP_ROWS, [], num_prefill_tokens=row_tokens * WARM_UP_ROWS,
+        step = SchedulerOutput(requests, [row_tokens] * rows, [], num_prefill_tokens=row_tokens * rows,
                                num_decode_tokens=0)
         try:
             self.collect(self.launch(step) if pooler is None else self.launch_pooling(step, pooler))

@@ -79,6 +79,18 @@ def test_an_engine_too_small_for_the_warm_up_skips_it(tiny_model_dir):
     llm.close()
 
 
+def test_an_engine_of_one_row_a_step_warms_up_on_one_row(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("Qwen3ForCausalLM")), **{**OPTIONS, "max_num_seqs": 1})
+    runner = llm.engine.runner
+    runner.kv_cache.fill_(float("nan"))
+    runner.warm_up_step()  # three rows would not fit the step's buffers of one
+    assert not runner.kv_cache[:, :, 0].isnan().all()
+    outputs = llm.generate(random_prompts(256, 3), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+    assert all(len(o.token_ids) == 4 for o in outputs)
+    llm.close()
+
+
 def test_over_a_scratch_cache_the_cache_is_unbound_again(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("Qwen3ForCausalLM")), **OPTIONS)
     runner = llm.engine.runner

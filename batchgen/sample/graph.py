@@ -12,6 +12,8 @@ graphs, which replaces the eager pipeline's dozens of small launches, each of th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from batchgen.layers.staging import staging_buffer
@@ -21,8 +23,13 @@ from batchgen.sample.state import SamplingState
 
 
 class SamplerGraphs:
-    def __init__(self, max_size: int, vocab_size: int, pending_ids: torch.Tensor, device: torch.device):
+    def __init__(self, max_size: int, vocab_size: int, pending_ids: torch.Tensor, device: torch.device,
+                 wait_for_device: Callable[[], None] | None = None):
+        """wait_for_device: waits until the device has run everything queued so far, before a capture (whose
+        synchronize would never return while an earlier step waits in a collective for a dead tensor-parallel
+        follower); None: torch.cuda.synchronize."""
         self.device = device
+        self.wait_for_device = wait_for_device or (lambda: torch.cuda.synchronize(device))
         self.max_size = max_size
         self.capture_graphs = device.type == "cuda"  # on CPU the same static-buffer path runs eagerly (tests)
         # A bucket of `size` rows lays its parameters out from the start (ParamLayout.of(size)); buckets overlap.
@@ -92,7 +99,7 @@ class SamplerGraphs:
         self._load(SamplingBatch.prepare([], []), size)
         self.bitmask[:size].fill_(-1)
         self._pipeline(size, features, logits, state, greedy_ids)
-        torch.cuda.synchronize(self.device)
+        self.wait_for_device()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             output = self._pipeline(size, features, logits, state, greedy_ids)

@@ -231,9 +231,16 @@ class ModelRunner:
         """max_rows: the most requests a decode step can hold, when known: larger buckets would never replay."""
         self.graphs = self._graph_runner(max_rows)
         self.sampler_graphs = SamplerGraphs(self.graphs.sizes[-1], self.vocab_size, self.pending_tokens.ids,
-                                            self.device)
+                                            self.device, self._wait_for_device)
         with torch.inference_mode():
             return self.graphs.capture()
+
+    def _wait_for_device(self) -> None:
+        """Waits for everything queued on the current stream through wait_for_step, which a tensor-parallel rank 0
+        replaces with a wait that watches its followers (a sampler graph is captured between steps)."""
+        queued = torch.cuda.Event()
+        queued.record()
+        self.wait_for_step(queued)
 
     def warm_up_graphs(self, max_rows: int | None = None) -> None:
         """capture_graphs' warm-up forwards alone, capturing nothing (compile_ahead's dry run of it). Before the KV

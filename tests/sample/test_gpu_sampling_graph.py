@@ -112,3 +112,18 @@ def test_captured_sampler_equals_eager_and_the_old_sampler(penalties):
                 request.output_token_ids.append(token)
         results.append(tokens)
     assert results[0] == results[1]
+
+
+def test_a_capture_first_waits_for_the_device_through_the_given_wait():
+    """A sampler graph is captured between steps: its wait for the device goes through the engine's (rank 0 of
+    tensor parallelism watches its followers there), not a synchronize that a dead follower would never end."""
+    rows, size, device = 5, 8, torch.device("cuda")
+    waits = []
+    graphs = SamplerGraphs(size, VOCAB, torch.zeros(size, dtype=torch.int64, device=device), device,
+                           wait_for_device=lambda: waits.append(torch.cuda.current_stream().query()))
+    logits = torch.zeros(size, VOCAB, device=device)
+    logits[:rows] = logits_for(rows, seed=0).to(device)
+    requests = make_requests(mixed_params(rows))
+    graphs.run(step_batch(requests, None), size, logits, None)
+    graphs.run(step_batch(requests, None), size, logits, None)
+    assert len(waits) == 1 and len(graphs.graphs) == 1  # once, for the one capture

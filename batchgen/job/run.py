@@ -26,6 +26,7 @@ from batchgen.io.logprob_arrays import LogprobArrays
 from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, iter_prompts
+from batchgen.io.schema import COMPLETIONS_SCHEMA
 from batchgen.io.shard_split import ShardSplit
 from batchgen.io.writers import CompletionWriter, write_kernels
 from batchgen.job.exits import is_environment_fault
@@ -50,10 +51,7 @@ TOKENIZE_CHUNK_ROWS = 1024  # rows per batched tokenizer call: few calls, a boun
 TASK_COLUMNS = ("continuation_logprob", "continuation_num_tokens", "continuation_is_greedy", "embedding", "logits",
                 "probs", "label", "score")  # RequestOutput fields of the score, embed and classify tasks
 _task_values = attrgetter(*TASK_COLUMNS)  # in one call: a row's values are built per finished row
-# The values of completion_values, in COMPLETIONS_SCHEMA's order.
-COMPLETION_COLUMNS = ("index", "id", "prompt", "completion", "prompt_token_ids", "output_token_ids",
-                      "num_prompt_tokens", "num_output_tokens", "finish_reason", "error", "ttft_ms", "tpot_ms",
-                      "latency_ms", "sample_index", "num_cached_tokens", "logprobs", "prompt_logprobs", *TASK_COLUMNS)
+COMPLETION_COLUMNS = tuple(COMPLETIONS_SCHEMA.names)  # the order of completion_values' values
 # An input error row's values after its error: no timings, sample 0, nothing generated.
 _ERROR_ROW_TAIL = (None, None, None, 0, *(None,) * (len(COMPLETION_COLUMNS) - 14))
 

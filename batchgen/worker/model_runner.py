@@ -4,9 +4,10 @@ engines, an eager prefill whose hidden states are pooled."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 from types import ModuleType
@@ -246,12 +247,20 @@ class ModelRunner:
         """capture_graphs' warm-up forwards alone, capturing nothing (compile_ahead's dry run of it). Before the KV
         cache is allocated, over a scratch one-block cache, as profile_peak_bytes: a capture's padding rows read and
         write no KV."""
-        scratch = self.kv_cache is None
-        if scratch:
-            self.allocate_kv_cache(1)
-        with torch.inference_mode():
+        with self._kv_cache_or_scratch(1), torch.inference_mode():
             self._graph_runner(max_rows).warm_up_forwards()
-        if scratch:
+
+    @contextlib.contextmanager
+    def _kv_cache_or_scratch(self, num_blocks: int) -> Iterator[None]:
+        """The KV cache where it is allocated; before that (compile_ahead's dry run), a scratch cache of num_blocks
+        for the duration."""
+        if self.kv_cache is not None:
+            yield
+            return
+        self.allocate_kv_cache(num_blocks)
+        try:
+            yield
+        finally:
             self._unbind_kv_cache()
 
     def warm_up_step(self, pooler: Pooler | None = None) -> None:
@@ -262,19 +271,16 @@ class ModelRunner:
         cache is allocated (compile_ahead's dry run), over a scratch cache of the step's blocks; with the cache, in
         its first blocks, which hold nothing yet. An engine too small for the step's rows skips it."""
         block_size = self.config.block_size
-        scratch = self.kv_cache is None
         rows = min(WARM_UP_ROWS, self.config.max_num_seqs)  # a step's device buffers hold max_num_seqs rows
         row_tokens = min(self.config.max_model_len, min(WARM_UP_TOKENS, self.config.max_num_batched_tokens) // rows)
         if row_tokens >= 16:  # the step's token count a multiple of 16, as a full step's: Triton specializes on it
             row_tokens -= row_tokens % 16
         row_blocks = -(-row_tokens // block_size)
-        if not scratch:  # a cache sized to a small job
+        if self.kv_cache is not None:  # a cache sized to a small job
             row_blocks = min(row_blocks, self.kv_cache.shape[2] // rows)
             row_tokens = min(row_tokens, row_blocks * block_size)
         if row_tokens < 2:  # a prompt logprob needs two tokens
             return
-        if scratch:
-            self.allocate_kv_cache(rows * row_blocks)
         requests = [Request(WARM_UP_REQUEST_ID - i, [0] * row_tokens, WARM_UP_PARAMS,
                             block_ids=list(range(i * row_blocks, (i + 1) * row_blocks))) for i in range(rows)]
         for request in requests:
@@ -283,15 +289,14 @@ class ModelRunner:
         step = SchedulerOutput(requests, [row_tokens] * rows, [], num_prefill_tokens=row_tokens * rows,
                                num_decode_tokens=0)
         try:
-            self.collect(self.launch(step) if pooler is None else self.launch_pooling(step, pooler))
+            with self._kv_cache_or_scratch(rows * row_blocks):
+                self.collect(self.launch(step) if pooler is None else self.launch_pooling(step, pooler))
         finally:
             self.release(requests)
             if pooler is not None:
                 pooler.release(requests)
             self.pending_tokens.sampled([], [])
             self._previous_inputs, self._previous_params, self._last_packed = None, [], LastPacked()
-            if scratch:
-                self._unbind_kv_cache()
 
     def _graph_runner(self, max_rows: int | None) -> CudaGraphRunner:
         sizes = self.config.cuda_graph_sizes

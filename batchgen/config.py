@@ -62,6 +62,10 @@ class ModelConfig:
 class CudaGraphConfig:
     capture_sizes: list[int] | None = None  # None: 1, 2, 4, then steps of 8 up to max_capture_size
     max_capture_size: int | None = None  # None: max_num_seqs, at most 512
+    # True: the start captures the buckets that are powers of two and the largest, each other bucket is captured at
+    # its CAPTURE_AFTER_USES-th decode step (batchgen/worker/cuda_graph.py), the steps before replaying the next
+    # captured bucket up. False: every bucket at the start.
+    lazy_capture: bool = True
 
 
 @dataclass(frozen=True)

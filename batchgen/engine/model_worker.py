@@ -25,6 +25,7 @@ from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.models.pooling_config import checkpoint_pooling
 from batchgen.models.registry import check_task
 from batchgen.worker.compile_ahead import CompileAhead
+from batchgen.worker.cuda_graph import CAPTURE_AFTER_USES
 from batchgen.worker.host_threads import intra_op_threads
 from batchgen.worker.model_runner import BitmaskProvider, ModelRunner
 from batchgen.worker.pooling import Pooler
@@ -212,9 +213,14 @@ class ModelWorker:
         stats = self.runner.capture_graphs(max_rows)
         self.info.update(cuda_graph_sizes=stats.sizes, cuda_graph_capture_seconds=stats.seconds,
                          cuda_graph_pool_bytes=stats.pool_bytes,
-                         cuda_graph_capture_seconds_per_size={str(k): v for k, v in stats.seconds_per_size.items()})
-        log.info("Captured %d CUDA graphs (batch sizes %s) in %.2f s, pool %.1f MiB", len(stats.sizes),
-                 stats.sizes, stats.seconds, stats.pool_bytes / 2**20)
+                         cuda_graph_capture_seconds_per_size={str(k): v for k, v in stats.seconds_per_size.items()},
+                         cuda_graph_deferred_sizes=stats.deferred,
+                         # filled as the job's steps capture deferred buckets (the summary is written at the end)
+                         cuda_graph_deferred_capture_seconds=self.runner.graphs.deferred_seconds)
+        log.info("Captured %d CUDA graphs (batch sizes %s) in %.2f s, pool %.1f MiB%s", len(stats.sizes),
+                 stats.sizes, stats.seconds, stats.pool_bytes / 2**20,
+                 f"; {len(stats.deferred)} other buckets are captured at their {CAPTURE_AFTER_USES}th step "
+                 "(engine.cuda_graph.lazy_capture)" if stats.deferred else "")
 
     def release(self, requests: list[Request]) -> None:
         """Forget finished requests' rows: block tables, sampling state and pooling."""

@@ -32,10 +32,22 @@ from batchgen.worker.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
+# A deferred bucket is captured at this many of its steps (the earlier ones replay a larger bucket, padded): a
+# capture costs two forwards of host time, which a bucket that only a job's ramp-up or drain passes through never
+# pays back, while one its steady state uses is captured within a few steps.
+CAPTURE_AFTER_USES = 8
+
+
 def padded_size(sizes: list[int], n: int) -> int | None:
     """The smallest bucket >= n, or None when n is above the largest (the step then runs eagerly)."""
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
+
+
+def start_sizes(sizes: list[int]) -> list[int]:
+    """The buckets an engine that defers captures (engine.cuda_graph.lazy_capture) captures at its start: the powers
+    of two and the largest, so that every step has a bucket at most twice its rows."""
+    return [size for size in sizes if size & (size - 1) == 0 or size == sizes[-1]]
 
 
 class BucketInputs(NamedTuple):
@@ -152,17 +164,22 @@ class CaptureStats:
     seconds: float
     pool_bytes: int
     seconds_per_size: dict[int, float]  # warm-up (Triton compiles, autotuning) + capture, by bucket
+    deferred: list[int]  # buckets left to capture at their CAPTURE_AFTER_USES-th step
 
 
 class CudaGraphRunner:
-    """Captures model forward + logits for each bucket, largest first, into one shared memory pool."""
+    """Captures model forward + logits for each bucket, largest first, into one shared memory pool; buckets left out
+    of the start's capture (deferred) are captured once steps use them (`step_size`)."""
 
     def __init__(self, model: CausalLM, buffers: GraphCaptureBuffers, sizes: list[int], pending: PendingTokens,
                  cascade: bool = False):
         self.model = model
         self.buffers = buffers
         self.pending = pending  # the previous step's sampled ids, which the graphs read and write
-        self.sizes = sorted(sizes)
+        self.buckets = sorted(sizes)  # every bucket a step may replay, captured or deferred
+        self.sizes = list(self.buckets)  # the captured buckets (after `capture`)
+        self._uses: dict[int, int] = {}  # steps of each deferred bucket so far
+        self.deferred_seconds: dict[int, float] = {}  # each deferred bucket's capture, once steps used it
         self.cascade = cascade  # whether steps may replay cascade variants
         # Keyed by (bucket, cascade, early start); each graph's outputs are its own static tensors.
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
@@ -213,30 +230,44 @@ class CudaGraphRunner:
         self.graphs[key] = graph
         torch.cuda.synchronize()
 
-    def capture_keys(self) -> list[GraphKey]:
-        """What `capture` captures, in its order: every bucket, largest first, each with its early-start variant
-        where it has one."""
-        return [GraphKey(size, cascade=False, early=early) for size in sorted(self.sizes, reverse=True)
+    def capture_keys(self, sizes: list[int]) -> list[GraphKey]:
+        """What capturing `sizes` captures, in its order: largest first, each with its early-start variant where it
+        has one."""
+        return [GraphKey(size, cascade=False, early=early) for size in sorted(sizes, reverse=True)
                 for early in ((False, True) if self.early_read_limit(size) else (False,))]
 
     def warm_up_forwards(self) -> None:
-        """`capture`'s warm-up forwards alone, capturing nothing (compile_ahead's dry run of it)."""
+        """The warm-up forwards of every bucket's capture, deferred ones too, capturing nothing (compile_ahead's dry
+        run of them: a deferred capture then finds its kernels compiled)."""
         from batchgen.layers import pdl
 
-        for key in self.capture_keys():
+        for key in self.capture_keys(self.buckets):
             with pdl.early_start(key.early):
                 self._warm_up(key)
 
-    def capture(self) -> CaptureStats:
-        """Capture every bucket, with its early-start variant where it has one (up front: its kernels compile apart
-        from the plain ones, which a job would otherwise wait for in mid-run); a graph that runs out of memory is
-        dropped with a warning, not fatal (a bucket without any runs eagerly)."""
+    def capture(self, sizes: list[int] | None = None) -> CaptureStats:
+        """Capture `sizes` (None: every bucket; the others are deferred), each with its early-start variant where it
+        has one (up front: its kernels compile apart from the plain ones, which a job would otherwise wait for in
+        mid-run); a graph that runs out of memory is dropped with a warning, not fatal (a step without a captured
+        bucket runs eagerly)."""
         start = time.perf_counter()
         before = torch.cuda.memory_reserved()
         self._pool = torch.cuda.graph_pool_handle()
         seconds_per_size: dict[int, float] = {}
-        for key in self.capture_keys():
-            key_start = time.perf_counter()
+        for size in sorted(self.buckets if sizes is None else sizes, reverse=True):
+            seconds_per_size[size] = self._capture_size(size)
+        self.sizes = sorted({key.size for key in self.graphs})
+        deferred = [size for size in self.buckets if size not in seconds_per_size]
+        self.buckets = sorted([*self.sizes, *deferred])  # a bucket without memory for its graphs is not tried again
+        torch.cuda.synchronize()
+        return CaptureStats(self.sizes, time.perf_counter() - start, torch.cuda.memory_reserved() - before,
+                            {size: seconds for size, seconds in sorted(seconds_per_size.items()) if size in self.sizes},
+                            deferred)
+
+    def _capture_size(self, size: int) -> float:
+        """Captures the bucket's graphs; returns the seconds it took. Those that run out of memory are left out."""
+        start = time.perf_counter()
+        for key in self.capture_keys([size]):
             try:
                 self._capture_one(key)
             except torch.OutOfMemoryError:
@@ -244,11 +275,22 @@ class CudaGraphRunner:
                             " (early start)" if key.early else "")
                 self.outputs.pop(key, None)
                 torch.cuda.empty_cache()
-            seconds_per_size[key.size] = seconds_per_size.get(key.size, 0.0) + time.perf_counter() - key_start
-        self.sizes = sorted({key.size for key in self.graphs})
-        torch.cuda.synchronize()
-        return CaptureStats(self.sizes, time.perf_counter() - start, torch.cuda.memory_reserved() - before,
-                            {size: seconds for size, seconds in sorted(seconds_per_size.items()) if size in self.sizes})
+        return time.perf_counter() - start
+
+    def step_size(self, n: int) -> int | None:
+        """The bucket a decode step of n rows replays: its own (the smallest bucket that holds n) once captured; a
+        deferred one is captured at its CAPTURE_AFTER_USES-th step, and the steps before replay the smallest captured
+        bucket that holds n, padded. None: no bucket holds n (the step runs eagerly)."""
+        bucket = padded_size(self.buckets, n)
+        if bucket is not None and bucket not in self.sizes:
+            uses = self._uses[bucket] = self._uses.get(bucket, 0) + 1
+            if uses >= CAPTURE_AFTER_USES:
+                self.deferred_seconds[bucket] = self._capture_size(bucket)
+                if any(key.size == bucket for key in self.graphs):
+                    bisect.insort(self.sizes, bucket)
+                else:  # out of memory: its steps stay padded
+                    self.buckets.remove(bucket)
+        return self.padded_size(n)
 
     def _capture_cascade(self, size: int) -> bool:
         """Whether the bucket's cascade variant is (now) captured; running out of memory only turns it off."""

@@ -46,6 +46,7 @@ from batchgen.worker.cuda_graph import (
     CudaGraphRunner,
     GraphCaptureBuffers,
     GraphOutputs,
+    start_sizes,
 )
 from batchgen.worker.pending_tokens import PendingTokens
 from batchgen.worker.pooling import PooledStep, Pooler
@@ -233,8 +234,9 @@ class ModelRunner:
         self.graphs = self._graph_runner(max_rows)
         self.sampler_graphs = SamplerGraphs(self.graphs.sizes[-1], self.vocab_size, self.pending_tokens.ids,
                                             self.device, self._wait_for_device)
+        sizes = start_sizes(self.graphs.buckets) if self.config.cuda_graph.lazy_capture else None
         with torch.inference_mode():
-            return self.graphs.capture()
+            return self.graphs.capture(sizes)
 
     def _wait_for_device(self) -> None:
         """Waits for everything queued on the current stream through wait_for_step, which a tensor-parallel rank 0
@@ -319,7 +321,7 @@ class ModelRunner:
             positions = [end for end, samples in zip(step.computed_ends, step.samples, strict=True) if samples]
         sampling = self._step_sampling(sample_requests, positions, step.same_rows_as_previous)
         graphed = self.graphs is not None and _is_pure_decode(step) and sampling.fixed_shape
-        graph_size = self.graphs.padded_size(step.num_seqs) if graphed else None
+        graph_size = self.graphs.step_size(step.num_seqs) if graphed else None
         width = self.block_table_width if graph_size else None
         block_size = self.config.block_size
         inputs = build_step_inputs(step, block_size, self.block_tables, width, self.pending_tokens,

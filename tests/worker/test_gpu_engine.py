@@ -72,6 +72,23 @@ def test_capture_out_of_memory_drops_only_that_bucket(tiny_model_dir, monkeypatc
     eager.close()
 
 
+def test_a_deferred_bucket_is_captured_mid_run_and_its_steps_equal_eager(tiny_model_dir):
+    model_dir = str(tiny_model_dir("Qwen3ForCausalLM"))
+    prompts = random_prompts(256, count=20, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=40)  # buckets 1, 2, 4, then steps of 8 up to 40
+    info = llm.engine.info
+    assert info["cuda_graph_sizes"] == [1, 2, 4, 8, 16, 32, 40] and info["cuda_graph_deferred_sizes"] == [24]
+    # 20 rows: their first decode steps replay the 32 bucket, then bucket 24 is captured and replayed
+    outputs = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert list(info["cuda_graph_deferred_capture_seconds"]) == [24]
+    assert llm.engine.runner.graphs.sizes == [1, 2, 4, 8, 16, 24, 32, 40]
+    llm.close()
+    eager = LLM(model_dir, dtype="float32", max_num_seqs=40, enforce_eager=True)
+    assert outputs == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    eager.close()
+
+
 @pytest.mark.parametrize(("max_tokens", "expected_sizes"),
                          [([1, 1, 0], []), ([1, 5, 9], [1, 2]), ([9] * 5, [1, 2, 4, 8])])
 def test_capture_takes_only_the_buckets_that_the_jobs_decodes_can_fill(tiny_model_dir, max_tokens, expected_sizes):

@@ -41,8 +41,9 @@ Each workload reports, from the process's wall clock and the run's summary.json 
   batch. The full-chunk prefill rate is engine.max_num_batched_tokens over the median forward_ms of the prefill
   steps of exactly that many tokens (eager forwards are launch-bound, so a full chunk is the fastest per token);
   where no step filled the budget, the prefill steps with the most tokens stand in (`prefill_rate_from` says which).
-  A decode step's time is the median forward_ms of the decode steps that replayed the same CUDA-graph bucket
-  (padded_size), or, for eager decode steps (CPU, or rows a graph cannot run), of those with the same number of rows.
+  A decode step's time is the median forward_ms of the decode steps whose rows fill the same default CUDA-graph
+  bucket (1, 2, 4, then steps of 8; a step padded into a larger one counts with its own), or, for eager decode
+  steps (CPU, or rows a graph cannot run), of those with the same number of rows.
   Sampling is not in the floor. floor_ratio = process_s / floor_s.
 
 Bytecode: an ordinary pip install writes every package's bytecode at install time, but the GPU image's packages have
@@ -318,9 +319,13 @@ def workload_floor(steps: Sequence[dict[str, Any]], chunk_budget: int) -> dict[s
 
 
 def decode_batch(step: dict[str, Any]) -> tuple[bool, int]:
-    """(replayed a graph, its bucket) or (eager, its rows): decode steps whose forwards cost the same."""
+    """(replayed a graph, the default bucket its rows fill) or (eager, its rows): decode steps whose forwards cost
+    the same. The bucket is that of the full default list (1, 2, 4, then steps of 8), not the one the step replayed:
+    a step padded into a larger bucket until its own was captured (engine.cuda_graph.lazy_capture) counts with the
+    steps of its own rows' bucket, not with those that fill the larger one."""
     if step["cuda_graph"]:
-        return True, step["padded_size"]
+        rows = step["num_seqs"]
+        return True, min(bucket for bucket in (1, 2, 4, -(-rows // 8) * 8) if bucket >= rows)
     return False, step["num_seqs"]
 
 

@@ -86,6 +86,20 @@ def test_real_jobs_tiny_fills_every_column_and_its_floor_is_below_the_process_ti
         assert {"summary.json", "steps.parquet"} <= kept and "completions.parquet" not in kept
 
 
+def test_real_jobs_floor_counts_a_padded_decode_step_with_the_steps_of_its_own_bucket():
+    from benchmarks.real_jobs import workload_floor
+
+    def decode(rows: int, padded: int, forward_ms: float) -> dict:
+        return {"kind": "decode", "num_seqs": rows, "num_tokens": rows, "cuda_graph": True, "padded_size": padded,
+                "forward_ms": forward_ms}
+
+    # 20 rows fill bucket 24: the steps padded into 32 (before 24 was captured) count at the 24 steps' median
+    steps = [decode(20, 32, 9.0), decode(20, 24, 4.0), decode(22, 24, 4.0), decode(30, 32, 7.0)]
+    floor = workload_floor(steps, chunk_budget=16)
+    assert floor["decode_forward_ms"] == {"graph_24": 4.0, "graph_32": 7.0}
+    assert floor["decode_floor_s"] == (4.0 * 3 + 7.0) / 1000
+
+
 def test_real_jobs_reports_a_failed_workload_with_its_exit_status_and_last_line(tmp_path):
     from benchmarks.real_jobs import TokenRows, Workload, run_workload
 

@@ -73,23 +73,33 @@ class KernelSpec:
 
 
 @contextlib.contextmanager
-def stop_at_missing_kernel() -> Iterator[None]:
-    """Inside, a Triton compile whose kernel is not in the disk cache raises MissingKernel instead of compiling (in
-    a CUDA-graph capture it compiles: a capture is never left half done). Triton looks its cache up through
-    knobs.cache.manager_class; a hit loads as usual."""
+def on_disk_miss(miss: Callable[[str], None]) -> Iterator[None]:
+    """Inside, `miss(kernel name)` runs where Triton looks a kernel up in its disk cache (through
+    knobs.cache.manager_class) and does not find it, before it compiles it; a hit loads as usual."""
     from triton import knobs
     from triton.runtime.cache import FileCacheManager
 
-    class RaiseOnMiss(knobs.cache.manager_class or FileCacheManager):
+    class OnMiss(knobs.cache.manager_class or FileCacheManager):
         def get_group(self, filename: str) -> dict[str, str] | None:
             group = super().get_group(filename)
-            if group is None and not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
-                raise MissingKernel(filename.removesuffix(".json"))
+            if group is None:
+                miss(filename.removesuffix(".json"))
             return group
 
     with knobs.cache.scope():
-        knobs.cache.manager_class = RaiseOnMiss
+        knobs.cache.manager_class = OnMiss
         yield
+
+
+def stop_at_missing_kernel() -> contextlib.AbstractContextManager[None]:
+    """Inside, a Triton compile whose kernel is not in the disk cache raises MissingKernel instead of compiling (in
+    a CUDA-graph capture it compiles: a capture is never left half done)."""
+
+    def stop(name: str) -> None:
+        if not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+            raise MissingKernel(name)
+
+    return on_disk_miss(stop)
 
 
 def settle(kernel: Any) -> None:
@@ -421,6 +431,7 @@ class CompileAhead:
         self.processes = processes
         self.pool = pool
         self.info: dict[str, Any] = {}  # what it did, for the engine's info (summary.json)
+        self.missed: list[str] | None = None  # after a parallel compile, the kernels its dry run missed
 
     @classmethod
     def begin(cls, config: EngineConfig, device: torch.device, tensor_parallel_size: int) -> CompileAhead:
@@ -454,14 +465,24 @@ class CompileAhead:
         of the phase and of the phases after it) is compiled in parallel first and the phase runs again. Once per
         start: after that, whatever is still missing compiles at its first launch."""
         if self.setup is None:
-            return phase()
+            if self.missed is None:
+                return phase()
+            with on_disk_miss(self._note_missed):
+                return phase()
         settle_loaded_kernels()
         with contextlib.suppress(MissingKernel), stop_at_missing_kernel():
             return phase()
         # It stopped; its frames (and their tensors) went with the exception, before the dry run allocates its own.
         self._compile(dry_run, self.setup)
         self.setup = None
-        return phase()
+        self.missed = self.info["parallel_compile_missed_kernels"] = []
+        with on_disk_miss(self._note_missed):
+            return phase()
+
+    def _note_missed(self, name: str) -> None:
+        """A kernel the start's dry run did not launch (or that its compile left out), compiled now, alone."""
+        self.missed.append(name)
+        log.info("Triton kernel %s was not compiled ahead: it compiles at its first launch", name)
 
     def _compile(self, dry_run: Callable[[], None], setup: WorkerSetup) -> None:
         """Compiles what dry_run launches and the disk cache lacks; the processes end with it (once per start)."""

@@ -114,7 +114,7 @@ def test_a_triton_without_the_hook_turns_it_off_with_one_line(monkeypatch, caplo
         "first launch"]
 
 
-def test_a_phase_that_meets_a_missing_kernel_runs_again_after_the_compile(monkeypatch):
+def test_a_phase_that_meets_a_missing_kernel_runs_again_after_the_compile(monkeypatch, caplog):
     """Once per start: a later phase that meets a missing kernel compiles it at its launch."""
     compiles = []
     monkeypatch.setattr(CompileAhead, "_compile", lambda self, dry_run, setup: compiles.append(dry_run))
@@ -130,11 +130,24 @@ def test_a_phase_that_meets_a_missing_kernel_runs_again_after_the_compile(monkey
             raise MissingKernel("_embedding_kernel")
         return "profiled"
 
-    assert ahead.run(profile, dry_run=print) == "profiled"
+    noted = []
+
+    @contextlib.contextmanager
+    def on_disk_miss(note):  # each phase after the compile meets one kernel the compile lacks
+        noted.append(note)
+        note(f"kernel_{len(noted)}")
+        yield
+
+    monkeypatch.setattr(compile_ahead, "on_disk_miss", on_disk_miss)
+    with caplog.at_level(logging.INFO, logger=compile_ahead.__name__):
+        assert ahead.run(profile, dry_run=print) == "profiled"
     # the loaded kernels' keys settled before the watched phase looks any up
     assert attempts == ["settle keys", "profile", "profile"] and compiles == [print] and len(watched) == 1
     assert ahead.run(lambda: "captured", dry_run=len) == "captured"
-    assert compiles == [print] and len(watched) == 1  # the capture ran unwatched
+    assert compiles == [print] and len(watched) == 1  # the capture ran unwatched, but noting what compiles
+    assert ahead.info["parallel_compile_missed_kernels"] == ["kernel_1", "kernel_2"]
+    assert caplog.records[0].getMessage() == ("Triton kernel kernel_1 was not compiled ahead: it compiles at its "
+                                              "first launch")
 
 
 def test_parallel_compile_processes_leave_a_core_to_the_engine(monkeypatch):

@@ -67,6 +67,11 @@ class KernelSpec:
     name: str  # the kernel's name in it
     data: str  # Triton's specialization_data (JSON): what JITFunction.preload compiles
     target: str  # the GPUTarget it was launched for (JSON of its fields): what the compile processes build for
+    # The engine's cache key of the kernel's source, under which a compile process stores it ("": its own settled
+    # key). Triton 3.6 folds into a kernel's key what called functions this process has keyed so far, so a compile
+    # process, which keyed others before, can reach another key than the engine's even settled: the engine then
+    # missed the entry and compiled the kernel again, alone.
+    source_key: str = ""
 
 
 # -- the phases, watched ---------------------------------------------------------------------------------------
@@ -114,9 +119,12 @@ def settle(kernel: Any) -> None:
 
 
 def settled_kernel(spec: KernelSpec) -> Any:
-    """The spec's JIT function, its cache key settled (`settle`) as in any other process."""
+    """The spec's JIT function, its cache key the spec's source_key where it has one, else settled (`settle`)."""
     kernel = getattr(importlib.import_module(spec.module), spec.name)
-    settle(kernel)
+    if spec.source_key:
+        kernel.hash = spec.source_key
+    else:
+        settle(kernel)
     return kernel
 
 
@@ -475,13 +483,14 @@ class CompileAhead:
         # It stopped; its frames (and their tensors) went with the exception, before the dry run allocates its own.
         self._compile(dry_run, self.setup)
         self.setup = None
-        self.missed = self.info["parallel_compile_missed_kernels"] = []
+        self.missed = []
         with on_disk_miss(self._note_missed):
             return phase()
 
     def _note_missed(self, name: str) -> None:
         """A kernel the start's dry run did not launch (or that its compile left out), compiled now, alone."""
         self.missed.append(name)
+        self.info["parallel_compile_missed_kernels"] = self.missed
         log.info("Triton kernel %s was not compiled ahead: it compiles at its first launch", name)
 
     def _compile(self, dry_run: Callable[[], None], setup: WorkerSetup) -> None:
@@ -516,6 +525,8 @@ class CompileAhead:
                 log.warning("Parallel Triton compile: %d kernels cannot be compiled ahead, the first: %s", len(failed),
                             failed[0])
             return
+        # Each under the key this process will look it up by (on_disk settled it here)
+        missing = [dataclasses.replace(spec, source_key=settled_kernel(spec).cache_key) for spec in missing]
         start = time.perf_counter()
         try:
             self.pool = self.pool or CompilePool(min(self.processes, len(missing)), setup)

@@ -181,6 +181,7 @@ def test_a_fresh_start_compiles_in_processes_and_decodes_the_same_greedy_tokens(
     assert re.search(r"Compiled \d+ Triton kernels in \d+ processes in", log), log
     assert "compile on first launch" not in log, log  # every kernel, and its launcher where Triton builds one
     assert engine["parallel_compile_kernels"] > 0 and engine["parallel_compile_processes"] >= 2
+    assert "parallel_compile_missed_kernels" not in engine  # every kernel found where the processes stored it
     serial_log, serial_engine, serial_rows = job("serial", "serial_cache", "engine.parallel_compile=false")
     assert "parallel_compile_kernels" not in serial_engine and "Triton kernels in" not in serial_log
     assert rows == serial_rows

@@ -9,6 +9,7 @@ import os
 import sys
 import types
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 import torch
@@ -117,6 +118,41 @@ def test_a_compile_process_builds_the_kernels_launcher_where_triton_compiles_lau
         assert src.fn.__name__ == "scale_kernel" and metadata.name == "scale_kernel"
     else:
         assert built == []
+
+
+def test_a_compile_process_stores_a_kernel_under_the_engines_key_of_its_source(monkeypatch, tmp_path):
+    """Triton 3.6 folds into a kernel's key what its process keyed before, so a compile process could settle on
+    another key than the engine's, whose launch then compiled the kernel again: the spec carries the engine's."""
+    from triton.backends.nvidia import driver as cuda_driver
+
+    monkeypatch.setattr(cuda_driver, "CudaLauncher", lambda src, metadata: None)  # its C compile needs libcuda
+    x, out = torch.ones(100), torch.zeros(100)
+    (spec,) = recorded(lambda: scale(x, 2.0, out=out))
+    monkeypatch.setattr(scale_kernel, "hash", "the engine's key")
+    assert compile_ahead._preload(replace(spec, source_key="the engine's key"), for_gpu=True) is None
+    assert on_disk(replace(spec, source_key="the engine's key"))
+    monkeypatch.setattr(scale_kernel, "hash", None)  # keyed as a fresh process keys it: another entry
+    assert not on_disk(spec)
+
+
+def test_the_specs_sent_to_the_processes_carry_the_engines_key(monkeypatch, tmp_path):
+    x, out = torch.ones(100), torch.zeros(100)
+    sent = []
+
+    class Pool:
+        workers = [1, 2]
+
+        def compile(self, specs):
+            sent.extend(specs)
+            return PoolOutcome(len(specs), [], None)
+
+        def close(self):
+            pass
+
+    ahead = CompileAhead(WorkerSetup({}), processes=2, pool=Pool())
+    ahead._compile(lambda: scale(x, 2.0, out=out), ahead.setup)
+    (spec,) = sent
+    assert spec.source_key == scale_kernel.cache_key and spec.source_key
 
 
 def test_a_kernels_cache_key_is_the_same_whichever_function_this_process_keyed_first(monkeypatch):

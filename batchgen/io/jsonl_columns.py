@@ -28,13 +28,13 @@ SAME_AS_JSON = (pa.string(), pa.int64(), pa.bool_())
 _OBJECT_START, _OBJECT_END = ord("{"), ord("}")
 
 
-def columnar_rows(lines: list[tuple[int, bytes]], first_index: int, cfg: DataConfig,
+def columnar_rows(lines: list[bytes], first_index: int, cfg: DataConfig,
                   read_overrides: bool) -> list[PromptRow] | None:
-    """The rows of `lines` (numbered lines of a JSONL file; the first row's index is first_index) as parse_row gives
-    them; None where this cannot tell that they are the same."""
+    """The rows of `lines` (lines of a JSONL file; the first row's index is first_index) as parse_row gives them; None
+    where this cannot tell that they are the same."""
     num_rows = 0
     first_line = None
-    for _, line in lines:
+    for line in lines:
         stripped = line.strip()
         if not stripped:
             continue  # not a row, as line by line
@@ -47,7 +47,7 @@ def columnar_rows(lines: list[tuple[int, bytes]], first_index: int, cfg: DataCon
         return []
     if not _plain_prompt(first_line, cfg):  # the block's rows are likely alike: Arrow would read it in vain
         return None
-    data = b"".join(line for _, line in lines)
+    data = b"".join(lines)
     try:  # Arrow refuses what json refuses, and more (duplicate keys, lone surrogates): those go line by line
         table = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
         if table.num_rows != num_rows:

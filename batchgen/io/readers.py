@@ -76,13 +76,13 @@ def _jsonl_rows(path: Path, cfg: DataConfig, tokenizer: Any, task: str) -> Itera
     """A JSONL file's rows a block of lines at a time: by columns where columnar_rows reads the block, else line by
     line (each row read only when asked for, as the other formats' rows are)."""
     index = 0
-    for block in jsonl_blocks(path, BLOCK_BYTES):
-        rows = columnar_rows(block, index, cfg, read_overrides=task == "generate")
+    for first_number, lines in jsonl_blocks(path, BLOCK_BYTES):
+        rows = columnar_rows(lines, index, cfg, read_overrides=task == "generate")
         if rows is not None:
             yield from rows
             index += len(rows)
             continue
-        for source_row in line_rows(block):
+        for source_row in line_rows(enumerate(lines, start=first_number)):
             yield _prompt_row(source_row, index, cfg, tokenizer, path, task)
             index += 1
 

@@ -34,19 +34,13 @@ def jsonl_rows(path: Path, parse_only_with: tuple[bytes, ...] = ()) -> Iterator[
         yield from line_rows(enumerate(file, start=1), parse_only_with)
 
 
-def jsonl_blocks(path: Path, block_bytes: int) -> Iterator[list[tuple[int, bytes]]]:
-    """The file's lines with their 1-based numbers, in blocks of about block_bytes (whole lines), for line_rows."""
+def jsonl_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, list[bytes]]]:
+    """The file's lines in blocks of about block_bytes (whole lines), each with its first line's 1-based number."""
     with path.open("rb") as file:
-        block: list[tuple[int, bytes]] = []
-        size = 0
-        for numbered_line in enumerate(file, start=1):
-            block.append(numbered_line)
-            size += len(numbered_line[1])
-            if size >= block_bytes:
-                yield block
-                block, size = [], 0
-        if block:
-            yield block
+        first_number = 1
+        while lines := file.readlines(block_bytes):
+            yield first_number, lines
+            first_number += len(lines)
 
 
 def line_rows(numbered_lines: Iterable[tuple[int, bytes]], parse_only_with: tuple[bytes, ...] = ()

@@ -79,8 +79,8 @@ def test_plain_prompt_rows_are_read_by_columns(tmp_path: Path) -> None:
     lines = [*PLAIN, b"", b'{"id": "c", "prompt": "three", "stop": "x", "ignore_eos": false, "seed": null}']
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    [block] = jsonl_blocks(path, 1 << 20)
-    rows = columnar_rows(block, 5, DataConfig(path=str(path), id_field="id"), read_overrides=True)
+    [(_, lines)] = jsonl_blocks(path, 1 << 20)
+    rows = columnar_rows(lines, 5, DataConfig(path=str(path), id_field="id"), read_overrides=True)
     assert rows is not None
     assert [(row.index, row.id, row.prompt, row.overrides) for row in rows] == [
         (5, "a", "one", {}), (6, "b", "two", {"max_tokens": 3}),
@@ -90,24 +90,25 @@ def test_plain_prompt_rows_are_read_by_columns(tmp_path: Path) -> None:
 def test_integer_ids_are_read_by_columns(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b'{"id": 9, "prompt": "one"}\n{"id": -2, "prompt": "two"}\n')
-    [block] = jsonl_blocks(path, 1 << 20)
-    rows = columnar_rows(block, 0, DataConfig(path=str(path), id_field="id"), read_overrides=True)
+    [(_, lines)] = jsonl_blocks(path, 1 << 20)
+    rows = columnar_rows(lines, 0, DataConfig(path=str(path), id_field="id"), read_overrides=True)
     assert [row.id for row in rows or ()] == ["9", "-2"]
 
 
 def test_a_block_with_token_ids_goes_line_by_line(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b'{"prompt_token_ids": [1, 2]}\n')
-    [block] = jsonl_blocks(path, 1 << 20)
-    assert columnar_rows(block, 0, DataConfig(path=str(path)), read_overrides=True) is None
+    [(_, lines)] = jsonl_blocks(path, 1 << 20)
+    assert columnar_rows(lines, 0, DataConfig(path=str(path)), read_overrides=True) is None
 
 
 def test_blocks_hold_whole_lines_and_their_numbers(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b"".join(b'{"prompt": "%d"}\n' % n for n in range(100)))
     blocks = list(jsonl_blocks(path, 64))
-    assert len(blocks) > 1 and all(sum(len(line) for _, line in block[:-1]) < 64 for block in blocks)
-    assert [number for block in blocks for number, _ in block] == list(range(1, 101))
+    assert len(blocks) > 1 and all(sum(map(len, lines[:-1])) <= 64 for _, lines in blocks)
+    assert [first + offset for first, lines in blocks for offset in range(len(lines))] == list(range(1, 101))
+    assert b"".join(line for _, lines in blocks for line in lines) == path.read_bytes()
 
 
 @pytest.mark.parametrize("on_error", ["fail", "skip"])

@@ -1,7 +1,7 @@
 """A block of JSONL lines read into PromptRows by Arrow's JSON reader, column by column, where that gives exactly the
-rows that reading it line by line gives (json on each line, then parse_row on each record): text prompts, string or
-integer ids, sampling options of integers, booleans or strings. Line by line, each row costs several Python calls;
-here the parsing and most checks are one call per column.
+rows that reading it line by line gives (json on each line, then parse_row on each record): text prompts or token ids,
+string or integer ids, sampling options of integers, booleans or strings. Line by line, each row costs several Python
+calls (and each token id a check); here the parsing and most checks are one call per column.
 
 A block holding anything else (another kind of value, a null prompt or id, a line that is not one JSON object, a row
 that fails its checks) is not read here: the caller reads it line by line, which tells each row's problem as always.
@@ -13,6 +13,7 @@ import io
 import json
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pj
 
 from batchgen.config import DataConfig
@@ -25,6 +26,7 @@ BLOCK_BYTES = 1 << 20  # lines read by one Arrow call: few calls, a bounded tabl
 # or an integer beyond int64, as a double, and a string shaped like a date as a timestamp: such columns go line by
 # line).
 SAME_AS_JSON = (pa.string(), pa.int64(), pa.bool_())
+TOKEN_IDS = pa.list_(pa.int64())
 _OBJECT_START, _OBJECT_END = ord("{"), ord("}")
 
 
@@ -45,7 +47,7 @@ def columnar_rows(lines: list[bytes], first_index: int, cfg: DataConfig,
         first_line = first_line or stripped
     if first_line is None:
         return []
-    if not _plain_prompt(first_line, cfg):  # the block's rows are likely alike: Arrow would read it in vain
+    if not _without_messages(first_line, cfg):  # the block's rows are likely alike: Arrow would read it in vain
         return None
     data = b"".join(lines)
     try:  # Arrow refuses what json refuses, and more (duplicate keys, lone surrogates): those go line by line
@@ -54,9 +56,11 @@ def columnar_rows(lines: list[bytes], first_index: int, cfg: DataConfig,
             return None
         # A column of nulls only is as absent: json's null is parse_row's absent field.
         columns = {name: table.column(name) for name in table.column_names if table.column(name).type != pa.null()}
-        if cfg.messages_field in columns or cfg.token_ids_field in columns:
+        texts, token_ids = columns.get(cfg.prompt_field), columns.get(cfg.token_ids_field)
+        if cfg.messages_field in columns or (texts is None and token_ids is None):
             return None
-        prompts = _values(columns.get(cfg.prompt_field), pa.string())
+        prompts = [None] * num_rows if texts is None else _texts(texts)
+        prompt_token_ids = [None] * num_rows if token_ids is None else _token_ids(token_ids)
         if cfg.id_field is None:
             ids = [str(index) for index in range(first_index, first_index + num_rows)]
         else:
@@ -64,20 +68,36 @@ def columnar_rows(lines: list[bytes], first_index: int, cfg: DataConfig,
         overrides = _overrides(columns, num_rows) if read_overrides else [{} for _ in range(num_rows)]
     except (pa.ArrowException, ValueError):  # a ValueError: a string that is not UTF-8
         return None
-    if prompts is None or not all(prompts) or ids is None or overrides is None:
+    if prompts is None or prompt_token_ids is None or ids is None or overrides is None:
         return None
-    return [PromptRow(index, row_id, prompt, None, row_overrides) for index, row_id, prompt, row_overrides
-            in zip(range(first_index, first_index + num_rows), ids, prompts, overrides, strict=True)]
+    return [PromptRow(index, row_id, prompt, row_token_ids, row_overrides)
+            for index, row_id, prompt, row_token_ids, row_overrides
+            in zip(range(first_index, first_index + num_rows), ids, prompts, prompt_token_ids, overrides, strict=True)]
 
 
-def _plain_prompt(line: bytes, cfg: DataConfig) -> bool:
-    """Whether the line is an object without messages or token ids, whose rows this reads."""
+def _without_messages(line: bytes, cfg: DataConfig) -> bool:
+    """Whether the line is an object without chat messages (which the chat template renders row by row)."""
     try:
         record = json.loads(line)
     except ValueError:
         return False
-    return (isinstance(record, dict) and record.get(cfg.messages_field) is None
-            and record.get(cfg.token_ids_field) is None)
+    return isinstance(record, dict) and record.get(cfg.messages_field) is None
+
+
+def _texts(column: pa.ChunkedArray) -> list[str] | None:
+    """_checked_text's prompts: non-empty strings."""
+    texts = _values(column, pa.string())
+    return texts if texts is not None and all(texts) else None
+
+
+def _token_ids(column: pa.ChunkedArray) -> list[list[int]] | None:
+    """_checked_token_ids' lists: non-empty, of integers >= 0."""
+    if column.type != TOKEN_IDS or column.null_count:
+        return None
+    ids = pc.list_flatten(column)
+    if ids.null_count or pc.min(pc.list_value_length(column)).as_py() < 1 or pc.min(ids).as_py() < 0:
+        return None
+    return column.to_pylist()
 
 
 def _values(column: pa.ChunkedArray | None, arrow_type: pa.DataType) -> list | None:
@@ -92,8 +112,7 @@ def _ids(column: pa.ChunkedArray | None) -> list[str] | None:
     if column is not None and column.type == pa.int64():
         values = _values(column, pa.int64())
         return None if values is None else [str(value) for value in values]
-    ids = _values(column, pa.string())
-    return ids if ids is not None and all(ids) else None
+    return _texts(column) if column is not None else None
 
 
 def _overrides(columns: dict[str, pa.ChunkedArray], num_rows: int) -> list[dict] | None:

@@ -32,6 +32,15 @@ ROW_LINES = [
     b'{"id": "i", "prompt": "x", "messages": null, "prompt_token_ids": null}',
     b'{"id": "j", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}',
     b'{"id": "k", "prompt_token_ids": [1, 2]}',
+    b'{"id": "k", "prompt_token_ids": [0], "prompt": "both"}',
+    b'{"id": "k", "prompt_token_ids": []}',
+    b'{"id": "k", "prompt_token_ids": [3, -1]}',
+    b'{"id": "k", "prompt_token_ids": [1, 2.0]}',
+    b'{"id": "k", "prompt_token_ids": [1, true]}',
+    b'{"id": "k", "prompt_token_ids": [1, null]}',
+    b'{"id": "k", "prompt_token_ids": [1, 1180591620717411303424]}',
+    b'{"id": "k", "prompt_token_ids": "1 2"}',
+    b'{"id": "k", "prompt_token_ids": [[1]]}',
     b'{"id": "l", "prompt": "x", "max_tokens": 0}',
     b'{"id": "m", "prompt": "x", "max_tokens": 4.0}',
     b'{"id": "n", "prompt": "x", "temperature": 1}',
@@ -95,9 +104,18 @@ def test_integer_ids_are_read_by_columns(tmp_path: Path) -> None:
     assert [row.id for row in rows or ()] == ["9", "-2"]
 
 
-def test_a_block_with_token_ids_goes_line_by_line(tmp_path: Path) -> None:
+def test_token_id_rows_are_read_by_columns(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
-    path.write_bytes(b'{"prompt_token_ids": [1, 2]}\n')
+    path.write_bytes(b'{"prompt_token_ids": [1, 2], "max_tokens": 4}\n{"prompt_token_ids": [0], "max_tokens": null}\n')
+    [(_, lines)] = jsonl_blocks(path, 1 << 20)
+    rows = columnar_rows(lines, 0, DataConfig(path=str(path)), read_overrides=True)
+    assert [(row.id, row.prompt, row.prompt_token_ids, row.overrides) for row in rows or ()] == [
+        ("0", None, [1, 2], {"max_tokens": 4}), ("1", None, [0], {})]
+
+
+def test_a_block_of_chat_messages_goes_line_by_line(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"messages": [{"role": "user", "content": "hi"}]}\n')
     [(_, lines)] = jsonl_blocks(path, 1 << 20)
     assert columnar_rows(lines, 0, DataConfig(path=str(path)), read_overrides=True) is None
 

@@ -96,7 +96,8 @@ def _locations(fmt: str, path: Path, indices: tuple[int, ...]) -> list[str]:
     with path.open("rb") as file:
         non_blank = (number for number, line in enumerate(file, start=1) if line.strip())
         for index, number in enumerate(islice(non_blank, max(indices) + 1)):
-            line_numbers[index] = number
+            if index in indices:
+                line_numbers[index] = number
     return [f"line {line_numbers[index]}" for index in indices]
 
 

@@ -50,6 +50,8 @@ ROW_LINES = [
     b'{"id": "r", "prompt": "x", "logit_bias": {"3": 1}}',
     b'{"id": "s", "prompt": "x", "meta": {"deep": [1, "mixed"]}}',
     b'{"id": "t", "prompt": "x", "prompt": "twice"}',
+    b'{"id": "t", "prompt": "x", "\\u0070rompt": "escaped twice"}',
+    b'{"id": "t", "\\u0070rompt": "an escaped key"}',
     b'{"id": "u", "prompt": "\\ud800 lone"}',
     b'{"id": "v", "prompt": "x"} {"id": "w", "prompt": "y"}',
     b'{"id": "x", "prompt": "x"}\r{"id": "y", "prompt": "y"}',

@@ -56,8 +56,9 @@ PHASES = ("tokenizer_load", "parse", "prompt_rows", "job")
 
 def read_once(config: Config, run_dir: Path) -> tuple[dict[str, float], int]:
     """Seconds of each of PHASES, and the rows read: the tokenizer's load (Detokenizer.load), the file's lines parsed
-    (jsonl_rows), the rows validated (iter_prompts, the parse included) and the whole phase as a job runs it
-    (Job's read_seconds: all of it, each row's sampling parameters and the shard split included)."""
+    one by one (jsonl_rows: the line-by-line path, a reference where the rows are read by columns), the rows read and
+    checked (iter_prompts, the parse included) and the whole phase as a job runs it (Job's read_seconds: all of it,
+    each row's sampling parameters and the shard split included)."""
     seconds = {}
     start = time.perf_counter()
     detokenizer = Detokenizer.load(config.model)

@@ -97,15 +97,21 @@ OVERRIDE_RULES: dict[str, OverrideRule] = {
 OVERRIDE_FIELDS = tuple(OVERRIDE_RULES)
 
 
+_RULE_POSITIONS = {name: position for position, name in enumerate(OVERRIDE_RULES)}
+
+
 def parse_overrides(record: dict[str, Any]) -> dict[str, Any]:
-    """The overrides a row sets, normalized (a single stop string becomes a list); null means not set."""
-    if OVERRIDE_RULES.keys().isdisjoint(record):  # most rows: a prompt and an id, looked up once each
+    """The overrides a row sets, normalized (a single stop string becomes a list), in OVERRIDE_RULES' order (the
+    first invalid one is the one reported); null means not set."""
+    names = [name for name in record if name in _RULE_POSITIONS]  # a row's few fields, not every rule, looked up
+    if not names:
         return {}
     overrides = {}
-    for name, rule in OVERRIDE_RULES.items():
-        value = record.get(name)
+    for name in sorted(names, key=_RULE_POSITIONS.__getitem__):
+        value = record[name]
         if value is None:
             continue
+        rule = OVERRIDE_RULES[name]
         parsed = rule.parse(value)
         if parsed is None:
             raise RowError(f"{name}={short_repr(value)} is invalid: must be {rule.requirement}")

@@ -11,10 +11,20 @@ from typing import Any
 from batchgen.config import ERROR_POLICIES, ConfigError, DataConfig
 from batchgen.io.errors import InputError, RowError
 from batchgen.io.formats import resolve_format
+from batchgen.io.jsonl_columns import BLOCK_BYTES, columnar_rows
 from batchgen.io.openai_batch import iter_batch_file
 from batchgen.io.overrides import OVERRIDE_FIELDS
 from batchgen.io.prompt_rows import SCORE_FIELDS, PromptRow, error_row, parse_row, parse_score_row
-from batchgen.io.sources import SourceRow, arrow_rows, hf_disk_rows, hf_rows, jsonl_rows, parquet_rows
+from batchgen.io.sources import (
+    SourceRow,
+    arrow_rows,
+    hf_disk_rows,
+    hf_rows,
+    jsonl_blocks,
+    jsonl_rows,
+    line_rows,
+    parquet_rows,
+)
 
 __all__ = ["InputError", "PromptRow", "iter_prompts", "read_prompts", "resolve_format"]
 
@@ -31,13 +41,16 @@ def _wanted_columns(cfg: DataConfig, task: str) -> set[str]:
     return columns
 
 
-def _row_source(fmt: str, path: Path, cfg: DataConfig, task: str) -> Iterator[SourceRow]:
+def _check_path(fmt: str, path: Path) -> None:
     if fmt in FILE_FORMATS and not path.is_file():
         raise InputError(f"{path}: format {fmt} reads a file, and this is not one")
     if fmt == "hf_disk" and not path.is_dir():
         raise InputError(
             f"{path}: format hf_disk reads a directory written by save_to_disk, and this is not one"
         )
+
+
+def _row_source(fmt: str, path: Path, cfg: DataConfig, task: str) -> Iterator[SourceRow]:
     columns = _wanted_columns(cfg, task)
     if fmt == "jsonl":
         return jsonl_rows(path)
@@ -48,6 +61,44 @@ def _row_source(fmt: str, path: Path, cfg: DataConfig, task: str) -> Iterator[So
     if fmt == "hf_disk":
         return hf_disk_rows(path, cfg.split, columns)
     return hf_rows(path, cfg.split, columns)
+
+
+def _rows(fmt: str, path: Path, cfg: DataConfig, tokenizer: Any, task: str) -> Iterator[PromptRow]:
+    _check_path(fmt, path)
+    if fmt == "jsonl" and task != "score":
+        yield from _jsonl_rows(path, cfg, tokenizer, task)
+        return
+    for index, source_row in enumerate(_row_source(fmt, path, cfg, task)):
+        yield _prompt_row(source_row, index, cfg, tokenizer, path, task)
+
+
+def _jsonl_rows(path: Path, cfg: DataConfig, tokenizer: Any, task: str) -> Iterator[PromptRow]:
+    """A JSONL file's rows a block of lines at a time: by columns where columnar_rows reads the block, else line by
+    line (each row read only when asked for, as the other formats' rows are)."""
+    index = 0
+    for first_number, lines in jsonl_blocks(path, BLOCK_BYTES):
+        rows = columnar_rows(lines, index, cfg, read_overrides=task == "generate")
+        if rows is not None:
+            yield from rows
+            index += len(rows)
+            continue
+        for source_row in line_rows(enumerate(lines, start=first_number)):
+            yield _prompt_row(source_row, index, cfg, tokenizer, path, task)
+            index += 1
+
+
+def _locations(fmt: str, path: Path, indices: tuple[int, ...]) -> list[str]:
+    """Where the rows of these indices are, as their messages name them: "line N" in a JSONL file (blank lines are no
+    rows), else "row N". Only an error needs them: rows are not given their location as they are read."""
+    if fmt != "jsonl":
+        return [f"row {index}" for index in indices]
+    line_numbers = {}
+    with path.open("rb") as file:
+        non_blank = (number for number, line in enumerate(file, start=1) if line.strip())
+        for index, number in enumerate(islice(non_blank, max(indices) + 1)):
+            if index in indices:
+                line_numbers[index] = number
+    return [f"line {line_numbers[index]}" for index in indices]
 
 
 def _prompt_row(source_row: SourceRow, index: int, cfg: DataConfig, tokenizer: Any, path: Path,
@@ -99,11 +150,10 @@ def iter_prompts(cfg: DataConfig, tokenizer: Any = None, model_name: str | None 
             raise InputError(f"{path}: format openai_batch reads a file, and this is not one")
         yield from iter_batch_file(cfg, tokenizer, model_name if cfg.check_model else None, task)
         return
-    source = _row_source(fmt, path, cfg, task)
-    location_by_id: dict[str, str] = {}
-    for index, source_row in enumerate(islice(source, cfg.limit)):
-        row = _prompt_row(source_row, index, cfg, tokenizer, path, task)
-        first_location = location_by_id.setdefault(row.id, source_row.location)
-        if first_location != source_row.location:
-            raise InputError(f"{path}: duplicate id {row.id!r} at {first_location} and {source_row.location}")
+    index_by_id: dict[str, int] = {}
+    for row in islice(_rows(fmt, path, cfg, tokenizer, task), cfg.limit):
+        first_index = index_by_id.setdefault(row.id, row.index)
+        if first_index != row.index:
+            first, second = _locations(fmt, path, (first_index, row.index))
+            raise InputError(f"{path}: duplicate id {row.id!r} at {first} and {second}")
         yield row

@@ -31,27 +31,42 @@ def jsonl_rows(path: Path, parse_only_with: tuple[bytes, ...] = ()) -> Iterator[
     parse_only_with: when given, a line holding none of these byte strings is not parsed and comes as an empty
     record (a reader of one field passes the spellings its name can have, to skip rows that lack it)."""
     with path.open("rb") as file:
-        for line_number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            location = f"line {line_number}"
-            if parse_only_with and not any(text in line for text in parse_only_with):
-                yield SourceRow(location, {})
-                continue
-            try:
-                value = _json_value(line)
-            except json.JSONDecodeError as error:
-                # Some of json's messages end in "at", meant to be followed by the position.
-                problem = error.msg.removesuffix(" at")
-                yield SourceRow(location, None, f"invalid JSON: {problem} at column {error.colno}")
-                continue
-            except UnicodeDecodeError:
-                yield SourceRow(location, None, "invalid JSON: not UTF-8 text")
-                continue
-            if isinstance(value, dict):
-                yield SourceRow(location, value)
-            else:
-                yield SourceRow(location, None, f"expected a JSON object, got {type(value).__name__}")
+        yield from line_rows(enumerate(file, start=1), parse_only_with)
+
+
+def jsonl_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, list[bytes]]]:
+    """The file's lines in blocks of about block_bytes (whole lines), each with its first line's 1-based number."""
+    with path.open("rb") as file:
+        first_number = 1
+        while lines := file.readlines(block_bytes):
+            yield first_number, lines
+            first_number += len(lines)
+
+
+def line_rows(numbered_lines: Iterable[tuple[int, bytes]], parse_only_with: tuple[bytes, ...] = ()
+              ) -> Iterator[SourceRow]:
+    """jsonl_rows over lines given with their numbers."""
+    for line_number, line in numbered_lines:
+        if not line.strip():
+            continue
+        location = f"line {line_number}"
+        if parse_only_with and not any(text in line for text in parse_only_with):
+            yield SourceRow(location, {})
+            continue
+        try:
+            value = _json_value(line)
+        except json.JSONDecodeError as error:
+            # Some of json's messages end in "at", meant to be followed by the position.
+            problem = error.msg.removesuffix(" at")
+            yield SourceRow(location, None, f"invalid JSON: {problem} at column {error.colno}")
+            continue
+        except UnicodeDecodeError:
+            yield SourceRow(location, None, "invalid JSON: not UTF-8 text")
+            continue
+        if isinstance(value, dict):
+            yield SourceRow(location, value)
+        else:
+            yield SourceRow(location, None, f"expected a JSON object, got {type(value).__name__}")
 
 
 def _json_value(line: bytes) -> Any:

@@ -36,7 +36,7 @@ from batchgen.job.resume_check import check_resume
 from batchgen.job.run_outputs import SUMMARY_FILE, RunOutputs
 from batchgen.job.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.job.summary import AttemptStats
-from batchgen.sample.params import SamplingParams, row_params
+from batchgen.sample.params import RowParams, SamplingParams
 from batchgen.tp.errors import FollowerExited
 
 if TYPE_CHECKING:
@@ -141,6 +141,7 @@ class Job:
         weigh = data.num_shards > 1 and data.shard_by == "work"
         own = []
         self.params: dict[int, SamplingParams] = {}
+        self._params_of = RowParams(self.config.sampling)
         self.num_input_rows = 0
         for row in rows:
             self.num_input_rows += 1
@@ -162,7 +163,7 @@ class Job:
         if self.task != "generate":
             return PREFILL_ONLY  # nothing is generated; sampling options mean nothing
         try:
-            return row_params(self.config.sampling, row.overrides, row.index)
+            return self._params_of(row.overrides, row.index)
         except ValueError as exc:
             row.error = str(exc)
             return None

@@ -159,3 +159,28 @@ def row_params(defaults: SamplingParams, overrides: dict[str, Any], row_index: i
         return replace(defaults, **values)
     except ValueError as exc:
         raise ValueError(f"row {row_index}: {exc}") from None
+
+
+_CACHED_OVERRIDE_TYPES = (int, float, str, bool)  # hashable, and compared with their type in the key
+
+
+class RowParams:
+    """row_params for the rows of one job: rows whose overrides are the same values share one SamplingParams,
+    built and checked once. Rows often set only max_tokens or a temperature, from few distinct values, and building
+    a row's parameters (replace and its checks) costs more than reading the row."""
+
+    def __init__(self, defaults: SamplingParams):
+        self.defaults = defaults
+        self._by_overrides: dict[tuple[tuple[str, type, Any], ...], SamplingParams] = {}
+
+    def __call__(self, overrides: dict[str, Any], row_index: int) -> SamplingParams:
+        if not overrides:
+            return self.defaults
+        # The type is in the key: 1, 1.0 and True are equal keys, and are not the same option values.
+        key = tuple((name, type(value), value) for name, value in overrides.items())
+        if not all(key_type in _CACHED_OVERRIDE_TYPES for _, key_type, _ in key):  # lists and dicts: built per row
+            return row_params(self.defaults, overrides, row_index)
+        params = self._by_overrides.get(key)
+        if params is None:  # a ValueError (naming this row) leaves nothing cached: the next such row raises its own
+            params = self._by_overrides[key] = row_params(self.defaults, overrides, row_index)
+        return params

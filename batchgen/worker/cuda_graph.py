@@ -33,9 +33,10 @@ from batchgen.worker.step_inputs import StepInputs
 log = logging.getLogger(__name__)
 
 # A deferred bucket is captured at this many of its steps (the earlier ones replay a larger bucket, padded): a
-# capture costs two forwards of host time, which a bucket that only a job's ramp-up or drain passes through never
-# pays back, while one its steady state uses is captured within a few steps.
-CAPTURE_AFTER_USES = 8
+# capture costs two forwards of host time, which a bucket that only a job's ramp-up or drain passes through (a few
+# dozen steps) does not pay back, as padded rows cost a graph little, while one its steady state uses for hundreds of
+# steps is captured early in them.
+CAPTURE_AFTER_USES = 64
 
 
 def padded_size(sizes: list[int], n: int) -> int | None:

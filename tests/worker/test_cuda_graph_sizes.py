@@ -64,7 +64,7 @@ def deferring_runner(buckets: list[int], start: list[int], out_of_memory_at: int
 
 def test_a_deferred_bucket_is_captured_at_its_nth_step_and_replays_the_next_captured_bucket_before():
     runner, captured = deferring_runner([1, 2, 4, 8, 16, 24, 32], start=[1, 2, 4, 8, 16, 32])
-    rows = [20, 17, 24, 18, 21, 19, 23]  # every one of them in bucket 24
+    rows = [17 + i % 8 for i in range(CAPTURE_AFTER_USES - 1)]  # every one of them in bucket 24
     assert [runner.step_size(n) for n in rows] == [32] * (CAPTURE_AFTER_USES - 1)
     assert captured == [1, 2, 4, 8, 16, 32]
     assert runner.step_size(22) == 24  # its CAPTURE_AFTER_USES-th step captures it

@@ -9,7 +9,7 @@ from batchgen import LLM, SamplingParams
 from batchgen.config import CudaGraphConfig, EngineConfig, ModelConfig
 from batchgen.core.kv_sizing import KVDemand
 from batchgen.engine.llm_engine import LLMEngine
-from batchgen.worker.cuda_graph import CudaGraphRunner, GraphOutputs
+from batchgen.worker.cuda_graph import CAPTURE_AFTER_USES, CudaGraphRunner, GraphOutputs
 from tests.helpers.common import ARCHITECTURES, MAX_TOKENS, hf_greedy_on, random_prompts
 from tests.helpers.graph_replay import first_decode_logits
 
@@ -75,7 +75,7 @@ def test_capture_out_of_memory_drops_only_that_bucket(tiny_model_dir, monkeypatc
 def test_a_deferred_bucket_is_captured_mid_run_and_its_steps_equal_eager(tiny_model_dir):
     model_dir = str(tiny_model_dir("Qwen3ForCausalLM"))
     prompts = random_prompts(256, count=20, seed=5)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=CAPTURE_AFTER_USES + 16, ignore_eos=True)
     llm = LLM(model_dir, dtype="float32", max_num_seqs=40)  # buckets 1, 2, 4, then steps of 8 up to 40
     info = llm.engine.info
     assert info["cuda_graph_sizes"] == [1, 2, 4, 8, 16, 32, 40] and info["cuda_graph_deferred_sizes"] == [24]

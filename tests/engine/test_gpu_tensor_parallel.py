@@ -17,6 +17,7 @@ from batchgen import LLM, SamplingParams
 from batchgen.layers.fp8 import Fp8Linear
 from batchgen.layers.parallel_linear import Fp8RowParallelLinear
 from batchgen.tp.errors import FollowerExited
+from batchgen.worker.cuda_graph import CAPTURE_AFTER_USES
 from tests.helpers.common import VOCAB, random_prompts, random_tokens
 from tests.helpers.fp8_checkpoints import write_fp8_checkpoint
 
@@ -73,6 +74,24 @@ def test_fp8_graph_mode_greedy_tokens_equal_one_gpu(tiny_model_dir: Callable[...
         finally:
             llm.close()
     assert generated[0] == generated[1]
+
+
+def test_a_deferred_bucket_is_captured_mid_run_on_every_rank(tiny_model_dir: Callable[..., Path]):
+    """Both ranks capture bucket 24 at the same step (its graph holds the all-reduces), and the tokens stay one
+    GPU's."""
+    model = str(tiny_model_dir("LlamaForCausalLM"))
+    prompts = random_prompts(VOCAB, 20, seed=7)  # 20 rows: bucket 24, deferred, their first steps replaying 32
+    params = SamplingParams(max_tokens=CAPTURE_AFTER_USES + 16, temperature=0, ignore_eos=True)
+    outputs = {}
+    for size in (1, 2):
+        llm = LLM(model, tensor_parallel_size=size, dtype="float32", max_num_seqs=40)
+        try:
+            assert llm.engine.info["cuda_graph_deferred_sizes"] == [24]
+            outputs[size] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert list(llm.engine.info["cuda_graph_deferred_capture_seconds"]) == [24]
+        finally:
+            llm.close()
+    assert outputs[2] == outputs[1]
 
 
 def test_a_killed_follower_ends_generate_with_its_rank(tiny_model_dir: Callable[..., Path]):

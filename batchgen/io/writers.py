@@ -23,6 +23,9 @@ from batchgen.io.atomic import TMP_SUFFIX, fsync_directory, tmp_path_for, write_
 from batchgen.io.schema import COMPLETIONS_SCHEMA, KERNELS_SCHEMA, STEPS_SCHEMA, with_metadata
 
 PART_PREFIX = "part-"
+# A writer keeps the rows of the parts it flushed in memory up to this many bytes (a job's whole output, unless it is
+# large), so that closing merges them without reading its own parts back; past it, the rest is read from disk.
+KEPT_PART_BYTES = 256 << 20
 
 
 class DuplicateRowError(ValueError):
@@ -108,6 +111,10 @@ class PartedParquetWriter:
         # The first part this writer flushed, with its rows, while no other part exists and its rows are in the final
         # order: close() renames it (and checks its rows) rather than merging.
         self._whole_part: tuple[Path, pa.Table] | None = None
+        # The parts this writer flushed, with their rows, up to KEPT_PART_BYTES: close() merges them from memory
+        # rather than reading them back (most of a large job's close).
+        self._kept: dict[Path, pa.Table] = {}
+        self._kept_bytes = 0
         self._last_flush = time.monotonic()
         self._closed = False
         self._recover()
@@ -175,6 +182,9 @@ class PartedParquetWriter:
             table = records_table(self._buffer, self.schema)
             path = self._part_path(self._next_part)
             write_atomically(path, lambda file: self._write_table(table, file))
+            if self._kept_bytes + table.nbytes <= KEPT_PART_BYTES:
+                self._kept[path] = table
+                self._kept_bytes += table.nbytes
             first_in_order = self._next_part == 0 and (self.sort_key is None
                                                        or sorted_rows(table, self.sort_key) is table)
             self._whole_part = (path, table) if first_in_order else None
@@ -190,6 +200,10 @@ class PartedParquetWriter:
         schema = self.schema if columns is None else pa.schema([self.schema.field(name) for name in columns])
         tables = []
         for part in self._parts():
+            kept = self._kept.get(part)
+            if kept is not None:
+                tables.append(kept if columns is None else kept.select(columns))
+                continue
             with pq.ParquetFile(part) as file:  # no dataset discovery: a job may leave many parts
                 table = file.read(columns=columns)
             # An earlier attempt's part carries that attempt's metadata: the rows take this writer's (a forced resume
@@ -218,6 +232,7 @@ class PartedParquetWriter:
             self._check_merged(table)
             write_atomically(self.final_path, lambda file: self._write_table(table, file))
         self._whole_part = None
+        self._kept, self._kept_bytes = {}, 0
         shutil.rmtree(self.parts_dir)
         self._closed = True
         return self.final_path

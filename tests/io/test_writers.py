@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen.io import writers
 from batchgen.io.schema import COMPLETIONS_SCHEMA, STEPS_SCHEMA, read_metadata
 from batchgen.io.writers import CompletionWriter, DuplicateRowError, StepWriter, dictionary_columns, write_json_atomic
 from batchgen.job.run import TASK_COLUMNS
@@ -123,6 +124,32 @@ def test_rows_are_sorted_by_index_after_out_of_order_writes(tmp_path: Path) -> N
     for index in [5, 2, 0, 4, 1, 3]:
         writer.write(completion(index))
     assert pq.read_table(writer.close()).column("index").to_pylist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(("first_budget", "then_budget", "reads"),
+                         [(1 << 20, 1 << 20, 1), (0, 0, 4), (1 << 20, 0, 3)], ids=["all kept", "none kept", "one kept"])
+def test_close_merges_the_parts_it_kept_in_memory_and_reads_the_rest(tmp_path: Path, monkeypatch, first_budget: int,
+                                                                     then_budget: int, reads: int) -> None:
+    """A resumed attempt: the earlier attempt's part, and the parts past the byte budget, are read back; the parts it
+    kept are not."""
+    earlier = CompletionWriter(tmp_path, METADATA, flush_rows=1)
+    earlier.write(completion(6))
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
+    monkeypatch.setattr(writers, "KEPT_PART_BYTES", first_budget)
+    for index in [5, 2]:
+        writer.write(completion(index))
+    monkeypatch.setattr(writers, "KEPT_PART_BYTES", then_budget)
+    for index in [0, 4, 1, 3]:
+        writer.write(completion(index))
+    earlier_part = part_files(writer)[0]
+    read = []
+    parquet_file = pq.ParquetFile
+    monkeypatch.setattr(pq, "ParquetFile", lambda path: read.append(Path(path)) or parquet_file(path))
+
+    path = writer.close()
+
+    assert pq.read_table(path).to_pylist() == uninterrupted_run(tmp_path / "reference", 7)
+    assert len(read) == reads and read[0] == earlier_part
 
 
 @pytest.mark.parametrize(("indices", "renamed"), [([0, 1, 2], True), ([1, 0, 2], False)], ids=["in order", "unsorted"])

@@ -108,11 +108,11 @@ class PartedParquetWriter:
         self._required_positions = [position for position, field in enumerate(schema) if not field.nullable]
         self._dictionary_columns = dictionary_columns(schema)
         self._buffer: list[tuple[Any, ...]] = []  # each row's values in the schema's order
-        # The first part this writer flushed, with its rows, while no other part exists and its rows are in the final
-        # order: close() renames it (and checks its rows) rather than merging.
-        self._whole_part: tuple[Path, pa.Table] | None = None
-        # The parts this writer flushed, with their rows, up to KEPT_PART_BYTES: close() merges them from memory
-        # rather than reading them back (most of a large job's close).
+        # The first part this writer flushed, while no other part exists and its rows are in the final order: close()
+        # renames it (and checks its rows) rather than merging.
+        self._whole_part: Path | None = None
+        # The parts this writer flushed, with their rows, up to KEPT_PART_BYTES (and the whole part whatever its size):
+        # close() merges or checks them from memory rather than reading them back (most of a large job's close).
         self._kept: dict[Path, pa.Table] = {}
         self._kept_bytes = 0
         self._last_flush = time.monotonic()
@@ -182,12 +182,12 @@ class PartedParquetWriter:
             table = records_table(self._buffer, self.schema)
             path = self._part_path(self._next_part)
             write_atomically(path, lambda file: self._write_table(table, file))
-            if self._kept_bytes + table.nbytes <= KEPT_PART_BYTES:
-                self._kept[path] = table
-                self._kept_bytes += table.nbytes
             first_in_order = self._next_part == 0 and (self.sort_key is None
                                                        or sorted_rows(table, self.sort_key) is table)
-            self._whole_part = (path, table) if first_in_order else None
+            self._whole_part = path if first_in_order else None
+            if first_in_order or self._kept_bytes + table.nbytes <= KEPT_PART_BYTES:
+                self._kept[path] = table
+                self._kept_bytes += table.nbytes
             self._next_part += 1
             self._buffer.clear()
         self._last_flush = time.monotonic()
@@ -220,10 +220,9 @@ class PartedParquetWriter:
         if self._closed:
             return self.final_path
         self.flush()
-        if self._whole_part is not None and self._parts() == [self._whole_part[0]]:
-            part, table = self._whole_part
-            self._check_merged(table)
-            os.replace(part, self.final_path)  # written and fsynced as a part: the rename is the merge
+        if self._whole_part is not None and self._parts() == [self._whole_part]:
+            self._check_merged(self.existing_rows())  # its rows, kept in memory
+            os.replace(self._whole_part, self.final_path)  # written and fsynced as a part: the rename is the merge
             fsync_directory(self.final_path.parent)
         else:
             table = self.existing_rows().combine_chunks()  # a table of few chunks sorts and writes faster

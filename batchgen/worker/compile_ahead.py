@@ -118,9 +118,14 @@ def settle(kernel: Any) -> None:
         kernel.hash = None
 
 
+def kernel_of(spec: KernelSpec) -> Any:
+    """The spec's JIT function, as it is in this process."""
+    return getattr(importlib.import_module(spec.module), spec.name)
+
+
 def settled_kernel(spec: KernelSpec) -> Any:
     """The spec's JIT function, its cache key the spec's source_key where it has one, else settled (`settle`)."""
-    kernel = getattr(importlib.import_module(spec.module), spec.name)
+    kernel = kernel_of(spec)
     if spec.source_key:
         kernel.hash = spec.source_key
     else:
@@ -255,7 +260,7 @@ def _preload(spec: KernelSpec, for_gpu: bool) -> str | None:
             driver.set_active(TargetDriver(GPUTarget(**json.loads(spec.target))))
             kernel = settled_kernel(spec)
         else:
-            kernel = getattr(importlib.import_module(spec.module), spec.name)
+            kernel = kernel_of(spec)
         compiled = kernel.preload(spec.data)
         if for_gpu:
             build_launcher(compiled)
@@ -472,18 +477,16 @@ class CompileAhead:
         """phase's result. Should it meet a kernel that is not in the disk cache, what dry_run launches (the forwards
         of the phase and of the phases after it) is compiled in parallel first and the phase runs again. Once per
         start: after that, whatever is still missing compiles at its first launch."""
-        if self.setup is None:
-            if self.missed is None:
+        if self.setup is not None:
+            settle_loaded_kernels()
+            with contextlib.suppress(MissingKernel), stop_at_missing_kernel():
                 return phase()
-            with on_disk_miss(self._note_missed):
-                return phase()
-        settle_loaded_kernels()
-        with contextlib.suppress(MissingKernel), stop_at_missing_kernel():
+            # It stopped; its frames (and their tensors) went with the exception, before the dry run allocates its own.
+            self._compile(dry_run, self.setup)
+            self.setup = None
+            self.missed = []
+        if self.missed is None:
             return phase()
-        # It stopped; its frames (and their tensors) went with the exception, before the dry run allocates its own.
-        self._compile(dry_run, self.setup)
-        self.setup = None
-        self.missed = []
         with on_disk_miss(self._note_missed):
             return phase()
 
@@ -525,8 +528,8 @@ class CompileAhead:
                 log.warning("Parallel Triton compile: %d kernels cannot be compiled ahead, the first: %s", len(failed),
                             failed[0])
             return
-        # Each under the key this process will look it up by (on_disk settled it here)
-        missing = [dataclasses.replace(spec, source_key=settled_kernel(spec).cache_key) for spec in missing]
+        # Each under the key this process will look it up by (on_disk settled it)
+        missing = [dataclasses.replace(spec, source_key=kernel_of(spec).cache_key) for spec in missing]
         start = time.perf_counter()
         try:
             self.pool = self.pool or CompilePool(min(self.processes, len(missing)), setup)

@@ -283,14 +283,16 @@ class CudaGraphRunner:
         deferred one is captured at its CAPTURE_AFTER_USES-th step, and the steps before replay the smallest captured
         bucket that holds n, padded. None: no bucket holds n (the step runs eagerly)."""
         bucket = padded_size(self.buckets, n)
-        if bucket is not None and bucket not in self.sizes:
-            uses = self._uses[bucket] = self._uses.get(bucket, 0) + 1
-            if uses >= CAPTURE_AFTER_USES:
-                self.deferred_seconds[bucket] = self._capture_size(bucket)
-                if any(key.size == bucket for key in self.graphs):
-                    bisect.insort(self.sizes, bucket)
-                else:  # out of memory: its steps stay padded
-                    self.buckets.remove(bucket)
+        if bucket is None or bucket in self.sizes:
+            return bucket
+        uses = self._uses[bucket] = self._uses.get(bucket, 0) + 1
+        if uses < CAPTURE_AFTER_USES:
+            return self.padded_size(n)
+        self.deferred_seconds[bucket] = self._capture_size(bucket)
+        if any(key.size == bucket for key in self.graphs):
+            bisect.insort(self.sizes, bucket)
+            return bucket
+        self.buckets.remove(bucket)  # out of memory: its steps stay padded
         return self.padded_size(n)
 
     def _capture_cascade(self, size: int) -> bool:

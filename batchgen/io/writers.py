@@ -1,7 +1,8 @@
 """Crash-safe, resumable Parquet outputs: completions.parquet, steps.parquet and summary.json.
 
 Rows are buffered and flushed as complete Parquet part files, so a job killed at any moment (SIGKILL) loses
-at most the unflushed buffer, and a resumed job rebuilds the final file from the parts of every attempt.
+at most the unflushed buffer and the part being written, and a resumed job rebuilds the final file from the parts of
+every attempt.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -83,6 +85,10 @@ class PartedParquetWriter:
     os.replace) sorted by sort_key (None: write order), then removes the parts directory. A part that alone holds
     every row, already in that order, is renamed into the final file instead of being read and written again.
 
+    A part that write() flushes is encoded and written on the writer's own thread while rows keep coming (Parquet's
+    encoder and the fsyncs release the GIL), one part at a time; flush() and close() return once every part is on
+    disk, and a part that failed to write is written again by the next flush.
+
     Opening a writer where a previous one left parts or a final file resumes: their rows are kept (a final
     file moves back into a part, so close() always rebuilds from parts) and stale tmp files are removed.
     Not thread-safe; one writer per file at a time.
@@ -115,6 +121,9 @@ class PartedParquetWriter:
         # close() merges or checks them from memory rather than reading them back (most of a large job's close).
         self._kept: dict[Path, pa.Table] = {}
         self._kept_bytes = 0
+        self._unwritten: list[tuple[Path, pa.Table]] = []  # flushed parts not known to be on disk, in order
+        self._writing: Future | None = None  # the background write of _unwritten[0]
+        self._thread: ThreadPoolExecutor | None = None
         self._last_flush = time.monotonic()
         self._closed = False
         self._recover()
@@ -171,32 +180,62 @@ class PartedParquetWriter:
         self._accept(values)
         self._buffer.append(values)
         if len(self._buffer) >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
-            self.flush()
+            self._flush(in_background=True)
 
     def _accept(self, values: tuple[Any, ...]) -> None:
         """Subclasses raise here when a row that fits the schema breaks an invariant of the file."""
 
     def flush(self) -> None:
         """Writes the buffered rows as one new part file; after it returns they survive a crash."""
+        self._flush(in_background=False)
+
+    def _flush(self, in_background: bool) -> None:
+        """Makes the buffered rows a part: written before returning, or on the writer's thread once the part before
+        it is on disk. A failed write of an earlier part raises here, its rows kept to be written again."""
+        self.wait_for_parts()
         if self._buffer:
             table = records_table(self._buffer, self.schema)
             path = self._part_path(self._next_part)
-            write_atomically(path, lambda file: self._write_table(table, file))
             first_in_order = self._next_part == 0 and (self.sort_key is None
                                                        or sorted_rows(table, self.sort_key) is table)
             self._whole_part = path if first_in_order else None
             if first_in_order or self._kept_bytes + table.nbytes <= KEPT_PART_BYTES:
                 self._kept[path] = table
                 self._kept_bytes += table.nbytes
+            self._unwritten.append((path, table))
             self._next_part += 1
             self._buffer.clear()
         self._last_flush = time.monotonic()
+        if in_background and len(self._unwritten) == 1:
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"batchgen-{self.final_path.stem}-parts")
+            self._writing = self._thread.submit(self._write_part, *self._unwritten[0])
+        else:
+            while self._unwritten:
+                self._write_part(*self._unwritten[0])
+                self._unwritten.pop(0)
 
-    def _write_table(self, table: pa.Table, file: BinaryIO) -> None:
+    def wait_for_parts(self) -> None:
+        """Returns once the part being written in the background is on disk (the buffered rows stay buffered);
+        raises its write's error, its rows kept for the next flush."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
+            self._unwritten.pop(0)
+
+    def _write_part(self, path: Path, table: pa.Table) -> None:
+        # Encoded into Arrow's own buffer, which holds no GIL, then written at once: a Python file as the sink takes
+        # the GIL for each of the encoder's writes, from the rows the main thread is producing.
+        encoded = pa.BufferOutputStream()
+        self._write_table(table, encoded)
+        write_atomically(path, lambda file: file.write(encoded.getvalue()))
+
+    def _write_table(self, table: pa.Table, file: BinaryIO | pa.NativeFile) -> None:
         pq.write_table(table, file, use_dictionary=self._dictionary_columns)
 
     def existing_rows(self, columns: list[str] | None = None) -> pa.Table:
         """The rows in part files, earlier attempts included, in write order; buffered rows are not."""
+        self.wait_for_parts()
         schema = self.schema if columns is None else pa.schema([self.schema.field(name) for name in columns])
         tables = []
         for part in self._parts():
@@ -233,6 +272,9 @@ class PartedParquetWriter:
         self._whole_part = None
         self._kept, self._kept_bytes = {}, 0
         shutil.rmtree(self.parts_dir)
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
         self._closed = True
         return self.final_path
 

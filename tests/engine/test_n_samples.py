@@ -115,6 +115,7 @@ def test_job_writes_a_row_per_sample_in_order_and_resumes_missing_samples(tmp_pa
     for record in full:
         if record["index"] == 0 or (record["index"] in (2, 3) and record["sample_index"] == 1):
             partial.write(record)
+    partial.wait_for_parts()  # flushed before the kill
     del partial
     run(job_config(prompts_file, True), resumed_dir)
     assert comparable(resumed_dir / "completions.parquet") == reference

@@ -143,6 +143,7 @@ def test_completions_written_from_arrays_equal_the_rows_built_per_position(tmp_p
         killed = CompletionWriter(tmp_path, {}, flush_rows=4)
         for values in written[:10]:
             killed.write_values(values)
+        killed.wait_for_parts()
         del killed  # two parts flushed, two rows buffered and lost: the resume writes them again
         writer = CompletionWriter(tmp_path, {}, flush_rows=4)
         for values in written[8:]:

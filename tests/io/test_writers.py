@@ -1,9 +1,11 @@
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -134,6 +136,7 @@ def test_close_merges_the_parts_it_kept_in_memory_and_reads_the_rest(tmp_path: P
     kept are not."""
     earlier = CompletionWriter(tmp_path, METADATA, flush_rows=1)
     earlier.write(completion(6))
+    earlier.wait_for_parts()
     writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
     monkeypatch.setattr(writers, "KEPT_PART_BYTES", first_budget)
     for index in [5, 2]:
@@ -141,6 +144,7 @@ def test_close_merges_the_parts_it_kept_in_memory_and_reads_the_rest(tmp_path: P
     monkeypatch.setattr(writers, "KEPT_PART_BYTES", then_budget)
     for index in [0, 4, 1, 3]:
         writer.write(completion(index))
+    writer.wait_for_parts()
     earlier_part = part_files(writer)[0]
     read = []
     parquet_file = pq.ParquetFile
@@ -193,6 +197,7 @@ def test_parts_flushed_by_row_count_are_readable_before_close(tmp_path: Path) ->
     writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
     for index in range(5):
         writer.write(completion(index))
+    writer.wait_for_parts()
 
     parts = part_files(writer)
     assert len(parts) == 2
@@ -201,9 +206,54 @@ def test_parts_flushed_by_row_count_are_readable_before_close(tmp_path: Path) ->
     assert writer.existing_rows().num_rows == 4
 
 
+def test_a_part_flushed_by_row_count_is_written_on_the_writers_thread(tmp_path: Path, monkeypatch) -> None:
+    """Rows keep coming while a full part is encoded and written; flush() writes the rest on the caller's thread."""
+    writing_threads = []
+    write_table = CompletionWriter._write_table
+
+    def recording_thread(self, *args) -> None:
+        writing_threads.append(threading.current_thread())
+        write_table(self, *args)
+
+    monkeypatch.setattr(CompletionWriter, "_write_table", recording_thread)
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
+    for index in range(3):
+        writer.write(completion(index))
+    writer.flush()
+
+    assert writing_threads[0] is not threading.current_thread() and writing_threads[1] is threading.current_thread()
+    assert [pq.read_table(part).column("index").to_pylist() for part in part_files(writer)] == [[0, 1], [2]]
+
+
+def test_a_part_that_failed_in_the_background_is_written_by_the_next_flush(tmp_path: Path, monkeypatch) -> None:
+    """A background write that fails (a full disk) raises at the writer's next flush, and its rows are not lost: the
+    flush after writes them, before the rows that came after."""
+    failures = [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))]
+    write_part = CompletionWriter._write_part
+
+    def fill_the_disk_once(self, path: Path, table: pa.Table) -> None:
+        if failures:
+            raise failures.pop()
+        write_part(self, path, table)
+
+    monkeypatch.setattr(CompletionWriter, "_write_part", fill_the_disk_once)
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
+    writer.write(completion(0))
+    writer.write(completion(1))  # its part fails on the writer's thread
+    writer.write(completion(2))
+    with pytest.raises(OSError, match="No space left"):
+        writer.write(completion(3))  # the next part's flush
+    assert part_files(writer) == []
+    writer.flush()
+
+    assert [pq.read_table(part).column("index").to_pylist() for part in part_files(writer)] == [[0, 1], [2, 3]]
+    assert pq.read_table(writer.close()).to_pylist() == uninterrupted_run(tmp_path / "reference", 4)
+
+
 def test_a_resumed_writer_merges_earlier_parts_under_its_own_metadata(tmp_path: Path) -> None:
     first = CompletionWriter(tmp_path, METADATA, flush_rows=1)
     first.write(completion(0))
+    first.wait_for_parts()
     resumed_metadata = {**METADATA, "resume_forced": {"differences": {"seed": [0, 5]}}}
     resumed = CompletionWriter(tmp_path, resumed_metadata, flush_rows=1)
     resumed.write(completion(1))
@@ -215,6 +265,7 @@ def test_a_resumed_writer_merges_earlier_parts_under_its_own_metadata(tmp_path: 
 def test_parts_are_flushed_by_time(tmp_path: Path) -> None:
     writer = CompletionWriter(tmp_path, METADATA, flush_rows=1000, flush_seconds=0.0)
     writer.write(completion(0))
+    writer.wait_for_parts()
     assert len(part_files(writer)) == 1
 
 
@@ -223,6 +274,7 @@ def test_resume_after_a_crash_gives_the_uninterrupted_result(tmp_path: Path) -> 
     crashed = CompletionWriter(run_dir, METADATA, flush_rows=2)
     for index in [0, 3, 1, 2, 4]:
         crashed.write(completion(index))
+    crashed.wait_for_parts()
     # Abandoned without close(): the row of index 4 was still buffered and is lost, as after a SIGKILL.
     (crashed.parts_dir / "part-000002.parquet.tmp").write_bytes(b"half a parquet file")
     (run_dir / "completions.parquet.tmp").write_bytes(b"half a merged file")
@@ -257,6 +309,7 @@ def test_resume_after_a_close_killed_before_removing_the_parts(tmp_path: Path) -
     writer = CompletionWriter(tmp_path, METADATA, flush_rows=1)
     for index in range(3):
         writer.write(completion(index))
+    writer.wait_for_parts()
     leftover = {part.name: part.read_bytes() for part in part_files(writer)}
     final_path = writer.close()
     writer.parts_dir.mkdir()
@@ -285,6 +338,7 @@ def test_close_rejects_duplicates_and_keeps_the_parts(tmp_path: Path) -> None:
     writer = CompletionWriter(tmp_path, METADATA, flush_rows=1)
     writer.write(completion(0))
     writer.write(completion(1))
+    writer.wait_for_parts()
     [first_part, _] = part_files(writer)
     (writer.parts_dir / "part-000009.parquet").write_bytes(first_part.read_bytes())
 
@@ -374,6 +428,7 @@ def test_samples_of_a_row_sort_by_index_then_sample_and_a_row_is_finished_when_a
         writer.write({**completion(index), "sample_index": sample_index})
     with pytest.raises(DuplicateRowError, match="index 1 was already written"):
         writer.write({**completion(1), "sample_index": 1})
+    writer.wait_for_parts()
     resumed = CompletionWriter(tmp_path, METADATA)
     assert resumed.finished_samples() == {0: {0, 2}, 1: {0, 1}}
     assert resumed.finished_indices(lambda index: 2) == {1}

@@ -162,6 +162,7 @@ def test_a_resumed_job_generates_what_rows_added_one_by_one_generated(tmp_path, 
         for record in written:
             if record["index"] % 3 == 0 or (record["index"] % 7 == 3 and record["sample_index"] == 1):
                 partial.write(record)
+        partial.wait_for_parts()  # flushed before the kill
         del partial
         if name == "one_by_one":
             monkeypatch.setattr(Job, "_add_requests", add_one_by_one)

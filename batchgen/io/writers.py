@@ -7,6 +7,7 @@ every attempt.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -82,8 +83,11 @@ def sorted_rows(table: pa.Table, sort_key: str | list[tuple[str, str]]) -> pa.Ta
 class PartedParquetWriter:
     """Buffers records; each flush writes one complete Parquet part file (tmp name, fsync, os.replace into
     <final stem>.parts/part-<n>.parquet). close() merges all parts into the final file atomically (tmp +
-    os.replace) sorted by sort_key (None: write order), then removes the parts directory. A part that alone holds
-    every row, already in that order, is renamed into the final file instead of being read and written again.
+    os.replace) sorted by sort_key (None: write order), then removes the parts directory.
+
+    While a writer's rows come in the final order (most jobs' rows finish in input order) and no earlier attempt
+    left parts, the final file's tmp grows by each part as it is written, and close() only adds the buffered rows and
+    renames it: a large job's close then reads and writes no rows again.
 
     A part that write() flushes is encoded and written on the writer's own thread while rows keep coming (Parquet's
     encoder and the fsyncs release the GIL), one part at a time; flush() and close() return once every part is on
@@ -113,15 +117,15 @@ class PartedParquetWriter:
         self._required = [field.name for field in schema if not field.nullable]
         self._required_positions = [position for position, field in enumerate(schema) if not field.nullable]
         self._dictionary_columns = dictionary_columns(schema)
+        keys = [] if sort_key is None else [(sort_key, "ascending")] if isinstance(sort_key, str) else sort_key
+        self._sort_columns = [name for name, _ in keys]
         self._buffer: list[tuple[Any, ...]] = []  # each row's values in the schema's order
-        # The first part this writer flushed, while no other part exists and its rows are in the final order: close()
-        # renames it (and checks its rows) rather than merging.
-        self._whole_part: Path | None = None
-        # The parts this writer flushed, with their rows, up to KEPT_PART_BYTES (and the whole part whatever its size):
-        # close() merges or checks them from memory rather than reading them back (most of a large job's close).
+        # The parts this writer flushed, with their rows, up to KEPT_PART_BYTES: close() merges them from memory
+        # rather than reading them back (most of a large job's close).
         self._kept: dict[Path, pa.Table] = {}
         self._kept_bytes = 0
-        self._unwritten: list[tuple[Path, pa.Table]] = []  # flushed parts not known to be on disk, in order
+        # (part path, its rows, whether they continue the final file's order), flushed and not known to be on disk
+        self._unwritten: list[tuple[Path, pa.Table, bool]] = []
         self._writing: Future | None = None  # the background write of _unwritten[0]
         self._thread: ThreadPoolExecutor | None = None
         self._last_flush = time.monotonic()
@@ -129,6 +133,14 @@ class PartedParquetWriter:
         self._recover()
         parts = self._parts()
         self._next_part = _part_number(parts[-1]) + 1 if parts else 0
+        # Whether every row flushed so far continues the final order, from the first row of the file on; the last
+        # flushed row's sort key; the final file's tmp, grown by the parts written in that order (on the writer's
+        # thread, one part at a time), and those parts.
+        self._in_order = not parts and all(order == "ascending" for _, order in keys)
+        self._last_key: tuple[Any, ...] | None = None
+        self._final_rows: pq.ParquetWriter | None = None
+        self._growing = True  # no write to the tmp has failed
+        self._grown_parts: list[Path] = []
 
     def _recover(self) -> None:
         self.final_path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,13 +208,10 @@ class PartedParquetWriter:
         if self._buffer:
             table = records_table(self._buffer, self.schema)
             path = self._part_path(self._next_part)
-            first_in_order = self._next_part == 0 and (self.sort_key is None
-                                                       or sorted_rows(table, self.sort_key) is table)
-            self._whole_part = path if first_in_order else None
-            if first_in_order or self._kept_bytes + table.nbytes <= KEPT_PART_BYTES:
+            if self._kept_bytes + table.nbytes <= KEPT_PART_BYTES:
                 self._kept[path] = table
                 self._kept_bytes += table.nbytes
-            self._unwritten.append((path, table))
+            self._unwritten.append((path, table, self._continues_order(table)))
             self._next_part += 1
             self._buffer.clear()
         self._last_flush = time.monotonic()
@@ -223,12 +232,54 @@ class PartedParquetWriter:
             writing.result()
             self._unwritten.pop(0)
 
-    def _write_part(self, path: Path, table: pa.Table) -> None:
+    def _write_part(self, path: Path, table: pa.Table, in_order: bool) -> None:
         # Encoded into Arrow's own buffer, which holds no GIL, then written at once: a Python file as the sink takes
         # the GIL for each of the encoder's writes, from the rows the main thread is producing.
         encoded = pa.BufferOutputStream()
         self._write_table(table, encoded)
-        write_atomically(path, lambda file: file.write(encoded.getvalue()))
+        try:
+            write_atomically(path, lambda file: file.write(encoded.getvalue()))
+        except BaseException:
+            self._drop_final_file()  # a failing disk: the final file is left to a merge, which names the fault
+            raise
+        if in_order and self._grow_final_file(table):
+            self._grown_parts.append(path)
+
+    def _continues_order(self, table: pa.Table) -> bool:
+        """Whether the rows, appended to those flushed before, keep the file in its final order (and so far it is)."""
+        if not self._in_order or not self._sort_columns or table.num_rows == 0:
+            return self._in_order
+        keys = [table.column(name) for name in self._sort_columns]
+        first, last = tuple(key[0].as_py() for key in keys), tuple(key[-1].as_py() for key in keys)
+        # A null key sorts last; those rows are left to the merge.
+        self._in_order = (None not in first and None not in last and sorted_rows(table, self.sort_key) is table
+                          and (self._last_key is None or first > self._last_key))
+        self._last_key = last
+        return self._in_order
+
+    def _grow_final_file(self, table: pa.Table) -> bool:
+        """Appends the rows to the final file's tmp; False, with the tmp given up for the merge, where that fails (the
+        merge reports a lasting fault of the disk, naming the file)."""
+        if not self._growing:
+            return False
+        try:
+            if self._final_rows is None:
+                self._final_rows = pq.ParquetWriter(str(tmp_path_for(self.final_path)), self.schema,
+                                                    use_dictionary=self._dictionary_columns)
+            if table.num_rows:
+                self._final_rows.write_table(table)
+            return True
+        except OSError:
+            self._drop_final_file()
+            return False
+
+    def _drop_final_file(self) -> None:
+        self._growing = False
+        if self._final_rows is not None:
+            with contextlib.suppress(OSError):
+                self._final_rows.close()
+            self._final_rows = None
+        tmp_path_for(self.final_path).unlink(missing_ok=True)
 
     def _write_table(self, table: pa.Table, file: BinaryIO | pa.NativeFile) -> None:
         pq.write_table(table, file, use_dictionary=self._dictionary_columns)
@@ -254,22 +305,44 @@ class PartedParquetWriter:
     def _check_merged(self, table: pa.Table) -> None:
         """Subclasses raise here when the merged rows break an invariant; the parts are left untouched."""
 
+    def _finish_grown_file(self) -> bool:
+        """close() of a writer whose rows all came in the final order: the buffered rows join the grown tmp, which
+        becomes the final file. False, with the tmp removed, where the rows must be merged: some came out of order,
+        the parts on disk are not the grown ones, or a write to the tmp failed."""
+        buffered = records_table(self._buffer, self.schema) if self._buffer else self.schema.empty_table()
+        if (self._unwritten or self._parts() != self._grown_parts or not self._continues_order(buffered)
+                or not self._grow_final_file(buffered)):
+            self._drop_final_file()
+            return False
+        tmp_path = tmp_path_for(self.final_path)
+        try:
+            self._final_rows.close()
+            descriptor = os.open(tmp_path, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        except OSError:
+            self._drop_final_file()
+            return False
+        self._final_rows = None
+        self._buffer.clear()
+        os.replace(tmp_path, self.final_path)
+        fsync_directory(self.final_path.parent)
+        return True
+
     def close(self) -> Path:
         """Flushes, merges every part into the final file atomically, removes the parts; returns its path."""
         if self._closed:
             return self.final_path
-        self.flush()
-        if self._whole_part is not None and self._parts() == [self._whole_part]:
-            self._check_merged(self.existing_rows())  # its rows, kept in memory
-            os.replace(self._whole_part, self.final_path)  # written and fsynced as a part: the rename is the merge
-            fsync_directory(self.final_path.parent)
-        else:
+        self.wait_for_parts()
+        if not self._finish_grown_file():
+            self.flush()
             table = self.existing_rows().combine_chunks()  # a table of few chunks sorts and writes faster
             if self.sort_key is not None:
                 table = sorted_rows(table, self.sort_key)
             self._check_merged(table)
             write_atomically(self.final_path, lambda file: self._write_table(table, file))
-        self._whole_part = None
         self._kept, self._kept_bytes = {}, 0
         shutil.rmtree(self.parts_dir)
         if self._thread is not None:

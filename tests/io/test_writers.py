@@ -156,21 +156,61 @@ def test_close_merges_the_parts_it_kept_in_memory_and_reads_the_rest(tmp_path: P
     assert len(read) == reads and read[0] == earlier_part
 
 
-@pytest.mark.parametrize(("indices", "renamed"), [([0, 1, 2], True), ([1, 0, 2], False)], ids=["in order", "unsorted"])
-def test_close_renames_a_lone_part_already_in_order(tmp_path: Path, indices: list[int], renamed: bool) -> None:
-    """The one part of rows in their final order becomes completions.parquet as it is; unsorted rows are rewritten."""
-    writer = CompletionWriter(tmp_path, METADATA)
+@pytest.mark.parametrize(("indices", "merged"), [
+    ([0, 1, 2, 3, 4, 5, 6], False), ([1, 0, 2, 3, 4, 5, 6], True), ([0, 1, 3, 2, 4, 5, 6], True),
+    ([0, 1, 2, 3, 4, 6, 5], True)], ids=["in order", "unsorted in a part", "unsorted across parts", "unsorted buffer"])
+def test_close_merges_only_rows_that_came_out_of_order(tmp_path: Path, monkeypatch, indices: list[int],
+                                                       merged: bool) -> None:
+    """Rows flushed in their final order grow the final file as their parts are written: close() adds the buffered
+    rows and renames it, reading and writing no part again. Rows out of order anywhere are merged."""
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
     for index in indices:
         writer.write(completion(index))
-    writer.flush()
-    (part,) = part_files(writer)
-    part_inode = part.stat().st_ino
+    writer.wait_for_parts()
+    written = []
+    write_table = CompletionWriter._write_table
+    monkeypatch.setattr(CompletionWriter, "_write_table",
+                        lambda self, table, file: written.append(table.num_rows) or write_table(self, table, file))
 
     path = writer.close()
 
-    assert (path.stat().st_ino == part_inode) is renamed
-    assert pq.read_table(path).to_pylist() == uninterrupted_run(tmp_path / "reference", 3)
+    assert written[-1:] == ([7] if merged else [])  # the merge writes every row again
+    assert pq.read_table(path).to_pylist() == uninterrupted_run(tmp_path / "reference", 7)
     assert read_metadata(path) == METADATA and not writer.parts_dir.exists()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("flush_rows", [2, 100], ids=["parts", "no part"])
+def test_steps_grow_the_final_file_in_write_order(tmp_path: Path, flush_rows: int) -> None:
+    writer = StepWriter(tmp_path, METADATA, flush_rows=flush_rows)
+    for number in [3, 1, 2, 0, 4]:
+        writer.write(step(0, number))
+    frame = pd.read_parquet(writer.close())
+    assert frame["step"].tolist() == [3, 1, 2, 0, 4]
+    assert read_metadata(tmp_path / "steps.parquet") == METADATA
+
+
+def test_a_final_file_that_fails_to_grow_is_left_to_the_merge(tmp_path: Path, monkeypatch) -> None:
+    """A write to the growing final file that fails (a file-size limit) gives it up: close() merges the parts."""
+    grown = []
+    write_table = pq.ParquetWriter.write_table
+
+    def fail_the_second_growth(self, table, *args, **kwargs) -> None:
+        if self is writer._final_rows:
+            grown.append(table.num_rows)
+            if len(grown) == 2:
+                raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+        write_table(self, table, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", fail_the_second_growth)
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
+    for index in range(5):
+        writer.write(completion(index))
+    writer.wait_for_parts()
+    assert not list(tmp_path.glob("*.tmp"))  # given up at once
+
+    assert pq.read_table(writer.close()).to_pylist() == uninterrupted_run(tmp_path / "reference", 5)
+    assert grown == [2, 2]  # the first two parts: after the failure the file grows no more
 
 
 def test_float_columns_are_written_without_a_dictionary(tmp_path: Path) -> None:
@@ -231,10 +271,10 @@ def test_a_part_that_failed_in_the_background_is_written_by_the_next_flush(tmp_p
     failures = [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))]
     write_part = CompletionWriter._write_part
 
-    def fill_the_disk_once(self, path: Path, table: pa.Table) -> None:
+    def fill_the_disk_once(self, *part) -> None:
         if failures:
             raise failures.pop()
-        write_part(self, path, table)
+        write_part(self, *part)
 
     monkeypatch.setattr(CompletionWriter, "_write_part", fill_the_disk_once)
     writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)

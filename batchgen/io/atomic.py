@@ -35,24 +35,43 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: Path) -> None:
+    """Makes a closed file's contents durable (fsync acts on the file, whichever descriptor asks)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Runs `write` on `<path>.tmp`, fsyncs it and renames it over `path`.
+    """write_file_atomically with `<path>.tmp` opened as a Python file for `write`."""
+    def write_file(tmp_path: Path) -> None:
+        with tmp_path.open("wb") as file:
+            write(file)
+
+    write_file_atomically(path, write_file)
+
+
+def write_file_atomically(path: Path, write_file: Callable[[Path], None]) -> None:
+    """Runs `write_file` on the path `<path>.tmp`, which it opens, writes and closes itself (Arrow's own files write
+    without holding the GIL), fsyncs it and renames it over `path`.
 
     A failure (a full disk, a file-size limit) removes the `.tmp` file and raises an OSError naming `path`; a crash
     leaves at most a stale `.tmp` file behind, which the next writer removes.
     """
     tmp_path = tmp_path_for(path)
     try:
-        with tmp_path.open("wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
+        write_file(tmp_path)
+        fsync_file(tmp_path)
         os.replace(tmp_path, path)
         fsync_directory(path.parent)
     except BaseException as exc:
         tmp_path.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.filename is None:  # write() names no file: name the one being written
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        if isinstance(exc, OSError) and exc.filename is None:  # the writer names no file: name the one being written
+            # Arrow's errors carry the errno with a longer text of their own
+            strerror = os.strerror(exc.errno) if exc.errno else exc.strerror
+            raise OSError(exc.errno, strerror, str(path)) from exc
         raise
 
 

@@ -15,14 +15,21 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.io.atomic import TMP_SUFFIX, fsync_directory, tmp_path_for, write_atomically
+from batchgen.io.atomic import (
+    TMP_SUFFIX,
+    fsync_directory,
+    fsync_file,
+    tmp_path_for,
+    write_atomically,
+    write_file_atomically,
+)
 from batchgen.io.schema import COMPLETIONS_SCHEMA, KERNELS_SCHEMA, STEPS_SCHEMA, with_metadata
 
 PART_PREFIX = "part-"
@@ -233,12 +240,8 @@ class PartedParquetWriter:
             self._unwritten.pop(0)
 
     def _write_part(self, path: Path, table: pa.Table, in_order: bool) -> None:
-        # Encoded into Arrow's own buffer, which holds no GIL, then written at once: a Python file as the sink takes
-        # the GIL for each of the encoder's writes, from the rows the main thread is producing.
-        encoded = pa.BufferOutputStream()
-        self._write_table(table, encoded)
         try:
-            write_atomically(path, lambda file: file.write(encoded.getvalue()))
+            write_file_atomically(path, lambda tmp_path: self._write_table(table, tmp_path))
         except BaseException:
             self._drop_final_file()  # a failing disk: the final file is left to a merge, which names the fault
             raise
@@ -268,6 +271,7 @@ class PartedParquetWriter:
                                                     use_dictionary=self._dictionary_columns)
             if table.num_rows:
                 self._final_rows.write_table(table)
+                fsync_file(tmp_path_for(self.final_path))  # its rows reach the disk now, not all at the close
             return True
         except OSError:
             self._drop_final_file()
@@ -281,8 +285,9 @@ class PartedParquetWriter:
             self._final_rows = None
         tmp_path_for(self.final_path).unlink(missing_ok=True)
 
-    def _write_table(self, table: pa.Table, file: BinaryIO | pa.NativeFile) -> None:
-        pq.write_table(table, file, use_dictionary=self._dictionary_columns)
+    def _write_table(self, table: pa.Table, path: Path) -> None:
+        # Arrow's own file, not a Python one: a Python file takes the GIL for each of the encoder's writes.
+        pq.write_table(table, str(path), use_dictionary=self._dictionary_columns)
 
     def existing_rows(self, columns: list[str] | None = None) -> pa.Table:
         """The rows in part files, earlier attempts included, in write order; buffered rows are not."""
@@ -317,11 +322,7 @@ class PartedParquetWriter:
         tmp_path = tmp_path_for(self.final_path)
         try:
             self._final_rows.close()
-            descriptor = os.open(tmp_path, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
+            fsync_file(tmp_path)
         except OSError:
             self._drop_final_file()
             return False
@@ -342,7 +343,7 @@ class PartedParquetWriter:
             if self.sort_key is not None:
                 table = sorted_rows(table, self.sort_key)
             self._check_merged(table)
-            write_atomically(self.final_path, lambda file: self._write_table(table, file))
+            write_file_atomically(self.final_path, lambda tmp_path: self._write_table(table, tmp_path))
         self._kept, self._kept_bytes = {}, 0
         shutil.rmtree(self.parts_dir)
         if self._thread is not None:

@@ -14,6 +14,7 @@ computed in slices of `logprobs_slice_rows` rows, whose memory the profiling for
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 # The memory one slice of logprobs rows may take: at Qwen3's vocabulary (151,936) about 350 rows scored by torch,
@@ -26,17 +27,34 @@ LOGPROBS_BYTES_PER_LOGIT = 2 + 4 + 4
 FUSED_LOGPROBS_BYTES_PER_LOGIT = 2
 
 
-@dataclass(frozen=True)
 class KVDemand:
-    """What a job knows of its rows before the engine starts: per row, prompt tokens and max_tokens."""
+    """What a job knows of its rows before the engine starts: per row, prompt tokens and max_tokens.
 
-    rows: Sequence[tuple[int, int]]
+    num_decoding: the requests that take decode steps (max_tokens > 1: a prefill step draws the first token); a decode
+    step holds at most this many.
+    """
+
+    def __init__(self, rows: Sequence[tuple[int, int]]):
+        self._rows: Sequence[tuple[int, int]] | None = rows
+        self._coming: Future | None = None
+        self.num_decoding = sum(1 for _, max_tokens in rows if max_tokens > 1)
+
+    @classmethod
+    def coming(cls, rows: Future, num_decoding: int) -> KVDemand:
+        """A demand whose rows are still being worked out (the job tokenizes its prompts while the engine loads):
+        `rows` waits for them, and raises what working them out raised."""
+        demand = cls([])
+        demand._rows, demand._coming, demand.num_decoding = None, rows, num_decoding
+        return demand
 
     @property
-    def num_decoding(self) -> int:
-        """The requests that take decode steps (max_tokens > 1: a prefill step draws the first token); a decode step
-        holds at most this many."""
-        return sum(1 for _, max_tokens in self.rows if max_tokens > 1)
+    def rows(self) -> Sequence[tuple[int, int]]:
+        if self._coming is not None:
+            self._rows, self._coming = self._coming.result(), None
+        return self._rows
+
+    def __reduce__(self) -> tuple:  # a tensor-parallel follower's copy holds the rows themselves
+        return KVDemand, (self.rows,)
 
 
 @dataclass(frozen=True)

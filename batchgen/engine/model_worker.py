@@ -180,12 +180,14 @@ class ModelWorker:
         cfg = self.config
         if cfg.num_gpu_blocks_override is not None:
             return KVBlockChoice(cfg.num_gpu_blocks_override, "engine.num_gpu_blocks_override")
-        limit = job_block_limit(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, demand)
         block_bytes = self.runner.kv_block_bytes
         if self.device.type == "cpu":
             budget = max(1, int(cfg.cpu_kv_cache_space_gib * 2**30) // block_bytes)
+            limit = job_block_limit(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, demand)
             return choose_num_blocks(budget, f"engine.cpu_kv_cache_space_gib={cfg.cpu_kv_cache_space_gib}", limit)
         peak = self.runner.profile_peak_bytes(scores_logits=self.pooler is None)
+        # After the profile: a job's demand may still be coming (its prompts tokenized meanwhile).
+        limit = job_block_limit(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, demand)
         total = torch.cuda.get_device_properties(self.device).total_memory
         available = int(total * cfg.gpu_memory_utilization) - peak
         if available < block_bytes:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict
 from operator import attrgetter
 from pathlib import Path
@@ -242,8 +244,9 @@ class Job:
                 from batchgen.worker.step_profiler import StepProfiler  # torch.profiler: only when asked for
 
                 profiler = StepProfiler(self.config.job.profile_steps, resolve_device(self.config.engine.device))
-            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, self._kv_demand(rows_to_run),
-                               profiler, self.task)
+            demand = self._kv_demand(rows_to_run)
+            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, demand, profiler, self.task)
+            demand.rows  # noqa: B018 (the rows' token ids are set: an engine that sized its cache otherwise never waited)
             clock = self._lap("engine_start_seconds", clock)
             self.stats.engine_ready_at = time.time()
             if wait_for_ranks is not None:
@@ -310,7 +313,23 @@ class Job:
                 raise
 
     def _kv_demand(self, rows: list[PromptRow]) -> KVDemand:
-        """The rows' prompt lengths and max_tokens, so that the KV cache is sized to the job."""
+        """The rows' prompt lengths and max_tokens, so that the KV cache is sized to the job, worked out on a thread
+        while the engine loads (the tokenizer's batched calls, most of it, release the GIL); the number of decoding
+        requests, which needs no prompt, at once. The thread is a daemon: a job whose engine fails to start does not
+        wait for it to exit."""
+        coming: Future = Future()
+
+        def work_out() -> None:
+            try:
+                coming.set_result(self._kv_demand_rows(rows))
+            except BaseException as exc:
+                coming.set_exception(exc)
+
+        threading.Thread(target=work_out, name="batchgen-kv-demand", daemon=True).start()
+        num_decoding = sum(self.params[row.index].n for row in rows if self.params[row.index].max_tokens > 1)
+        return KVDemand.coming(coming, num_decoding)
+
+    def _kv_demand_rows(self, rows: list[PromptRow]) -> list[tuple[int, int]]:
         demand = []
         with rare_collections():  # a list of ids per row: the default thresholds would go over the rows many times
             self._tokenize(rows)
@@ -318,7 +337,7 @@ class Job:
                 params = self.params[row.index]
                 num_prompt_tokens = self._num_prompt_tokens(row, params)
                 demand.extend([(num_prompt_tokens, params.max_tokens)] * params.n)  # each sample holds its own blocks
-        return KVDemand(demand)
+        return demand
 
     def _tokenize(self, rows: list[PromptRow]) -> None:
         """Tokenizes the text prompts of rows without token ids, in chunks of batched calls (the ids one call per

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import pickle
+from concurrent.futures import Future
+
+import pytest
+
 from batchgen import LLM
 from batchgen.core.kv_sizing import (
     FUSED_LOGPROBS_BYTES_PER_LOGIT,
@@ -33,6 +38,22 @@ def test_rows_never_raise_the_limit_above_max_num_seqs_full_sequences() -> None:
 def test_only_rows_of_more_than_one_token_decode() -> None:
     assert KVDemand([(4, 0), (4, 1), (4, 2), (9, 30)]).num_decoding == 2
     assert KVDemand([]).num_decoding == 0
+
+
+def test_a_coming_demand_knows_its_decoding_rows_at_once_and_waits_for_its_rows() -> None:
+    """A job tokenizes its prompts while the engine loads: the engine reads num_decoding before the rows exist, and
+    the rows (or what working them out raised) once it sizes the cache; a tensor-parallel follower's copy holds them."""
+    rows: Future = Future()
+    demand = KVDemand.coming(rows, num_decoding=1)
+    assert demand.num_decoding == 1 and not rows.done()
+    rows.set_result([(4, 1), (9, 30)])
+    assert job_block_limit(2, 64, 16, demand).num_blocks == 1 + 3
+    assert pickle.loads(pickle.dumps(demand)).rows == [(4, 1), (9, 30)]
+
+    failed: Future = Future()
+    failed.set_exception(ValueError("row 3: the prompt is not text"))
+    with pytest.raises(ValueError, match="row 3"):
+        job_block_limit(2, 64, 16, KVDemand.coming(failed, num_decoding=0))
 
 
 def test_memory_budget_stays_an_upper_bound() -> None:

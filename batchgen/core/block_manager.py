@@ -152,19 +152,25 @@ class BlockManager:
         """Registers the request's blocks filled by its first `num_computed_tokens` tokens, whose KV is written."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_computed_tokens // self.block_size, len(request.block_ids))
-        if num_full <= request.num_hashed_blocks:
+        block_ids, num_registered = request.block_ids, request.num_hashed_blocks
+        num_full = min(num_computed_tokens // self.block_size, len(block_ids))
+        if num_full <= num_registered:
             return
-        num_hashed = self._hash_full_blocks(request, num_full * self.block_size)
-        hashes, cached, block_hashes = request.block_hashes, self._cached, self.block_hashes
-        block_ids = request.block_ids
-        for index in range(request.num_hashed_blocks, num_hashed):
-            block_id = block_ids[index]
+        hashes = request.block_hashes
+        # A prompt's blocks are hashed when it arrives (hash_prompt): most calls find their hashes there.
+        if len(hashes) >= num_full:
+            num_hashed = num_full
+        else:
+            num_hashed = self._hash_full_blocks(request, num_full * self.block_size)
+        cached, block_hashes = self._cached, self.block_hashes
+        for index in range(num_registered, num_hashed):
+            block_id, block_hash = block_ids[index], hashes[index]
             # A block recomputed next to a cached copy (a prompt whose last block was a hit) stays unhashed.
-            if block_hashes[block_id] is None and hashes[index] not in cached:
-                block_hashes[block_id] = hashes[index]
-                cached[hashes[index]] = block_id
-        request.num_hashed_blocks = max(request.num_hashed_blocks, num_hashed)
+            if block_hashes[block_id] is None and block_hash not in cached:
+                block_hashes[block_id] = block_hash
+                cached[block_hash] = block_id
+        if num_hashed > num_registered:
+            request.num_hashed_blocks = num_hashed
 
     def _hash_full_blocks(self, request: Request, num_tokens: int) -> int:
         """Extends `request.block_hashes` over the full blocks within its first num_tokens tokens (up to a pending

@@ -121,18 +121,20 @@ class BlockManager:
             hits.append(block_id)
         return hits, None
 
-    def hash_prompt(self, request: Request) -> None:
+    def hash_prompt(self, request: Request, prompt_bytes: bytes | None = None) -> None:
         """Hashes the request's full prompt blocks ahead of its admission, as vLLM does when a request arrives: a job
         adds rows between steps, while the device runs the step in flight, instead of inside the step that admits
-        them."""
+        them. prompt_bytes: the prompt's int64 bytes, when the caller has them."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
             return
-        num_full = request.num_prompt_tokens // self.block_size
+        num_full = len(request.prompt_token_ids) // self.block_size
         if request.block_hashes or not num_full:
-            self._hash_full_blocks(request, request.num_prompt_tokens)
-        else:  # a new request (most): its prompt's int64 bytes are hashed as they are
-            prompt_bytes = request.prompt_array[:num_full * self.block_size].tobytes()
-            request.block_hashes.extend(hash_token_bytes(None, prompt_bytes, self.block_size))
+            self._hash_full_blocks(request, len(request.prompt_token_ids))
+            return
+        # A new request (most): its prompt's int64 bytes are hashed as they are.
+        if prompt_bytes is None:
+            prompt_bytes = request.prompt_array.tobytes()
+        request.block_hashes.extend(hash_token_bytes(None, prompt_bytes, self.block_size))
 
     def uncached_prompt_blocks(self, request: Request, num_hits: int = 0) -> set[bytes]:
         """The hashes of the request's full prompt blocks that are not in the cache (yet); num_hits: its leading

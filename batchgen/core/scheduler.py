@@ -52,7 +52,7 @@ import numpy as np
 
 from batchgen.config import EngineConfig
 from batchgen.core.block_manager import BlockManager
-from batchgen.core.request import PENDING_TOKEN, Request, RequestStatus
+from batchgen.core.request import PENDING_TOKEN, Request, RequestStatus, prompt_arrays
 
 
 @dataclass(slots=True)
@@ -246,17 +246,25 @@ class Scheduler:
     def enqueue(self, request: Request) -> None:
         """add_request for a request whose admission_error the caller has found to be None (the engine asks it once
         for all the samples of a prompt)."""
-        request.status = RequestStatus.WAITING
-        params = request.sampling_params
-        request.max_num_outputs = min(params.max_tokens, self.config.max_model_len - len(request.prompt_token_ids))
-        eos = () if request.eos_token_id is None or params.ignore_eos else (request.eos_token_id,)
-        request.stop_token_set = frozenset((*eos, *params.stop_token_ids))
-        request.prompt_array  # noqa: B018 (made now, between steps: the prefill step slices it, hash_prompt reads it)
-        self.block_manager.hash_prompt(request)
-        if self._waits_for_first_sample(request):
-            self._siblings.setdefault(id(request.first_sample), []).append(request)
-        else:
-            self.waiting.append(request)
+        self.enqueue_all([request])
+
+    def enqueue_all(self, requests: list[Request]) -> None:
+        """enqueue of each request, in order. Their prompts' int64 arrays are made now, between steps (the prefill
+        step slices them, hash_prompt reads them), in one conversion: a job adds hundreds of rows at a time, and
+        each prompt_array is a view of one array holding them all."""
+        prompt_bytes = prompt_arrays(requests)
+        max_model_len, hash_prompt = self.config.max_model_len, self.block_manager.hash_prompt
+        for request, own_bytes in zip(requests, prompt_bytes, strict=True):
+            request.status = RequestStatus.WAITING
+            params = request.sampling_params
+            request.max_num_outputs = min(params.max_tokens, max_model_len - len(request.prompt_token_ids))
+            eos = () if request.eos_token_id is None or params.ignore_eos else (request.eos_token_id,)
+            request.stop_token_set = frozenset((*eos, *params.stop_token_ids))
+            hash_prompt(request, own_bytes)
+            if request.first_sample is not None and self._waits_for_first_sample(request):
+                self._siblings.setdefault(id(request.first_sample), []).append(request)
+            else:
+                self.waiting.append(request)
 
     def _waits_for_first_sample(self, request: Request) -> bool:
         """A later sample of a prompt with a full block to share waits until the first sample has cached it."""

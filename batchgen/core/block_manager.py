@@ -109,10 +109,13 @@ class BlockManager:
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], bytes | None]:
         """lookup_prefix's answers, for a request that uses the cache."""
-        num_full = self._hash_full_blocks(request, request.num_tokens - 1)
+        hashes, cached = request.block_hashes, self._cached
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        num_full = (num_tokens - 1) // self.block_size
+        if len(hashes) < num_full:  # a new request's prompt blocks are hashed: blocks of outputs may not be
+            num_full = self._hash_full_blocks(request, num_tokens - 1)
         if request.max_cached_tokens is not None:
             num_full = min(num_full, request.max_cached_tokens // self.block_size)
-        hashes, cached = request.block_hashes, self._cached
         hits: list[int] = []
         for index in range(num_full):
             block_id = cached.get(hashes[index])
@@ -144,8 +147,12 @@ class BlockManager:
         return self._uncached_prompt_blocks(request, num_hits)
 
     def _uncached_prompt_blocks(self, request: Request, num_hits: int) -> set[bytes]:
-        num_full = self._hash_full_blocks(request, request.num_prompt_tokens)
+        num_full = len(request.prompt_token_ids) // self.block_size
         if num_full <= num_hits:  # most short prompts: no full block left to compute
+            return set()
+        if len(request.block_hashes) < num_full:
+            num_full = self._hash_full_blocks(request, len(request.prompt_token_ids))
+        if num_full <= num_hits:
             return set()
         cached = self._cached
         return {h for h in request.block_hashes[num_hits:num_full] if h not in cached}

@@ -109,10 +109,13 @@ class BlockManager:
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], bytes | None]:
         """lookup_prefix's answers, for a request that uses the cache."""
-        num_full = self._hash_full_blocks(request, request.num_tokens - 1)
+        hashes, cached = request.block_hashes, self._cached
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        num_full = (num_tokens - 1) // self.block_size
+        if len(hashes) < num_full:  # a new request's prompt blocks are hashed: blocks of outputs may not be
+            num_full = self._hash_full_blocks(request, num_tokens - 1)
         if request.max_cached_tokens is not None:
             num_full = min(num_full, request.max_cached_tokens // self.block_size)
-        hashes, cached = request.block_hashes, self._cached
         hits: list[int] = []
         for index in range(num_full):
             block_id = cached.get(hashes[index])
@@ -121,18 +124,20 @@ class BlockManager:
             hits.append(block_id)
         return hits, None
 
-    def hash_prompt(self, request: Request) -> None:
+    def hash_prompt(self, request: Request, prompt_bytes: bytes | None = None) -> None:
         """Hashes the request's full prompt blocks ahead of its admission, as vLLM does when a request arrives: a job
         adds rows between steps, while the device runs the step in flight, instead of inside the step that admits
-        them."""
+        them. prompt_bytes: the prompt's int64 bytes, when the caller has them."""
         if not self.enable_prefix_caching or not request.use_prefix_cache:
             return
-        num_full = request.num_prompt_tokens // self.block_size
+        num_full = len(request.prompt_token_ids) // self.block_size
         if request.block_hashes or not num_full:
-            self._hash_full_blocks(request, request.num_prompt_tokens)
-        else:  # a new request (most): its prompt's int64 bytes are hashed as they are
-            prompt_bytes = request.prompt_array[:num_full * self.block_size].tobytes()
-            request.block_hashes.extend(hash_token_bytes(None, prompt_bytes, self.block_size))
+            self._hash_full_blocks(request, len(request.prompt_token_ids))
+            return
+        # A new request (most): its prompt's int64 bytes are hashed as they are.
+        if prompt_bytes is None:
+            prompt_bytes = request.prompt_array.tobytes()
+        request.block_hashes.extend(hash_token_bytes(None, prompt_bytes, self.block_size))
 
     def uncached_prompt_blocks(self, request: Request, num_hits: int = 0) -> set[bytes]:
         """The hashes of the request's full prompt blocks that are not in the cache (yet); num_hits: its leading
@@ -142,8 +147,12 @@ class BlockManager:
         return self._uncached_prompt_blocks(request, num_hits)
 
     def _uncached_prompt_blocks(self, request: Request, num_hits: int) -> set[bytes]:
-        num_full = self._hash_full_blocks(request, request.num_prompt_tokens)
+        num_full = len(request.prompt_token_ids) // self.block_size
         if num_full <= num_hits:  # most short prompts: no full block left to compute
+            return set()
+        if len(request.block_hashes) < num_full:
+            num_full = self._hash_full_blocks(request, len(request.prompt_token_ids))
+        if num_full <= num_hits:
             return set()
         cached = self._cached
         return {h for h in request.block_hashes[num_hits:num_full] if h not in cached}
@@ -152,19 +161,25 @@ class BlockManager:
         """Registers the request's blocks filled by its first `num_computed_tokens` tokens, whose KV is written."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_computed_tokens // self.block_size, len(request.block_ids))
-        if num_full <= request.num_hashed_blocks:
+        block_ids, num_registered = request.block_ids, request.num_hashed_blocks
+        num_full = min(num_computed_tokens // self.block_size, len(block_ids))
+        if num_full <= num_registered:
             return
-        num_hashed = self._hash_full_blocks(request, num_full * self.block_size)
-        hashes, cached, block_hashes = request.block_hashes, self._cached, self.block_hashes
-        block_ids = request.block_ids
-        for index in range(request.num_hashed_blocks, num_hashed):
-            block_id = block_ids[index]
+        hashes = request.block_hashes
+        # A prompt's blocks are hashed when it arrives (hash_prompt): most calls find their hashes there.
+        if len(hashes) >= num_full:
+            num_hashed = num_full
+        else:
+            num_hashed = self._hash_full_blocks(request, num_full * self.block_size)
+        cached, block_hashes = self._cached, self.block_hashes
+        for index in range(num_registered, num_hashed):
+            block_id, block_hash = block_ids[index], hashes[index]
             # A block recomputed next to a cached copy (a prompt whose last block was a hit) stays unhashed.
-            if block_hashes[block_id] is None and hashes[index] not in cached:
-                block_hashes[block_id] = hashes[index]
-                cached[hashes[index]] = block_id
-        request.num_hashed_blocks = max(request.num_hashed_blocks, num_hashed)
+            if block_hashes[block_id] is None and block_hash not in cached:
+                block_hashes[block_id] = block_hash
+                cached[block_hash] = block_id
+        if num_hashed > num_registered:
+            request.num_hashed_blocks = num_hashed
 
     def _hash_full_blocks(self, request: Request, num_tokens: int) -> int:
         """Extends `request.block_hashes` over the full blocks within its first num_tokens tokens (up to a pending

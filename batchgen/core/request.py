@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from itertools import chain
 
 import numpy as np
 
@@ -136,3 +137,22 @@ class Request:
         else:
             token_ids = self.prompt_token_ids[start:] + outputs[:end - num_prompt]
         return token_ids if len(token_ids) == end - start else None
+
+
+def prompt_arrays(requests: list[Request]) -> list[bytes | None]:
+    """Makes the prompt_array of each request that has none, as a view of one int64 array holding all their prompts
+    (one conversion instead of one per request); returns, parallel to requests, the int64 bytes of each prompt made
+    here (None for a request whose array was already made)."""
+    new = [request for request in requests if request._prompt_array is None]
+    lengths = [len(request.prompt_token_ids) for request in new]
+    prompts = np.fromiter(chain.from_iterable(request.prompt_token_ids for request in new), dtype=np.int64,
+                          count=sum(lengths))
+    data = prompts.tobytes()
+    made: dict[int, bytes] = {}
+    start = 0
+    for request, length in zip(new, lengths, strict=True):
+        end = start + length
+        request._prompt_array = prompts[start:end]
+        made[id(request)] = data[8 * start:8 * end]
+        start = end
+    return [made.get(id(request)) for request in requests]

@@ -52,7 +52,7 @@ import numpy as np
 
 from batchgen.config import EngineConfig
 from batchgen.core.block_manager import BlockManager
-from batchgen.core.request import PENDING_TOKEN, Request, RequestStatus
+from batchgen.core.request import PENDING_TOKEN, Request, RequestStatus, prompt_arrays
 
 
 @dataclass(slots=True)
@@ -64,16 +64,22 @@ class DecodeRows:
     computed_ends: np.ndarray  # (D,) int64: each request's num_computed_tokens once the step has run
     output_slots: np.ndarray  # (D,) int64: the output slot each decode's token fills
     max_num_outputs: np.ndarray  # (D,) int64: Request.max_num_outputs, fixed while a request runs
+    # The Request.stop_token_set of every row when they all have the same (most steps: the rows share their
+    # parameters), else None. Fixed while a request runs, like max_num_outputs.
+    stop_token_set: frozenset[int] | None
 
     @classmethod
     def from_lists(cls, requests: list[Request], computed_ends: list[int], output_slots: list[int]) -> DecodeRows:
         count = len(requests)
+        stop_token_sets = set(map(attrgetter("stop_token_set"), requests))
         return cls(requests, np.array(computed_ends, dtype=np.int64), np.array(output_slots, dtype=np.int64),
-                   np.fromiter(map(attrgetter("max_num_outputs"), requests), dtype=np.int64, count=count))
+                   np.fromiter(map(attrgetter("max_num_outputs"), requests), dtype=np.int64, count=count),
+                   stop_token_sets.pop() if len(stop_token_sets) == 1 else None)
 
     def next_step(self) -> DecodeRows:
         """The same rows one decode further."""
-        return DecodeRows(self.requests, self.computed_ends + 1, self.output_slots + 1, self.max_num_outputs)
+        return DecodeRows(self.requests, self.computed_ends + 1, self.output_slots + 1, self.max_num_outputs,
+                          self.stop_token_set)
 
 
 @dataclass
@@ -98,6 +104,9 @@ class SchedulerOutput:
     # block-table rows to write.
     same_rows_as_previous: bool = False
     grown_rows: list[int] = field(default_factory=list)
+    # Scheduler.num_finished when the step was built: while it is unchanged at the step's commit, none of the step's
+    # requests has finished since (None: unknown, the step was not built by the scheduler).
+    num_finished_at_schedule: int | None = None
 
     def __post_init__(self, rows: tuple[list[int], list[int], list[bool]] | None) -> None:
         if rows is not None:
@@ -165,7 +174,7 @@ class _StepBuilder:
         self.prefill_slots.append(num_outputs)
         self.prefill_samples.append(num_computed + num_tokens == num_prompt + num_outputs)
 
-    def build(self) -> SchedulerOutput:
+    def build(self, num_finished: int) -> SchedulerOutput:
         num_decodes = len(self.decodes)
         decode_rows = self.repeated
         if decode_rows is None and num_decodes:
@@ -182,6 +191,7 @@ class _StepBuilder:
             decode_rows=decode_rows,
             same_rows_as_previous=self.repeated is not None and not self.prefills,
             grown_rows=self.grown_rows,
+            num_finished_at_schedule=num_finished,
         )
 
 
@@ -199,6 +209,7 @@ class Scheduler:
         self._prefilling: dict[int, Request] = {}
         self._siblings: dict[int, list[Request]] = {}  # id(first sample) -> later samples waiting for its prompt
         self._previous_decodes: DecodeRows | None = None  # the latest launched step's rows, when all are decodes
+        self.num_finished = 0  # requests finished so far
 
     @property
     def num_waiting(self) -> int:
@@ -235,17 +246,25 @@ class Scheduler:
     def enqueue(self, request: Request) -> None:
         """add_request for a request whose admission_error the caller has found to be None (the engine asks it once
         for all the samples of a prompt)."""
-        request.status = RequestStatus.WAITING
-        params = request.sampling_params
-        request.max_num_outputs = min(params.max_tokens, self.config.max_model_len - len(request.prompt_token_ids))
-        eos = () if request.eos_token_id is None or params.ignore_eos else (request.eos_token_id,)
-        request.stop_token_set = frozenset((*eos, *params.stop_token_ids))
-        request.prompt_array  # noqa: B018 (made now, between steps: the prefill step slices it, hash_prompt reads it)
-        self.block_manager.hash_prompt(request)
-        if self._waits_for_first_sample(request):
-            self._siblings.setdefault(id(request.first_sample), []).append(request)
-        else:
-            self.waiting.append(request)
+        self.enqueue_all([request])
+
+    def enqueue_all(self, requests: list[Request]) -> None:
+        """enqueue of each request, in order. Their prompts' int64 arrays are made now, between steps (the prefill
+        step slices them, hash_prompt reads them), in one conversion: a job adds hundreds of rows at a time, and
+        each prompt_array is a view of one array holding them all."""
+        prompt_bytes = prompt_arrays(requests)
+        max_model_len, hash_prompt = self.config.max_model_len, self.block_manager.hash_prompt
+        for request, own_bytes in zip(requests, prompt_bytes, strict=True):
+            request.status = RequestStatus.WAITING
+            params = request.sampling_params
+            request.max_num_outputs = min(params.max_tokens, max_model_len - len(request.prompt_token_ids))
+            eos = () if request.eos_token_id is None or params.ignore_eos else (request.eos_token_id,)
+            request.stop_token_set = frozenset((*eos, *params.stop_token_ids))
+            hash_prompt(request, own_bytes)
+            if request.first_sample is not None and self._waits_for_first_sample(request):
+                self._siblings.setdefault(id(request.first_sample), []).append(request)
+            else:
+                self.waiting.append(request)
 
     def _waits_for_first_sample(self, request: Request) -> bool:
         """A later sample of a prompt with a full block to share waits until the first sample has cached it."""
@@ -267,7 +286,7 @@ class Scheduler:
             if not step.decodes and not step.prefills:
                 self._schedule_every_running(step, prefills=False)
         self._previous_decodes = None  # set again when this step is launched
-        return step.build()
+        return step.build(self.num_finished)
 
     def advance(self, output: SchedulerOutput) -> None:
         """The step is launched: its tokens count as computed, and each sampled token gets a pending slot."""
@@ -297,16 +316,68 @@ class Scheduler:
     def commit(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
         """The step's sampled ids arrived: fills the pending slots; returns the requests that finished.
 
-        Runs for every request of every step, so its checks are inlined, and a request's blocks are offered to the
-        prefix cache only when one of them has filled."""
+        Runs for every request of every step: the decode rows, when none of them has finished since the step was
+        built, are committed by array operations over their rows (`_commit_decodes`); the other rows by a loop whose
+        checks are inlined, which offers a request's blocks to the prefix cache only when one of them has filled."""
         now = time.perf_counter()
-        finished = []
+        finished: list[Request] = []
+        first_row = 0
+        decode_rows = output.decode_rows
+        if decode_rows is not None and output.num_finished_at_schedule == self.num_finished:
+            first_row = len(decode_rows.requests)
+            self._commit_decodes(decode_rows, output.computed_ends, output.output_slots, sampled_token_ids, finished,
+                                 now)
+        if first_row < len(output.requests):
+            self._commit_rows(output, sampled_token_ids, first_row, finished, now)
+        if finished:
+            finished_status = RequestStatus.FINISHED
+            self.running = [request for request in self.running if request.status is not finished_status]
+        return finished
+
+    def _commit_decodes(self, rows: DecodeRows, computed_ends: list[int], output_slots: list[int],
+                        sampled_token_ids: list[int], finished: list[Request], now: float) -> None:
+        """_commit_rows for a step's decode rows (its first rows; computed_ends, output_slots and sampled_token_ids
+        go on past them), none of which has finished since the step was built. Each decode samples, and its
+        request has committed a token before (so its first_token_time is set); its earlier blocks are offered to
+        the prefix cache at its earlier commits, so the decode fills a block only where its computed end starts a
+        new one."""
+        requests = rows.requests
+        num_rows = len(requests)
+        token_ids = sampled_token_ids if len(sampled_token_ids) == num_rows else sampled_token_ids[:num_rows]
+        for request, slot, token_id in zip(requests, output_slots, token_ids, strict=False):
+            request.output_token_ids[slot] = token_id
+        block_manager = self.block_manager
+        if block_manager.enable_prefix_caching:
+            # A request preempted since this step was launched has no blocks and num_computed_tokens 0.
+            for row in np.flatnonzero(rows.computed_ends % block_manager.block_size == 0).tolist():
+                request = requests[row]
+                block_manager.cache_full_blocks(request, min(computed_ends[row], request.num_computed_tokens))
+        stop_token_set = rows.stop_token_set
+        if stop_token_set is None:
+            stopped = [row for row, (request, token_id) in enumerate(zip(requests, token_ids, strict=True))
+                       if token_id in request.stop_token_set]
+        elif stop_token_set.isdisjoint(token_ids):  # most steps
+            stopped = []
+        else:
+            stopped = [row for row, token_id in enumerate(token_ids) if token_id in stop_token_set]
+        ended = np.flatnonzero(rows.output_slots >= rows.max_num_outputs - 1).tolist()  # slot + 1 outputs
+        if not stopped and not ended:
+            return
+        stopped_rows = set(stopped)
+        for row in sorted(stopped_rows.union(ended)):
+            request = requests[row]
+            self._mark_finished(request, "stop" if row in stopped_rows else "length", now)
+            finished.append(request)
+
+    def _commit_rows(self, output: SchedulerOutput, sampled_token_ids: list[int], first_row: int,
+                     finished: list[Request], now: float) -> None:
+        """commit of the step's rows from first_row on."""
         block_manager = self.block_manager
         caching, block_size = block_manager.enable_prefix_caching, block_manager.block_size
         finished_status = RequestStatus.FINISHED
-        for request, samples, slot, computed_end, token_id in zip(
-            output.requests, output.samples, output.output_slots, output.computed_ends, sampled_token_ids, strict=True
-        ):
+        rows = zip(output.requests, output.samples, output.output_slots, output.computed_ends, sampled_token_ids,
+                   strict=True)
+        for request, samples, slot, computed_end, token_id in islice(rows, first_row, None):
             if request.status is finished_status:  # it ended at an earlier step: this token is discarded
                 continue
             if caching and computed_end // block_size > request.num_hashed_blocks:
@@ -335,9 +406,6 @@ class Scheduler:
                 continue
             self._mark_finished(request, reason, now)
             finished.append(request)
-        if finished:
-            self.running = [request for request in self.running if request.status is not finished_status]
-        return finished
 
     def finish_request(self, request: Request, reason: str) -> None:
         """Ends a request the engine decided to stop (a stop string in its detokenized text)."""
@@ -350,6 +418,7 @@ class Scheduler:
             _remove_identical(self.waiting, request)
         self._prefilling.pop(id(request), None)
         request.status = RequestStatus.FINISHED
+        self.num_finished += 1
         request.finish_reason = reason
         request.finish_time = now
         request.drop_pending_tokens()

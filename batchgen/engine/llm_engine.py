@@ -205,6 +205,7 @@ class LLMEngine:
         eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         engine_seed, scheduler, prompts = self.config.seed, self.scheduler, self._prompts
         checked: _CheckedParams | None = None
+        queued: list[Request] = []  # enqueued together at the end (Scheduler.enqueue_all)
         for request_id, prompt, prompt_token_ids, source, sample_indices in rows:
             if checked is None or checked.source is not source:
                 checked = self._checked_params(source)
@@ -249,7 +250,8 @@ class LLMEngine:
                     # From position 1 on: the first prompt token has no logprob.
                     sample.prompt_logprobs = PromptLogprobs(sample.prompt_array, 1, params.prompt_logprobs)
                     sample.use_prefix_cache = False  # prompt logprobs need every prompt position's logits
-                scheduler.enqueue(sample)
+                queued.append(sample)
+        scheduler.enqueue_all(queued)
 
     def _checked_params(self, params: SamplingParams) -> _CheckedParams:
         """What add_request works out from a row's parameters alone, worked out once for the rows that share the

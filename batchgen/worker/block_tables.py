@@ -75,7 +75,11 @@ class BlockTables:
                 counts.append(len(block_ids) - written)
                 blocks += block_ids[written:]
                 entry.written = len(block_ids)
-        if blocks:
+        if not blocks:
+            return
+        if len(blocks) == len(rows):  # one new block each (decodes whose token starts a block): nothing to spread
+            self.table[rows, first_columns] = blocks
+        else:
             num_new = np.array(counts)
             # A block's column: its index among the step's new blocks, less its request's first one's, plus the
             # request's first column.

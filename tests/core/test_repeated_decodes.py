@@ -1,5 +1,6 @@
 """A decode step of the previous step's rows, scheduled from that step's arrays (`Scheduler._repeat_decodes`), is the
-step the general decode loop schedules: random workloads run through both, compared step by step and token for
+step the general decode loop schedules; a step's decode rows committed from its arrays (`Scheduler._commit_decodes`)
+end as the general commit loop ends them: random workloads run through both, compared step by step and token for
 token."""
 
 from __future__ import annotations
@@ -23,6 +24,24 @@ class GeneralScheduler(Scheduler):
 
     def _repeat_decodes(self, step) -> bool:
         return False
+
+
+class RowByRowCommits(Scheduler):
+    """Every row of every step committed through the general loop."""
+
+    def commit(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        output.num_finished_at_schedule = None  # as for a step the scheduler did not build
+        return super().commit(output, sampled_token_ids)
+
+
+class CountedCommits(Scheduler):
+    """Counts the steps whose decode rows were committed from their arrays."""
+
+    array_commits = 0
+
+    def _commit_decodes(self, *args) -> None:
+        self.array_commits += 1
+        super()._commit_decodes(*args)
 
 
 @dataclass(frozen=True)
@@ -77,8 +96,10 @@ def step_summary(output: SchedulerOutput) -> tuple:
 class Run:
     steps: list[tuple]  # step_summary of each step
     cached_blocks: list[int]  # the prefix cache's blocks after each commit
+    finished: list[list[tuple[int, int]]]  # the requests each commit finished, in its order
     outcomes: dict[tuple[int, int], tuple]  # each request's tokens, finish reason, preemptions and cached tokens
     repeated: int  # steps that repeated the previous step's rows
+    scheduler: Scheduler
 
 
 def run(scheduler_type: type[Scheduler], workload: Workload) -> Run:
@@ -91,11 +112,12 @@ def run(scheduler_type: type[Scheduler], workload: Workload) -> Run:
     pending_arrivals = list(requests)
     steps, repeated, in_flight = [], 0, None
     cached_blocks: list[int] = []
+    finished: list[list[tuple[int, int]]] = []
 
     def commit(output: SchedulerOutput) -> None:
         sampled = [sampled_token(r, slot) if samples else -1
                    for r, slot, samples in zip(output.requests, output.output_slots, output.samples, strict=True)]
-        scheduler.commit(output, sampled)
+        finished.append([request.key for request in scheduler.commit(output, sampled)])
         cached_blocks.append(scheduler.block_manager.num_cached_blocks)  # the blocks each commit offered the cache
         for request, samples in zip(output.requests, output.samples, strict=True):
             # A stop string found in the text: the engine ends the request after the commit.
@@ -124,7 +146,7 @@ def run(scheduler_type: type[Scheduler], workload: Workload) -> Run:
         assert len(steps) < 5000
     outcomes = {r.key: (r.output_token_ids, r.finish_reason, r.num_preemptions, r.num_cached_tokens)
                 for r in requests}
-    return Run(steps, cached_blocks, outcomes, repeated)
+    return Run(steps, cached_blocks, finished, outcomes, repeated, scheduler)
 
 
 WORKLOADS = [
@@ -150,6 +172,20 @@ def test_repeated_decode_steps_equal_the_general_loop(workload):
     assert arrays.cached_blocks == general.cached_blocks
     assert arrays.outcomes == general.outcomes
     assert {reason for _, reason, _, _ in arrays.outcomes.values()} >= {"length", "stop"}
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: f"seed{w.seed}")
+def test_decode_rows_committed_from_arrays_equal_the_general_loop(workload):
+    arrays, general = run(CountedCommits, workload), run(RowByRowCommits, workload)
+    assert arrays.scheduler.array_commits > 0  # the workload exercises the array path
+    assert arrays.steps == general.steps
+    assert arrays.cached_blocks == general.cached_blocks
+    assert arrays.finished == general.finished
+    assert arrays.outcomes == general.outcomes
+    arrays_cache, general_cache = arrays.scheduler.block_manager, general.scheduler.block_manager
+    assert arrays_cache.block_hashes == general_cache.block_hashes
+    assert arrays_cache.ref_counts == general_cache.ref_counts
+    assert list(arrays_cache._free) == list(general_cache._free)
 
 
 def test_preemptions_happen_in_the_tiny_cache_workloads():

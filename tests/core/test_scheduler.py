@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from batchgen.config import EngineConfig
-from batchgen.core.block_manager import BlockManager
+from batchgen.core.block_manager import BlockManager, hash_blocks
 from batchgen.core.request import PENDING_TOKEN, Request, RequestStatus
 from batchgen.core.scheduler import Scheduler, SchedulerOutput
 from batchgen.sample.params import SamplingParams
@@ -63,6 +63,19 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[Sch
         outputs.append(run_step(scheduler)[0])
         assert len(outputs) < max_steps
     return outputs
+
+
+def test_enqueue_all_makes_each_prompt_array_and_hashes_each_prompt():
+    scheduler = make_scheduler(block_size=4)
+    requests = [make_request(i, n) for i, n in enumerate([3, 4, 9, 1, 8])]
+    made_before = requests[2].prompt_array  # an array made before keeps its own
+    scheduler.enqueue_all(requests)
+    assert list(scheduler.waiting) == requests
+    assert requests[2].prompt_array is made_before
+    for request in requests:
+        assert request.prompt_array.tolist() == request.prompt_token_ids
+        assert request.block_hashes == hash_blocks(None, request.prompt_token_ids, 4)
+        assert request.stop_token_set == {EOS} and request.max_num_outputs == 16
 
 
 def test_prefill_then_decode_then_leave():

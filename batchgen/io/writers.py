@@ -92,9 +92,11 @@ class PartedParquetWriter:
     <final stem>.parts/part-<n>.parquet). close() merges all parts into the final file atomically (tmp +
     os.replace) sorted by sort_key (None: write order), then removes the parts directory.
 
-    While a writer's rows come in the final order (most jobs' rows finish in input order) and no earlier attempt
-    left parts, the final file's tmp grows by each part as it is written, and close() only adds the buffered rows and
-    renames it: a large job's close then reads and writes no rows again.
+    While no earlier attempt left parts, the final file's tmp grows as parts are written, and close() only adds the
+    rows still held back and renames it: a large job's close then reads and writes no rows again. The file grows by
+    the rows below the key the writer is told every row under has been written (`complete_below`: the job's first
+    unfinished row), held back and sorted until then; without that key, by each part whose rows come in the final
+    order, until one does not.
 
     A part that write() flushes is encoded and written on the writer's own thread while rows keep coming (Parquet's
     encoder and the fsyncs release the GIL), one part at a time; flush() and close() return once every part is on
@@ -131,8 +133,9 @@ class PartedParquetWriter:
         # rather than reading them back (most of a large job's close).
         self._kept: dict[Path, pa.Table] = {}
         self._kept_bytes = 0
-        # (part path, its rows, whether they continue the final file's order), flushed and not known to be on disk
-        self._unwritten: list[tuple[Path, pa.Table, bool]] = []
+        # (part path, its rows, the rows the final file grows by once the part is written), flushed and not known to
+        # be on disk
+        self._unwritten: list[tuple[Path, pa.Table, pa.Table | None]] = []
         self._writing: Future | None = None  # the background write of _unwritten[0]
         self._thread: ThreadPoolExecutor | None = None
         self._last_flush = time.monotonic()
@@ -140,14 +143,18 @@ class PartedParquetWriter:
         self._recover()
         parts = self._parts()
         self._next_part = _part_number(parts[-1]) + 1 if parts else 0
-        # Whether every row flushed so far continues the final order, from the first row of the file on; the last
-        # flushed row's sort key; the final file's tmp, grown by the parts written in that order (on the writer's
-        # thread, one part at a time), and those parts.
+        # Whether the final file's tmp can still grow into the whole file, from its first row on: its rows so far are
+        # the first of the final order, and the held ones come after them. The last grown row's sort key; the rows
+        # flushed but held back (sorted); the first sort column's value below which every row has been written.
         self._in_order = not parts and all(order == "ascending" for _, order in keys)
         self._last_key: tuple[Any, ...] | None = None
+        self._held: pa.Table | None = None
+        self._complete_below: Any = None
+        # The tmp, grown on the writer's thread as each part is written; whether no write to it has failed; the parts
+        # this writer wrote.
         self._final_rows: pq.ParquetWriter | None = None
-        self._growing = True  # no write to the tmp has failed
-        self._grown_parts: list[Path] = []
+        self._growing = True
+        self._written_parts: list[Path] = []
 
     def _recover(self) -> None:
         self.final_path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,7 +225,7 @@ class PartedParquetWriter:
             if self._kept_bytes + table.nbytes <= KEPT_PART_BYTES:
                 self._kept[path] = table
                 self._kept_bytes += table.nbytes
-            self._unwritten.append((path, table, self._continues_order(table)))
+            self._unwritten.append((path, table, self._rows_to_grow(table)))
             self._next_part += 1
             self._buffer.clear()
         self._last_flush = time.monotonic()
@@ -239,26 +246,43 @@ class PartedParquetWriter:
             writing.result()
             self._unwritten.pop(0)
 
-    def _write_part(self, path: Path, table: pa.Table, in_order: bool) -> None:
+    def complete_below(self, value: Any) -> None:
+        """Every row whose first sort column is below `value` has been written: the final file may take them."""
+        self._complete_below = value
+
+    def _write_part(self, path: Path, table: pa.Table, to_grow: pa.Table | None) -> None:
         try:
             write_file_atomically(path, lambda tmp_path: self._write_table(table, tmp_path))
         except BaseException:
             self._drop_final_file()  # a failing disk: the final file is left to a merge, which names the fault
             raise
-        if in_order and self._grow_final_file(table):
-            self._grown_parts.append(path)
+        self._written_parts.append(path)
+        if to_grow is not None:
+            self._grow_final_file(to_grow)
 
-    def _continues_order(self, table: pa.Table) -> bool:
-        """Whether the rows, appended to those flushed before, keep the file in its final order (and so far it is)."""
-        if not self._in_order or not self._sort_columns or table.num_rows == 0:
-            return self._in_order
-        keys = [table.column(name) for name in self._sort_columns]
-        first, last = tuple(key[0].as_py() for key in keys), tuple(key[-1].as_py() for key in keys)
-        # A null key sorts last; those rows are left to the merge.
-        self._in_order = (None not in first and None not in last and sorted_rows(table, self.sort_key) is table
+    def _rows_to_grow(self, table: pa.Table, closing: bool = False) -> pa.Table | None:
+        """The flushed rows (with those held back before) that extend the final file now, in its order; the rest are
+        held back. None once the file cannot become the whole file in order (the merge then writes it)."""
+        if not self._in_order or not self._sort_columns:
+            return table if self._in_order else None
+        if self._complete_below is None and not closing:  # no row known complete: rows that come in order
+            grow = table
+        else:
+            rows = table if self._held is None else pa.concat_tables([self._held, table])
+            rows = sorted_rows(rows, self.sort_key) if rows.num_rows else rows
+            cut = rows.num_rows if closing else int(np.searchsorted(
+                rows.column(self._sort_columns[0]).to_numpy(zero_copy_only=False), self._complete_below))
+            grow, held = rows.slice(0, cut), rows.slice(cut)
+            self._held = held if held.num_rows else None
+        if grow.num_rows == 0:
+            return grow
+        columns = [grow.column(name) for name in self._sort_columns]
+        first, last = tuple(key[0].as_py() for key in columns), tuple(key[-1].as_py() for key in columns)
+        # A null key sorts last, among rows that may not have come yet: those rows are left to the merge.
+        self._in_order = (None not in first and None not in last and sorted_rows(grow, self.sort_key) is grow
                           and (self._last_key is None or first > self._last_key))
         self._last_key = last
-        return self._in_order
+        return grow if self._in_order else None
 
     def _grow_final_file(self, table: pa.Table) -> bool:
         """Appends the rows to the final file's tmp; False, with the tmp given up for the merge, where that fails (the
@@ -311,12 +335,14 @@ class PartedParquetWriter:
         """Subclasses raise here when the merged rows break an invariant; the parts are left untouched."""
 
     def _finish_grown_file(self) -> bool:
-        """close() of a writer whose rows all came in the final order: the buffered rows join the grown tmp, which
-        becomes the final file. False, with the tmp removed, where the rows must be merged: some came out of order,
-        the parts on disk are not the grown ones, or a write to the tmp failed."""
+        """close() of a writer whose final file could grow: the rows held back and the buffered ones join the tmp,
+        which becomes the final file. False, with the tmp removed, where the rows must be merged: some came out of
+        order, the parts on disk are not this writer's, or a write to the tmp failed."""
         buffered = records_table(self._buffer, self.schema) if self._buffer else self.schema.empty_table()
-        if (self._unwritten or self._parts() != self._grown_parts or not self._continues_order(buffered)
-                or not self._grow_final_file(buffered)):
+        if self._unwritten or self._parts() != self._written_parts:
+            self._in_order = False
+        rest = self._rows_to_grow(buffered, closing=True)
+        if rest is None or not self._grow_final_file(rest):
             self._drop_final_file()
             return False
         tmp_path = tmp_path_for(self.final_path)

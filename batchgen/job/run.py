@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict
+from itertools import pairwise
 from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,6 +200,10 @@ class Job:
                                                                            row.continuation)
         return row.prompt_token_ids, row.continuation_token_ids
 
+    def _samples_to_write(self, index: int) -> int:
+        missing = self.missing_samples.get(index)
+        return self.num_samples[index] if missing is None else len(missing)
+
     def _rows_done(self) -> int:
         return len(self.outputs.completions.finished_indices(self.num_samples.__getitem__))
 
@@ -260,6 +266,7 @@ class Job:
             rows = iter(rows_to_run)
             rows_left = True
             write_values = self.outputs.completions.write_values
+            front = WrittenFront.of(rows_to_run, self._samples_to_write)
             returned = None  # when engine.step() last returned: the job's own work since then is job_ms
             with rare_collections() as collections:
                 while (rows_left or engine.has_unfinished_requests) and signals.received is None:
@@ -274,6 +281,9 @@ class Job:
                     for output in finished:
                         write_values(completion_values(rows_by_index[output.request_id], output))
                         self._count(output)
+                    if finished and front is not None:
+                        front.written(finished)
+                        self.outputs.completions.complete_below(front.first_unwritten())
                     self.progress.update(finished)
             clock = self._lap("engine_loop_seconds", clock)
             self.stats.engine_loop_collections = collections
@@ -406,6 +416,34 @@ class Job:
             self._write_error_row(row)
             return
         engine.add_score_request(row.index, *token_ids, row.text)
+
+
+class WrittenFront:
+    """The first of a job's rows, in index order, with a sample still to write: every row below it is written, which
+    lets the completions file grow in its final order while rows finish out of order (PartedParquetWriter)."""
+
+    def __init__(self, indices: list[int], samples_to_write: Callable[[int], int]):
+        self._indices = indices
+        self._left = {index: samples_to_write(index) for index in indices}
+        self._next = 0
+
+    @classmethod
+    def of(cls, rows: list[PromptRow], samples_to_write: Callable[[int], int]) -> WrittenFront | None:
+        """None where the rows do not go in increasing index order."""
+        indices = [row.index for row in rows]
+        return cls(indices, samples_to_write) if all(a < b for a, b in pairwise(indices)) else None
+
+    def written(self, outputs: list[RequestOutput]) -> None:
+        left = self._left
+        for output in outputs:
+            left[output.request_id] -= 1
+
+    def first_unwritten(self) -> float:
+        """Its index; infinity once every row is written."""
+        indices, left = self._indices, self._left
+        while self._next < len(indices) and left[indices[self._next]] == 0:
+            self._next += 1
+        return indices[self._next] if self._next < len(indices) else math.inf
 
 
 def run(config: Config, run_dir: Path) -> dict[str, Any]:

@@ -156,16 +156,25 @@ def test_close_merges_the_parts_it_kept_in_memory_and_reads_the_rest(tmp_path: P
     assert len(read) == reads and read[0] == earlier_part
 
 
-@pytest.mark.parametrize(("indices", "merged"), [
-    ([0, 1, 2, 3, 4, 5, 6], False), ([1, 0, 2, 3, 4, 5, 6], True), ([0, 1, 3, 2, 4, 5, 6], True),
-    ([0, 1, 2, 3, 4, 6, 5], True)], ids=["in order", "unsorted in a part", "unsorted across parts", "unsorted buffer"])
-def test_close_merges_only_rows_that_came_out_of_order(tmp_path: Path, monkeypatch, indices: list[int],
-                                                       merged: bool) -> None:
-    """Rows flushed in their final order grow the final file as their parts are written: close() adds the buffered
-    rows and renames it, reading and writing no part again. Rows out of order anywhere are merged."""
+OUT_OF_ORDER = [1, 0, 3, 5, 2, 4, 6]
+
+
+@pytest.mark.parametrize(("indices", "marks", "merged"), [
+    ([0, 1, 2, 3, 4, 5, 6], {}, False), ([1, 0, 2, 3, 4, 5, 6], {}, True), ([0, 1, 3, 2, 4, 5, 6], {}, True),
+    ([0, 1, 2, 3, 4, 6, 5], {}, True), (OUT_OF_ORDER, {1: 2, 5: 4, 4: 6}, False), (OUT_OF_ORDER, {1: 2, 3: 6}, True)],
+    ids=["in order", "unsorted in a part", "unsorted across parts", "unsorted buffer", "rows below each mark written",
+         "a row below its mark comes after it"])
+def test_close_merges_only_rows_the_final_file_could_not_take_in_order(tmp_path: Path, monkeypatch,
+                                                                       indices: list[int], marks: dict[int, int],
+                                                                       merged: bool) -> None:
+    """The final file grows as parts are written: by rows that come in order, or, once the job tells the writer
+    below which index every row is written (the marks, after a row), by those rows, sorted, the rest held back.
+    close() adds the rows still held and renames it, writing no row again; rows the order cannot take are merged."""
     writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
     for index in indices:
         writer.write(completion(index))
+        if index in marks:
+            writer.complete_below(marks[index])
     writer.wait_for_parts()
     written = []
     write_table = CompletionWriter._write_table

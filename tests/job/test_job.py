@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -14,8 +15,10 @@ import pytest
 
 from batchgen.config import JobConfig
 from batchgen.engine.outputs import RequestOutput
+from batchgen.io.readers import PromptRow
 from batchgen.io.schema import read_metadata
 from batchgen.job.progress import Progress
+from batchgen.job.run import WrittenFront
 from tests.helpers.common import REPO, batchgen, comparable, wait_for_parts, write_lines
 
 
@@ -257,3 +260,39 @@ def test_multirun_sweep_writes_one_run_per_value(tmp_path):
         completions = pq.read_table(tmp_path / run / "completions.parquet").to_pandas()
         assert (completions["num_output_tokens"] == max_tokens).all()
         assert (tmp_path / run / "steps.parquet").exists() and (tmp_path / run / "summary.json").exists()
+
+
+def test_rows_that_finish_out_of_order_grow_the_completions_file_without_a_merge(tmp_path: Path) -> None:
+    """Rows of different lengths finish out of order: the completions file still grows as parts are written (a row
+    group each; a merge at the end writes one), and holds what a run that flushed no part holds."""
+    prompts = write_lines(tmp_path / "prompts.jsonl", [json.dumps({"prompt": "ROMEO:", "max_tokens": 1 + 7 * row % 9})
+                                                       for row in range(24)])
+    overrides = ["job=shakespeare", f"data.path={prompts}", "data.id_field=null", "engine.max_num_seqs=4",
+                 "job.flush_seconds=3600"]
+    parted = batchgen(tmp_path / "parted", *overrides, "job.flush_rows=4")
+    whole = batchgen(tmp_path / "whole", *overrides, "job.flush_rows=1000")
+    assert parted.returncode == 0 and whole.returncode == 0, parted.stderr[-2000:] + whole.stderr[-2000:]
+
+    completions = tmp_path / "parted" / "completions.parquet"
+    assert pq.ParquetFile(completions).metadata.num_row_groups > 1
+    assert comparable(completions) == comparable(tmp_path / "whole" / "completions.parquet")
+
+
+def test_the_written_front_is_the_first_row_with_a_sample_to_write() -> None:
+    samples = {0: 1, 2: 2, 5: 1}
+    front = WrittenFront.of([row(index) for index in (0, 2, 5)], samples.__getitem__)
+    assert front.first_unwritten() == 0
+    front.written([output(2), output(0)])
+    assert front.first_unwritten() == 2  # row 2 has a second sample to write
+    front.written([output(5), output(2)])
+    assert front.first_unwritten() == math.inf
+    assert WrittenFront.of([row(index) for index in (2, 0)], samples.__getitem__) is None  # not in index order
+
+
+def row(index: int) -> PromptRow:
+    return PromptRow(index=index, id=str(index), prompt="x", prompt_token_ids=None, overrides={})
+
+
+def output(index: int) -> RequestOutput:
+    return RequestOutput(request_id=index, prompt="x", prompt_token_ids=[1], text="", token_ids=[],
+                         finish_reason="length")

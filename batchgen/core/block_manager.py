@@ -109,13 +109,10 @@ class BlockManager:
 
     def _cached_prefix(self, request: Request) -> tuple[list[int], bytes | None]:
         """lookup_prefix's answers, for a request that uses the cache."""
-        hashes, cached = request.block_hashes, self._cached
-        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        num_full = (num_tokens - 1) // self.block_size
-        if len(hashes) < num_full:  # a new request's prompt blocks are hashed: blocks of outputs may not be
-            num_full = self._hash_full_blocks(request, num_tokens - 1)
+        num_full = self._hash_full_blocks(request, request.num_tokens - 1)
         if request.max_cached_tokens is not None:
             num_full = min(num_full, request.max_cached_tokens // self.block_size)
+        hashes, cached = request.block_hashes, self._cached
         hits: list[int] = []
         for index in range(num_full):
             block_id = cached.get(hashes[index])
@@ -147,12 +144,8 @@ class BlockManager:
         return self._uncached_prompt_blocks(request, num_hits)
 
     def _uncached_prompt_blocks(self, request: Request, num_hits: int) -> set[bytes]:
-        num_full = len(request.prompt_token_ids) // self.block_size
+        num_full = self._hash_full_blocks(request, request.num_prompt_tokens)
         if num_full <= num_hits:  # most short prompts: no full block left to compute
-            return set()
-        if len(request.block_hashes) < num_full:
-            num_full = self._hash_full_blocks(request, len(request.prompt_token_ids))
-        if num_full <= num_hits:
             return set()
         cached = self._cached
         return {h for h in request.block_hashes[num_hits:num_full] if h not in cached}
@@ -165,13 +158,8 @@ class BlockManager:
         num_full = min(num_computed_tokens // self.block_size, len(block_ids))
         if num_full <= num_registered:
             return
-        hashes = request.block_hashes
-        # A prompt's blocks are hashed when it arrives (hash_prompt): most calls find their hashes there.
-        if len(hashes) >= num_full:
-            num_hashed = num_full
-        else:
-            num_hashed = self._hash_full_blocks(request, num_full * self.block_size)
-        cached, block_hashes = self._cached, self.block_hashes
+        num_hashed = self._hash_full_blocks(request, num_full * self.block_size)
+        hashes, cached, block_hashes = request.block_hashes, self._cached, self.block_hashes
         for index in range(num_registered, num_hashed):
             block_id, block_hash = block_ids[index], hashes[index]
             # A block recomputed next to a cached copy (a prompt whose last block was a hit) stays unhashed.

@@ -35,8 +35,7 @@ class KVDemand:
     """
 
     def __init__(self, rows: Sequence[tuple[int, int]]):
-        self._rows: Sequence[tuple[int, int]] | None = rows
-        self._coming: Future | None = None
+        self._rows: Sequence[tuple[int, int]] | Future = rows
         self.num_decoding = sum(1 for _, max_tokens in rows if max_tokens > 1)
 
     @classmethod
@@ -44,13 +43,13 @@ class KVDemand:
         """A demand whose rows are still being worked out (the job tokenizes its prompts while the engine loads):
         `rows` waits for them, and raises what working them out raised."""
         demand = cls([])
-        demand._rows, demand._coming, demand.num_decoding = None, rows, num_decoding
+        demand._rows, demand.num_decoding = rows, num_decoding
         return demand
 
     @property
     def rows(self) -> Sequence[tuple[int, int]]:
-        if self._coming is not None:
-            self._rows, self._coming = self._coming.result(), None
+        if isinstance(self._rows, Future):
+            self._rows = self._rows.result()
         return self._rows
 
     def __reduce__(self) -> tuple:  # a tensor-parallel follower's copy holds the rows themselves

@@ -26,17 +26,9 @@ def tmp_path_for(path: Path) -> Path:
     return path.with_name(path.name + TMP_SUFFIX)
 
 
-def fsync_directory(directory: Path) -> None:
-    """Makes renames and deletions inside `directory` durable across a power loss."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    """Makes a closed file's contents durable (fsync acts on the file, whichever descriptor asks)."""
+def fsync_path(path: Path) -> None:
+    """Makes a closed file's contents, or the renames and deletions inside a directory, durable across a power loss
+    (fsync acts on the file or directory, whichever descriptor asks)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -63,9 +55,9 @@ def write_file_atomically(path: Path, write_file: Callable[[Path], None]) -> Non
     tmp_path = tmp_path_for(path)
     try:
         write_file(tmp_path)
-        fsync_file(tmp_path)
+        fsync_path(tmp_path)
         os.replace(tmp_path, path)
-        fsync_directory(path.parent)
+        fsync_path(path.parent)
     except BaseException as exc:
         tmp_path.unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.filename is None:  # the writer names no file: name the one being written

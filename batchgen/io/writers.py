@@ -24,8 +24,7 @@ import pyarrow.parquet as pq
 
 from batchgen.io.atomic import (
     TMP_SUFFIX,
-    fsync_directory,
-    fsync_file,
+    fsync_path,
     tmp_path_for,
     write_atomically,
     write_file_atomically,
@@ -166,8 +165,8 @@ class PartedParquetWriter:
                 shutil.rmtree(self.parts_dir)
             self.parts_dir.mkdir()
             self.final_path.replace(self._part_path(0))
-            fsync_directory(self.parts_dir)
-            fsync_directory(self.final_path.parent)
+            fsync_path(self.parts_dir)
+            fsync_path(self.final_path.parent)
             return
         self.parts_dir.mkdir(exist_ok=True)
         for stale in self.parts_dir.glob(f"*{TMP_SUFFIX}"):
@@ -215,12 +214,13 @@ class PartedParquetWriter:
         """Writes the buffered rows as one new part file; after it returns they survive a crash."""
         self._flush(in_background=False)
 
-    def _flush(self, in_background: bool) -> None:
-        """Makes the buffered rows a part: written before returning, or on the writer's thread once the part before
-        it is on disk. A failed write of an earlier part raises here, its rows kept to be written again."""
+    def _flush(self, in_background: bool, buffered: pa.Table | None = None) -> None:
+        """Makes the buffered rows (their table, when the caller built it) a part: written before returning, or on the
+        writer's thread once the part before it is on disk. A failed write of an earlier part raises here, its rows
+        kept to be written again."""
         self.wait_for_parts()
         if self._buffer:
-            table = records_table(self._buffer, self.schema)
+            table = records_table(self._buffer, self.schema) if buffered is None else buffered
             path = self._part_path(self._next_part)
             if self._kept_bytes + table.nbytes <= KEPT_PART_BYTES:
                 self._kept[path] = table
@@ -295,7 +295,7 @@ class PartedParquetWriter:
                                                     use_dictionary=self._dictionary_columns)
             if table.num_rows:
                 self._final_rows.write_table(table)
-                fsync_file(tmp_path_for(self.final_path))  # its rows reach the disk now, not all at the close
+                fsync_path(tmp_path_for(self.final_path))  # its rows reach the disk now, not all at the close
             return True
         except OSError:
             self._drop_final_file()
@@ -334,11 +334,10 @@ class PartedParquetWriter:
     def _check_merged(self, table: pa.Table) -> None:
         """Subclasses raise here when the merged rows break an invariant; the parts are left untouched."""
 
-    def _finish_grown_file(self) -> bool:
+    def _finish_grown_file(self, buffered: pa.Table) -> bool:
         """close() of a writer whose final file could grow: the rows held back and the buffered ones join the tmp,
         which becomes the final file. False, with the tmp removed, where the rows must be merged: some came out of
         order, the parts on disk are not this writer's, or a write to the tmp failed."""
-        buffered = records_table(self._buffer, self.schema) if self._buffer else self.schema.empty_table()
         if self._unwritten or self._parts() != self._written_parts:
             self._in_order = False
         rest = self._rows_to_grow(buffered, closing=True)
@@ -348,14 +347,14 @@ class PartedParquetWriter:
         tmp_path = tmp_path_for(self.final_path)
         try:
             self._final_rows.close()
-            fsync_file(tmp_path)
+            fsync_path(tmp_path)
         except OSError:
             self._drop_final_file()
             return False
         self._final_rows = None
         self._buffer.clear()
         os.replace(tmp_path, self.final_path)
-        fsync_directory(self.final_path.parent)
+        fsync_path(self.final_path.parent)
         return True
 
     def close(self) -> Path:
@@ -363,8 +362,9 @@ class PartedParquetWriter:
         if self._closed:
             return self.final_path
         self.wait_for_parts()
-        if not self._finish_grown_file():
-            self.flush()
+        buffered = records_table(self._buffer, self.schema) if self._buffer else self.schema.empty_table()
+        if not self._finish_grown_file(buffered):
+            self._flush(in_background=False, buffered=buffered)
             table = self.existing_rows().combine_chunks()  # a table of few chunks sorts and writes faster
             if self.sort_key is not None:
                 table = sorted_rows(table, self.sort_key)

@@ -50,6 +50,9 @@ class Request:
     # n > 1: the sample's index among its prompt's samples, and the prompt's first sample (None for that one)
     sample_index: int = 0
     first_sample: Request | None = field(default=None, repr=False)
+    # The seed of its random draws (None: sampling_params.seed): the engine gives each request its own, so that the
+    # requests of a job share one parameters object.
+    seed: int | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -66,6 +69,11 @@ class Request:
     # sampled ids that end it on stop (its eos_token_id unless ignore_eos, and stop_token_ids).
     max_num_outputs: int = field(default=0, init=False, repr=False, compare=False)
     stop_token_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    @property
+    def sampling_seed(self) -> int | None:
+        """The seed of its random draws."""
+        return self.sampling_params.seed if self.seed is None else self.seed
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -210,15 +210,14 @@ class LLMEngine:
             if checked is None or checked.source is not source:
                 checked = self._checked_params(source)
             params = checked.params
-            if params.seed is None:
-                params = params.with_seed(request_seed(engine_seed, request_id))
+            seed = request_seed(engine_seed, request_id) if params.seed is None else params.seed
             if sample_indices is None and params.n == 1:  # most rows: one sample, which keeps the row's seed
-                first = Request(request_id, [], params, eos_token_id=eos_token_id)
+                first = Request(request_id, [], params, eos_token_id=eos_token_id, seed=seed)
                 samples = [first]
             else:
                 indices = range(params.n) if sample_indices is None else sample_indices
-                samples = [Request(request_id, [], params.with_seed(sample_seed(params.seed, i)),
-                                   eos_token_id=eos_token_id, sample_index=i) for i in indices]
+                samples = [Request(request_id, [], params, eos_token_id=eos_token_id, sample_index=i,
+                                   seed=sample_seed(seed, i)) for i in indices]
                 first = samples[0]
                 for sample in samples[1:]:
                     sample.first_sample = first

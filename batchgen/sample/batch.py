@@ -11,6 +11,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -70,22 +71,27 @@ class SamplingBatch:
 
     @classmethod
     def prepare(cls, params: list[SamplingParams], positions: Sequence[int] | np.ndarray,
-                state: SamplingState | None = None, histories: list[TokenHistory | None] | None = None
-                ) -> SamplingBatch:
-        """params: the rows', with their seeds (any integers: they are reduced modulo 2**63). positions: the index in
-        its sequence of the token each row samples. histories: None unless some row uses penalty state, which
-        `state` then holds. Greedy rows keep their filter values: the filters do not change an argmax."""
+                state: SamplingState | None = None, histories: list[TokenHistory | None] | None = None,
+                seeds: Sequence[int] | None = None) -> SamplingBatch:
+        """params: the rows'. positions: the index in its sequence of the token each row samples. histories: None
+        unless some row uses penalty state, which `state` then holds. seeds: the rows' (any integers: they are
+        reduced modulo 2**63); None: their params' seeds. Greedy rows keep their filter values: the filters do not
+        change an argmax."""
         n = len(params)
-        logprobs = [p.logprobs for p in params]
-        temperatures = [p.temperature for p in params]
+        shared = shared_params(params)
+        # Where the rows share one parameters object (a job's rows without overrides), its values are read once and
+        # each column broadcasts them.
+        distinct = params if shared is None else [shared]
+        logprobs = [p.logprobs for p in params] if shared is None else [shared.logprobs] * n
+        temperatures = [p.temperature for p in distinct]
         random_rows = np.array(temperatures, dtype=np.float64) != 0  # greedy: temperature 0, compared as given
         if not random_rows.any() and histories is None:  # argmax alone (the common greedy step): neutral rows
             return cls(SamplingFeatures(), np.repeat(_NEUTRAL_FLOATS, n, axis=1), np.repeat(_NEUTRAL_INTS, n, axis=1),
                        logprobs)
         temperature = np.array(temperatures, dtype=np.float32)
-        top_p = np.array([p.top_p for p in params], dtype=np.float64)
-        min_p = np.array([p.min_p for p in params], dtype=np.float64)
-        top_k = np.maximum(np.array([p.top_k for p in params], dtype=np.int64), 0)
+        top_p = np.array([p.top_p for p in distinct], dtype=np.float64)
+        min_p = np.array([p.min_p for p in distinct], dtype=np.float64)
+        top_k = np.maximum(np.array([p.top_k for p in distinct], dtype=np.int64), 0)
         one = np.float32(1)
         columns = {
             "temperature": temperature,
@@ -93,12 +99,12 @@ class SamplingBatch:
             "top_p": top_p,
             "min_p": min_p,
             # Without penalty state every row's penalties are off: their columns hold the neutral values.
-            "repetition_penalty": [p.repetition_penalty for p in params] if histories is not None else 1.0,
-            "presence_penalty": [p.presence_penalty for p in params] if histories is not None else 0.0,
-            "frequency_penalty": [p.frequency_penalty for p in params] if histories is not None else 0.0,
+            "repetition_penalty": [p.repetition_penalty for p in distinct] if histories is not None else 1.0,
+            "presence_penalty": [p.presence_penalty for p in distinct] if histories is not None else 0.0,
+            "frequency_penalty": [p.frequency_penalty for p in distinct] if histories is not None else 0.0,
             "block_stops": 0,
             "top_k": top_k,
-            "seed": [p.seed % _SEED_MODULUS for p in params],
+            "seed": [seed % _SEED_MODULUS for seed in (seeds if seeds is not None else [p.seed for p in params])],
             "position": positions,
             "state_row": 0,
         }
@@ -174,31 +180,42 @@ class LastPacked:
 
     def __init__(self) -> None:
         self.params: list[SamplingParams] = []
+        self.seeds: Sequence[int] | None = None
         self.batch: SamplingBatch | None = None
 
     def prepare(self, params: list[SamplingParams], positions: Sequence[int] | np.ndarray,
-                state: SamplingState | None = None, histories: list[TokenHistory | None] | None = None
-                ) -> SamplingBatch:
+                state: SamplingState | None = None, histories: list[TokenHistory | None] | None = None,
+                seeds: Sequence[int] | None = None) -> SamplingBatch:
         """SamplingBatch.prepare, reusing the previous step's rows where it can."""
         if histories is not None:
-            return SamplingBatch.prepare(params, positions, state, histories)
-        batch = self.repeat(params, positions)
+            return SamplingBatch.prepare(params, positions, state, histories, seeds)
+        batch = self.repeat(params, positions, seeds)
         if batch is None:
-            batch = SamplingBatch.prepare(params, positions)
-            self.params, self.batch = params, batch
+            batch = SamplingBatch.prepare(params, positions, seeds=seeds)
+            self.params, self.seeds, self.batch = params, seeds, batch
         return batch
 
-    def repeat(self, params: list[SamplingParams], positions: Sequence[int] | np.ndarray) -> SamplingBatch | None:
-        """The previous batch with these positions, when its rows had these very parameters; else None. Such rows use
-        no penalty state (the previous batch had none, and that depends on the parameters alone), so a caller may
-        ask this before it gathers the rows' token histories."""
+    def repeat(self, params: list[SamplingParams], positions: Sequence[int] | np.ndarray,
+               seeds: Sequence[int] | None = None) -> SamplingBatch | None:
+        """The previous batch with these positions, when its rows had these very parameters and these seeds; else
+        None. Such rows use no penalty state (the previous batch had none, and that depends on the parameters
+        alone), so a caller may ask this before it gathers the rows' token histories."""
         last = self.batch
-        if last is None or len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
+        if (last is None or len(params) != len(self.params) or seeds != self.seeds
+                or not all(map(operator.is_, params, self.params))):
             return None
         ints = last.ints.copy()  # the floats are never written, the ints only here, on a copy
         ints[_POSITION] = positions
         self.params, self.batch = params, replace(last, ints=ints)
         return self.batch
+
+
+def shared_params(params: list[SamplingParams]) -> SamplingParams | None:
+    """The parameters object of every row where they all share one (a job's rows without overrides), else None."""
+    if not params:
+        return None
+    first = params[0]
+    return first if all(map(operator.is_, params, repeat(first))) else None
 
 
 @dataclass(frozen=True)

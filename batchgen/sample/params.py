@@ -107,18 +107,6 @@ class SamplingParams:
             _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), f"sampling.{key}", value,
                    f"must be an integer in [0, {MAX_LOGPROBS}]")
 
-    def with_seed(self, seed: int) -> SamplingParams:
-        """These params with `seed`: themselves when it is already theirs (no request changes its params), else a
-        copy. Any int is a valid seed, so the copy skips __post_init__'s checks, which cost tens of microseconds per
-        request, and copy.copy's generic path: a job copies once per row it adds."""
-        if seed == self.seed:
-            return self
-        params = object.__new__(type(self))
-        values = self.__dict__.copy()  # a copied dict, then one key set: half the time of update(..., seed=seed)
-        values["seed"] = seed
-        params.__dict__ = values
-        return params
-
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

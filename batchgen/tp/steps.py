@@ -35,6 +35,7 @@ class NewRequest:
     sample_index: int
     prompt: np.ndarray  # int64
     sampling_params: SamplingParams
+    seed: int | None
     eos_token_id: int | None
     bad_words_token_ids: list[list[int]]
 
@@ -116,7 +117,7 @@ class StepSender:
             sent = self._sent[id(request)] = _Sent(request, self._next_ref)
             self._next_ref += 1
             message.new_requests.append(NewRequest(sent.ref, request.request_id, request.sample_index,
-                                                   request.prompt_array, request.sampling_params,
+                                                   request.prompt_array, request.sampling_params, request.seed,
                                                    request.eos_token_id, request.bad_words_token_ids))
         outputs = committed_outputs(request)
         if outputs != sent.outputs:
@@ -172,7 +173,8 @@ class StepMirror:
     def step(self, message: StepMessage) -> SchedulerOutput:
         for new in message.new_requests:
             request = Request(new.request_id, new.prompt.tolist(), new.sampling_params, new.eos_token_id,
-                              sample_index=new.sample_index, bad_words_token_ids=new.bad_words_token_ids)
+                              sample_index=new.sample_index, seed=new.seed,
+                              bad_words_token_ids=new.bad_words_token_ids)
             request._prompt_array = new.prompt
             self._requests[new.ref] = _Mirrored(request)
         mirrored = [self._requests[ref] for ref in message.refs]

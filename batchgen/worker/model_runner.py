@@ -24,7 +24,7 @@ from batchgen.layers import attention_torch
 from batchgen.layers.attention import Attention, AttentionMetadata
 from batchgen.layers.shared_prefix import shared_prefix_len
 from batchgen.models.base import CausalLM
-from batchgen.sample.batch import LastPacked, SamplingBatch
+from batchgen.sample.batch import LastPacked, SamplingBatch, shared_params
 from batchgen.sample.graph import SamplerGraphs
 from batchgen.sample.logprobs import (
     LogprobsTensors,
@@ -165,9 +165,11 @@ class ModelRunner:
                                              logprobs_slice_rows(self.vocab_size, FUSED_LOGPROBS_BYTES_PER_LOGIT))
         self.sampling_state: SamplingState | None = None  # allocated when a request first uses penalties
         self._last_packed = LastPacked()
-        # The latest launched step's inputs and sampling rows' parameters, from which a step of the same rows moves on.
+        # The latest launched step's inputs and sampling rows' parameters and seeds, from which a step of the same rows
+        # moves on.
         self._previous_inputs: StepInputs | None = None
         self._previous_params: list[SamplingParams] = []
+        self._previous_seeds: list[int | None] = []
         self.sampler_graphs: SamplerGraphs | None = None
         # The Triton decode attention's per-(sequence, kv head) counters, shared by every layer, step and graph.
         num_kv_heads = max((layer.num_kv_heads for layer in self.attention_layers), default=0)
@@ -298,7 +300,8 @@ class ModelRunner:
             if pooler is not None:
                 pooler.release(requests)
             self.pending_tokens.sampled([], [])
-            self._previous_inputs, self._previous_params, self._last_packed = None, [], LastPacked()
+            self._previous_inputs, self._previous_params, self._previous_seeds = None, [], []
+            self._last_packed = LastPacked()
 
     def _graph_runner(self, max_rows: int | None) -> CudaGraphRunner:
         sizes = self.config.cuda_graph_sizes
@@ -390,14 +393,17 @@ class ModelRunner:
     def _step_sampling(self, requests: list[Request], positions: list[int], same_rows: bool) -> SamplingBatch:
         """positions: each request's num_tokens, the index of the token it samples (its step's computed end).
         same_rows: the requests are the previous step's, which all sampled."""
-        params = self._previous_params if same_rows else [r.sampling_params for r in requests]
-        self._previous_params = params
-        if (batch := self._last_packed.repeat(params, positions)) is not None:  # most decode steps
+        if same_rows:
+            params, seeds = self._previous_params, self._previous_seeds
+        else:
+            params, seeds = [r.sampling_params for r in requests], [r.sampling_seed for r in requests]
+        self._previous_params, self._previous_seeds = params, seeds
+        if (batch := self._last_packed.repeat(params, positions, seeds)) is not None:  # most decode steps
             return batch
         histories = token_histories(requests, params)
         if histories is not None and self.sampling_state is None:
             self.sampling_state = SamplingState(self.vocab_size, self.device)
-        return self._last_packed.prepare(params, positions, self.sampling_state, histories)
+        return self._last_packed.prepare(params, positions, self.sampling_state, histories, seeds)
 
     def _add_bitmask(self, sampling: SamplingBatch, requests: list[Request]) -> SamplingBatch:
         """Filled on the host after the forward is queued, so on a GPU it overlaps the forward."""
@@ -527,7 +533,8 @@ class ModelRunner:
 
 def token_histories(requests: list[Request], params: list[SamplingParams]) -> list[TokenHistory | None] | None:
     """What the penalty stages read of each request that uses penalty state; None when none does."""
-    if not any(p.uses_penalty_state for p in params):
+    shared = shared_params(params)
+    if not any(p.uses_penalty_state for p in (params if shared is None else [shared])):
         return None
     return [TokenHistory(r, r.prompt_token_ids, r.output_token_ids, r.eos_token_id, r.bad_words_token_ids)
             if p.uses_penalty_state else None for r, p in zip(requests, params, strict=True)]

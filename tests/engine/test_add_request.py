@@ -53,7 +53,7 @@ def test_rows_sharing_parameters_each_get_their_own_seed_and_the_model_stop_ids(
             llm.engine.add_request(i, prompt, None, shared)
         requests = list(llm.engine.scheduler.waiting)
         assert [r.sampling_params.stop_token_ids for r in requests] == [[3, 7]] * 3 and shared.stop_token_ids == [3]
-        assert len({r.sampling_params.seed for r in requests}) == 3 and shared.seed is None
+        assert len({r.seed for r in requests}) == 3 and shared.seed is None
         while llm.engine.has_unfinished_requests:
             llm.engine.step()
     finally:

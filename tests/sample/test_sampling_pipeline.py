@@ -4,7 +4,6 @@ one, the bitmask hook, and the penalties' arithmetic."""
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -168,13 +167,6 @@ def test_rows_without_overrides_share_the_defaults():
     assert overridden is not defaults and overridden.top_k == 5 and overridden.stop == ["\n"]
 
 
-def test_with_seed_copies_every_other_field():
-    params = SamplingParams(temperature=0.7, top_k=40, stop=["x"], logit_bias={3: 1.0}, seed=None)
-    seeded = params.with_seed(123)
-    assert seeded.seed == 123 and params.seed is None
-    assert seeded == replace(params, seed=123)
-
-
 def test_scoring_request_allows_max_tokens_zero():
     params = row_params(SamplingParams(), {"max_tokens": 0, "prompt_logprobs": 3, "logit_bias": {"5": 1.5},
                                            "bad_words": "thee"}, 0)
@@ -232,6 +224,40 @@ def test_a_repeated_step_reuses_its_packed_rows_with_the_new_positions():
     again = last.prepare(params[:5], positions[:5] + 1)
     assert again.floats is previous.floats and again.ints is not previous.ints  # shared parameters, new positions
     assert previous.floats is not reused_floats  # other rows, or another order: packed afresh
+
+
+def test_rows_sharing_one_parameters_object_pack_as_rows_with_copies_of_it():
+    """A job's rows share one parameters object, whose values prepare reads once: the batch is the one of rows
+    holding equal copies, with each row's seed, position and penalty state."""
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        rows = int(rng.integers(1, 40))
+        options = penalized_params(12)[int(rng.integers(12))]
+        options.logprobs = [None, 0, 3][trial % 3]
+        shared = [options] * rows
+        copies = [SamplingParams(**{f: getattr(options, f) for f in options.__dataclass_fields__})
+                  for _ in range(rows)]
+        seeds = rng.integers(0, 2**64, rows, dtype=np.uint64).tolist()
+        positions = rng.integers(2, 100, rows).tolist()
+        batches = []
+        for params in (shared, copies):
+            requests = [Request(i, [i % VOCAB, (3 * i) % VOCAB], p, eos_token_id=0, seed=seed)
+                        for i, (p, seed) in enumerate(zip(params, seeds, strict=True))]
+            histories = token_histories(requests, params)
+            state = SamplingState(VOCAB, torch.device("cpu")) if histories is not None else None
+            batches.append(SamplingBatch.prepare(params, positions, state, histories, seeds))
+        one, other = batches
+        assert one.features == other.features and one.logprobs == other.logprobs
+        assert np.array_equal(one.floats, other.floats) and np.array_equal(one.ints, other.ints)
+        assert one.bad_words == other.bad_words
+
+
+def test_repeat_moves_the_previous_batch_only_for_the_same_seeds():
+    params = [SamplingParams(temperature=0.8)] * 4  # rows sharing one parameters object
+    last = LastPacked()
+    packed = last.prepare(params, np.arange(4), seeds=[1, 2, 3, 4])
+    assert last.repeat(params, np.arange(4) + 1, [1, 2, 3, 4]).floats is packed.floats
+    assert last.repeat(params, np.arange(4), [5, 6, 7, 8]) is None  # other rows with the same parameters
 
 
 def test_repeat_moves_the_previous_batch_only_for_the_very_same_parameters():

@@ -29,8 +29,8 @@ class BlockTables:
         last = self._last
         if grown_rows is not None and last is not None and len(requests) == len(last.requests):
             if grown_rows:
-                self._write([requests[row] for row in grown_rows], [last.entries[row] for row in grown_rows])
-                last.widest = max(last.widest, max(len(requests[row].block_ids) for row in grown_rows))
+                widest = self._write([requests[row] for row in grown_rows], [last.entries[row] for row in grown_rows])
+                last.widest = max(last.widest, widest)
             return last.rows
         if last is not None and len(requests) == len(last.requests) and all(map(operator.is_, requests,
                                                                                 last.requests)):
@@ -43,12 +43,10 @@ class BlockTables:
             if all(request.num_preemptions == entry.preemptions for request, entry in changed):
                 # Blocks only appended, none preempted since: only the new blocks are written.
                 changed_requests, changed_entries = zip(*changed, strict=True)
-                self._write(changed_requests, changed_entries)
-                last.widest = max(last.widest, max(len(request.block_ids) for request in changed_requests))
+                last.widest = max(last.widest, self._write(changed_requests, changed_entries))
                 return last.rows
-        entries = [self._rows.entry(request, self._grow)[0] for request in requests]
-        self._write(requests, entries)
-        widest = max((len(request.block_ids) for request in requests), default=0)
+        entries = self._rows.entries(requests, self._grow)
+        widest = self._write(requests, entries)
         self._last = _LastStep(requests, entries, np.array([entry.row for entry in entries], dtype=np.int64), widest)
         return self._last.rows
 
@@ -57,26 +55,31 @@ class BlockTables:
         """The most blocks any request of the latest `rows` call holds."""
         return self._last.widest
 
-    def _write(self, requests: Sequence[Request], entries: Sequence[_Entry]) -> None:
+    def _write(self, requests: Sequence[Request], entries: Sequence[_Entry]) -> int:
         """Writes the requests' blocks not yet in their rows (all of them after a preemption), in one scatter for all
         of them (a prefill step brings hundreds of new rows): per request, Python gathers only its row, the column of
-        its first new block and how many there are; numpy spreads them over each block."""
+        its first new block and how many there are; numpy spreads them over each block. Returns the most blocks one
+        of the requests holds (0 for none), found in the same pass."""
         rows: list[int] = []  # per request with new blocks: its row,
         first_columns: list[int] = []  # the column of its first new block,
         counts: list[int] = []  # and how many it has
         blocks: list[int] = []  # the new blocks, request after request
+        widest = 0
         for request, entry in zip(requests, entries, strict=True):
             if entry.preemptions != request.num_preemptions:  # recomputed into new blocks: rewrite the row
                 entry.written, entry.preemptions = 0, request.num_preemptions
             block_ids, written = request.block_ids, entry.written
-            if len(block_ids) > written:
+            num_blocks = len(block_ids)
+            if num_blocks > widest:
+                widest = num_blocks
+            if num_blocks > written:
                 rows.append(entry.row)
                 first_columns.append(written)
-                counts.append(len(block_ids) - written)
+                counts.append(num_blocks - written)
                 blocks += block_ids[written:]
-                entry.written = len(block_ids)
+                entry.written = num_blocks
         if not blocks:
-            return
+            return widest
         if len(blocks) == len(rows):  # one new block each (decodes whose token starts a block): nothing to spread
             self.table[rows, first_columns] = blocks
         else:
@@ -86,6 +89,7 @@ class BlockTables:
             firsts = np.cumsum(num_new) - num_new
             columns = np.arange(len(blocks)) + np.repeat(np.array(first_columns) - firsts, num_new)
             self.table[np.repeat(np.array(rows), num_new), columns] = blocks
+        return widest
 
     def release(self, requests: list[Request]) -> None:
         if requests:

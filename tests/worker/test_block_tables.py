@@ -73,6 +73,27 @@ def test_held_finds_only_requests_that_hold_a_row():
     assert rows.held(a) is None
 
 
+def test_entries_take_the_rows_entry_takes_one_request_at_a_time():
+    """A prefill step's requests take their rows in one pass, the table growing midway: the rows one entry call per
+    request would give, the held ones kept."""
+    from batchgen.core.request_rows import RequestRows
+
+    def table_rows(take_all: bool) -> list[int]:
+        grown = [2]
+        def grow() -> range:
+            grown[0] *= 2
+            return range(grown[0] // 2, grown[0])
+        rows = RequestRows(lambda row: type("Entry", (), {"row": row})(), range(2))
+        held = requests[1]
+        rows.entry(held, grow)
+        if take_all:
+            return [entry.row for entry in rows.entries(requests, grow)]
+        return [rows.entry(r, grow)[0].row for r in requests]
+
+    requests = [request(i, []) for i in range(7)]
+    assert table_rows(take_all=True) == table_rows(take_all=False) == [1, 0, 2, 3, 4, 5, 6]
+
+
 def test_the_same_requests_again_write_only_their_new_blocks_and_a_preemption_still_rewrites():
     tables = BlockTables(width=8)
     a, b = request(0, [5]), request(1, [7, 3])

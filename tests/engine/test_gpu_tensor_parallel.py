@@ -4,6 +4,7 @@ ends generate with FollowerExited instead of leaving rank 0 waiting in an NCCL c
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import threading
@@ -94,11 +95,17 @@ def test_a_deferred_bucket_is_captured_mid_run_on_every_rank(tiny_model_dir: Cal
     assert outputs[2] == outputs[1]
 
 
+# A rank 0 left waiting by its dead follower would block the suite for good: this long after the kill, the test
+# process prints every thread's stack (where rank 0 waits) and exits.
+KILLED_FOLLOWER_HANG_SECONDS = 90
+
+
 def test_a_killed_follower_ends_generate_with_its_rank(tiny_model_dir: Callable[..., Path]):
     llm = LLM(str(tiny_model_dir("LlamaForCausalLM")), tensor_parallel_size=2, dtype="float32", max_num_seqs=8)
     (follower,) = llm.engine.followers.processes
     killer = threading.Timer(3.0, os.kill, (follower.pid, signal.SIGKILL))
     killer.start()
+    faulthandler.dump_traceback_later(3.0 + KILLED_FOLLOWER_HANG_SECONDS, exit=True)
     try:
         with pytest.raises(FollowerExited, match=r"tensor-parallel rank 1 of 2 \(pid \d+\) exited on signal SIGKILL"):
             for _ in range(1000):  # generates until the follower is killed
@@ -106,3 +113,4 @@ def test_a_killed_follower_ends_generate_with_its_rank(tiny_model_dir: Callable[
     finally:
         killer.cancel()
         llm.close()
+        faulthandler.cancel_dump_traceback_later()

@@ -9,9 +9,11 @@ keyed by source, specialization, options and target only, so any process may com
    in the disk cache stops the phase (`MissingKernel`) before compiling it. A warm start pays nothing more.
 2. A dry run of the rest of the start: its forwards run with every Triton launch skipped and recorded instead
    (Triton's `jit_cache_hook`), torch ops on garbage, nothing captured; the specializations, deduplicated.
-3. Those not in the disk cache are compiled by compile processes (`JITFunction.preload`; one per core but one, at
-   most 16, started while the model loads when the cache is empty), with their launchers where Triton compiles those
-   too (`build_launcher`), and the phase runs again: each first launch then loads its kernel from disk.
+3. Those not in the disk cache are compiled by compile processes (batchgen/worker/compile_pool.py;
+   `JITFunction.preload`, one per core but one, at most 16), with their launchers where Triton compiles those too
+   (`build_launcher`), and the phase runs again: each first launch then loads its kernel from disk. When the cache
+   was empty at the start (a fresh machine), the processes were started ahead, by the command line or while the
+   model loads, and each kernel goes to them as the dry run records it: they compile while it goes on.
 
 Anything unexpected (another Triton without these hooks, a dry run or a worker that fails) loses only the speed-up:
 one line in the log, and the kernels compile at their first launch as before.
@@ -21,57 +23,44 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import logging
-import os
-import subprocess
 import sys
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from multiprocessing import Pipe
-from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from triton.backends.compiler import GPUTarget
+from batchgen.worker.compile_pool import (
+    PRELOAD_ERRORS,
+    CompilePool,
+    KernelSpec,
+    WorkerSetup,
+    _cache_is_empty,
+    compile_processes,
+    kernel_of,
+    missing_triton_api,
+    settle,
+    settled_kernel,
+    take_started,
+    worker_setup,
+)
 
+if TYPE_CHECKING:
     from batchgen.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MAX_PROCESSES = 16
-COMPILE_TIMEOUT_SECONDS = 300.0  # a whole start's kernels on two processes take well under a minute
-ENDED = "a compile process ended"
-# What a dry run or a preload raises when Triton's internals differ from 3.6's and 3.8's, or a forward fails on
-# garbage
+# What a dry run raises when Triton's internals differ from 3.6's and 3.8's, or a forward fails on garbage
 DRY_RUN_ERRORS = (RuntimeError, AttributeError, KeyError, IndexError, TypeError, ValueError, ImportError)
-PRELOAD_ERRORS = (RuntimeError, AttributeError, KeyError, TypeError, ValueError, ImportError, OSError)
 
 
 class MissingKernel(Exception):
     """A launch met a kernel that is not in Triton's disk cache (only inside `stop_at_missing_kernel`)."""
-
-
-@dataclass(frozen=True)
-class KernelSpec:
-    """One specialization of one kernel, as Triton's jit_cache_hook describes it."""
-
-    module: str  # the module that defines the kernel
-    name: str  # the kernel's name in it
-    data: str  # Triton's specialization_data (JSON): what JITFunction.preload compiles
-    target: str  # the GPUTarget it was launched for (JSON of its fields): what the compile processes build for
-    # The engine's cache key of the kernel's source, under which a compile process stores it ("": its own settled
-    # key). Triton 3.6 folds into a kernel's key what called functions this process has keyed so far, so a compile
-    # process, which keyed others before, can reach another key than the engine's even settled: the engine then
-    # missed the entry and compiled the kernel again, alone.
-    source_key: str = ""
 
 
 # -- the phases, watched ---------------------------------------------------------------------------------------
@@ -107,33 +96,8 @@ def stop_at_missing_kernel() -> contextlib.AbstractContextManager[None]:
     return on_disk_miss(stop)
 
 
-def settle(kernel: Any) -> None:
-    """Computes the JIT function's source cache key again until it stops changing. Triton 3.6 adds the global
-    constants a called function reads to its caller's key before it computes them (3.8 after), so a key depended on
-    which kernels this process keyed first: settled, every called function's are in (the key 3.8 computes)."""
-    key = kernel.cache_key
-    kernel.hash = None
-    while kernel.cache_key != key:
-        key = kernel.cache_key
-        kernel.hash = None
 
-
-def kernel_of(spec: KernelSpec) -> Any:
-    """The spec's JIT function, as it is in this process."""
-    return getattr(importlib.import_module(spec.module), spec.name)
-
-
-def settled_kernel(spec: KernelSpec) -> Any:
-    """The spec's JIT function, its cache key the spec's source_key where it has one, else settled (`settle`)."""
-    kernel = kernel_of(spec)
-    if spec.source_key:
-        kernel.hash = spec.source_key
-    else:
-        settle(kernel)
-    return kernel
-
-
-_settled: set[int] = set()  # ids of the JIT functions settle_loaded_kernels has settled in this process
+_settled: set[int] = set()  # ids of the JIT functions this process has settled (settle_loaded_kernels, keyed)
 
 
 def settle_loaded_kernels() -> None:
@@ -150,6 +114,15 @@ def settle_loaded_kernels() -> None:
             if isinstance(kernel, JITFunction) and id(kernel) not in _settled:
                 settle(kernel)
                 _settled.add(id(kernel))
+
+
+def keyed(spec: KernelSpec) -> KernelSpec:
+    """The spec under the key this process will look its kernel up by, which a compile process stores it under."""
+    kernel = kernel_of(spec)
+    if id(kernel) not in _settled:
+        settle(kernel)
+        _settled.add(id(kernel))
+    return dataclasses.replace(spec, source_key=kernel.cache_key)
 
 
 def on_disk(spec: KernelSpec) -> bool:
@@ -206,10 +179,11 @@ class _DryRunCaches:
 
 
 @contextlib.contextmanager
-def dry_launches() -> Iterator[dict[KernelSpec, None]]:
+def dry_launches(on_record: Callable[[KernelSpec], None] | None = None) -> Iterator[dict[KernelSpec, None]]:
     """Inside, no Triton kernel launches: each first launch of a specialization is recorded (in the yielded dict,
-    in launch order) and skipped. Every JIT function starts from an empty in-memory cache, so one this process
-    compiled earlier is skipped too: a kernel must never run on what a skipped one left unwritten."""
+    in launch order, and passed to on_record) and skipped. Every JIT function starts from an empty in-memory cache,
+    so one this process compiled earlier is skipped too: a kernel must never run on what a skipped one left
+    unwritten."""
     from triton import knobs
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
@@ -219,7 +193,11 @@ def dry_launches() -> Iterator[dict[KernelSpec, None]]:
     def record(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
         # The target from the driver, as Triton 3.6's specialization data has none
         target = json.dumps(dataclasses.asdict(driver.active.get_current_target()))
-        specs.setdefault(KernelSpec(fn.module, fn.name, compile["specialization_data"], target))
+        spec = KernelSpec(fn.module, fn.name, compile["specialization_data"], target)
+        if spec not in specs:
+            specs[spec] = None
+            if on_record is not None:
+                on_record(spec)
         fn.jit_function.device_caches[compile["device"]][0][compile["key"]] = _NO_LAUNCH  # a dry run's cache
         return True  # Triton neither compiles nor launches
 
@@ -231,147 +209,6 @@ def dry_launches() -> Iterator[dict[KernelSpec, None]]:
     finally:
         knobs.runtime.jit_cache_hook = previous_hook
         del JITFunction.device_caches
-
-
-# -- the compile processes ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerSetup:
-    env: dict[str, str]  # on top of the engine's: the Triton cache and the variables Triton keys it by
-    # Build each spec for the GPU target it names (False: the tests' stand-in kernels, which are not Triton's)
-    for_gpu: bool = True
-
-
-@dataclass
-class PoolOutcome:
-    compiled: int
-    failed: list[str]  # one line each: kernel, error
-    stopped: str | None  # why the pool stopped before the end, or None
-
-
-def _preload(spec: KernelSpec, for_gpu: bool) -> str | None:
-    """Compiles the spec into the disk cache: None, or what went wrong, in one line."""
-    try:
-        if for_gpu:
-            from triton.backends.compiler import GPUTarget
-            from triton.runtime.driver import driver
-
-            driver.set_active(TargetDriver(GPUTarget(**json.loads(spec.target))))
-            kernel = settled_kernel(spec)
-        else:
-            kernel = kernel_of(spec)
-        compiled = kernel.preload(spec.data)
-        if for_gpu:
-            build_launcher(compiled)
-    except (*PRELOAD_ERRORS, subprocess.CalledProcessError) as error:
-        return f"{spec.name}: {type(error).__name__}: {error}"
-    return None
-
-
-def build_launcher(compiled: Any) -> None:
-    """Where Triton's launcher of a kernel is C code compiled for its signature (3.6: the CUDA backend's
-    `make_launcher`), the engine's first launch of the kernel runs the C compiler, in its own process, one kernel after
-    another (about half a second each). Built here instead, it lands in the disk cache and that launch loads it. Triton
-    3.8 launches without compiled launchers: nothing to do."""
-    from triton.backends.nvidia import driver as cuda_driver
-
-    if hasattr(cuda_driver, "make_launcher"):
-        cuda_driver.CudaLauncher(compiled.src, compiled.metadata)
-
-
-class TargetDriver:
-    """Triton's driver in a compile process: what Triton's compile path asks of one (JITFunction.preload), answered
-    without touching a GPU, so that the process makes no CUDA context and takes no GPU memory. The target is the one
-    the engine's launch recorded in the spec."""
-
-    def __init__(self, target: GPUTarget):
-        self.target = target
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_target(self) -> GPUTarget:
-        return self.target
-
-
-def serve(conn: Connection, for_gpu: bool) -> None:
-    """A compile process: compiles each spec the engine sends and answers, until the engine closes the pipe."""
-    if for_gpu:
-        importlib.import_module("triton")  # while the engine still loads (torch is imported with this module)
-    while True:
-        try:
-            spec = conn.recv()
-        except EOFError:  # the engine closed the pipe, or ended
-            os._exit(0)  # nothing to flush: its compiles are in the disk cache; a torch process's teardown only costs
-        conn.send(_preload(spec, for_gpu))
-
-
-class CompilePool:
-    """Compile processes, each fed one spec at a time. Plain subprocesses (`python -m` this module), not
-    multiprocessing's: spawned children import the parent's __main__, which runs a script without a main guard
-    again."""
-
-    def __init__(self, processes: int, setup: WorkerSetup):
-        # What the engine imports from, its own sys.path included (tests add the repository's root there); no
-        # warnings, which the engine shows once and each process would repeat.
-        env = {**os.environ, **setup.env, "PYTHONPATH": os.pathsep.join(path or os.getcwd() for path in sys.path),
-               "PYTHONWARNINGS": "ignore"}
-        self.workers: list[tuple[subprocess.Popen, Connection]] = []
-        try:
-            for _ in range(processes):
-                conn, child_conn = Pipe()
-                command = [sys.executable, "-m", __name__, str(child_conn.fileno()), str(int(setup.for_gpu))]
-                # A session of their own: a Ctrl-C stops the engine, whose pipes closing then ends them, rather than
-                # each of them with a traceback.
-                process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                           pass_fds=(child_conn.fileno(),))
-                child_conn.close()
-                self.workers.append((process, conn))
-        except OSError:
-            self.close()
-            raise
-
-    def compile(self, specs: list[KernelSpec], timeout: float = COMPILE_TIMEOUT_SECONDS) -> PoolOutcome:
-        """Compiles the specs on the processes; stops at the first process that ends (it crashed) or at timeout."""
-        todo = list(reversed(specs))
-        conns = [conn for _, conn in self.workers]
-        idle, busy = list(conns), set()
-        outcome = PoolOutcome(0, [], None)
-        deadline = time.monotonic() + timeout
-        try:
-            while todo or busy:
-                while todo and idle:
-                    conn = idle.pop()
-                    conn.send(todo.pop())
-                    busy.add(conn)
-                ready = wait(conns, timeout=max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    outcome.stopped = f"not done after {timeout:.0f} s"
-                    return outcome
-                if not busy.issuperset(ready):  # an idle process's pipe turns readable only when it ends
-                    outcome.stopped = ENDED
-                    return outcome
-                for conn in ready:
-                    error = conn.recv()
-                    busy.remove(conn)
-                    idle.append(conn)
-                    if error is None:
-                        outcome.compiled += 1
-                    else:
-                        outcome.failed.append(error)
-        except (EOFError, ConnectionError):  # its end closed (ConnectionResetError with a spec left unread)
-            outcome.stopped = ENDED
-        return outcome
-
-    def close(self) -> None:
-        """Ends the processes, busy ones (after a stop) and ones still starting up too: a compile cut short leaves no
-        cache entry (Triton writes an entry's index file last)."""
-        for process, conn in self.workers:
-            conn.close()
-            process.kill()
-            process.wait()
-        self.workers = []
 
 
 # -- one engine start ------------------------------------------------------------------------------------------
@@ -394,47 +231,6 @@ def _key_triton() -> None:
     triton_key()
 
 
-def compile_processes() -> int:
-    """Worker processes for one engine: the cores this process may use, shared among the machine's local ranks
-    (LOCAL_WORLD_SIZE, as data-parallel ranks set it), less one for the engine itself; at most MAX_PROCESSES."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(MAX_PROCESSES, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1)
-
-
-def missing_triton_api() -> str | None:
-    """What this Triton lacks of what compile ahead uses, or None (Triton 3.6 and 3.8 have it all)."""
-    import triton
-
-    if not hasattr(getattr(getattr(triton, "knobs", None), "runtime", None), "jit_cache_hook"):
-        return f"Triton {triton.__version__} has no knobs.runtime.jit_cache_hook"
-    from triton.runtime import jit
-
-    if not hasattr(jit.JITFunction, "preload"):
-        return f"Triton {triton.__version__} has no JITFunction.preload"
-    if not hasattr(triton._C.libtriton, "get_cache_invalidating_env_vars"):
-        return f"Triton {triton.__version__} does not list the variables its cache keys depend on"
-    return None
-
-
-def worker_setup() -> WorkerSetup:
-    """What a compile process needs to build what the engine's launches will look up: the Triton cache and the
-    variables Triton keys it by."""
-    from triton import knobs
-    from triton._C.libtriton import get_cache_invalidating_env_vars
-
-    return WorkerSetup({**get_cache_invalidating_env_vars(), "TRITON_CACHE_DIR": knobs.cache.dir})
-
-
-def _cache_is_empty() -> bool:
-    from triton import knobs
-
-    try:
-        with os.scandir(knobs.cache.dir) as entries:
-            return next(entries, None) is None
-    except FileNotFoundError:
-        return True
-
-
 class CompileAhead:
     """One engine start's compile ahead: `run` each phase through it, then `close` it."""
 
@@ -452,9 +248,19 @@ class CompileAhead:
         which a phase that one rank stops alone would leave waiting; torch.compile's kernels are Inductor's own),
         with at least two processes to spare.
 
-        The processes start now, while the model loads, only when the Triton cache is empty (a fresh machine: the
-        first phase will stop at once); otherwise at a phase's stop, as many as its kernels need, so that a warm
-        start never pays for them (importing torch in each costs seconds of CPU)."""
+        When the Triton cache is empty (a fresh machine: the first phase will stop at once), the processes are up
+        already (started as the job began, `start_ahead`) or start now, while the model loads; otherwise a phase's stop
+        starts as many as its kernels need, so that a warm start never pays for them (importing torch in each costs
+        seconds of CPU)."""
+        started = take_started()
+        ahead = cls._begin(config, device, tensor_parallel_size, started)
+        if started is not None and ahead.pool is not started:
+            started.close()
+        return ahead
+
+    @classmethod
+    def _begin(cls, config: EngineConfig, device: torch.device, tensor_parallel_size: int,
+               started: CompilePool | None) -> CompileAhead:
         if not config.parallel_compile or device.type != "cuda" or tensor_parallel_size > 1 or config.torch_compile:
             return cls(None)
         reason = missing_triton_api()
@@ -467,6 +273,10 @@ class CompileAhead:
         setup = worker_setup()
         if not _cache_is_empty():
             return cls(setup, processes)
+        if started is not None:
+            ahead = cls(setup, processes, started)
+            ahead.info["parallel_compile_started_ahead"] = True  # as the job began
+            return ahead
         try:
             return cls(setup, processes, CompilePool(processes, setup))
         except OSError as error:  # they start at a phase's stop instead
@@ -504,58 +314,64 @@ class CompileAhead:
             self.close()
 
     def _compile_in_processes(self, dry_run: Callable[[], None], setup: WorkerSetup) -> None:
+        # Processes started with the start found the cache empty: every kernel the dry run records is missing, and
+        # goes to them at once, so that they compile while the dry run goes on.
+        pool = self.pool
         start = time.perf_counter()
         try:
-            with dry_launches() as recorded:
+            with dry_launches(None if pool is None else lambda spec: pool.submit(keyed(spec))) as recorded:
                 dry_run()
         except DRY_RUN_ERRORS as error:
             log.warning("Parallel Triton compile skipped: its dry run of the engine's start failed (%s: %s); "
                         "kernels compile on first launch", type(error).__name__, error)
             return
         dry_run_seconds = time.perf_counter() - start
-        missing, failed = [], []
-        for spec in recorded:
-            try:
-                if not on_disk(spec):
-                    missing.append(spec)
-            except PRELOAD_ERRORS as error:
-                failed.append(f"{spec.name}: {type(error).__name__}: {error}")
-        if not missing:
-            self.info.update(parallel_compile_dry_run_seconds=dry_run_seconds)
-            log.info("Parallel Triton compile: the start's dry run (%.2f s) found every kernel on disk",
-                     dry_run_seconds)
-            if failed:
-                log.warning("Parallel Triton compile: %d kernels cannot be compiled ahead, the first: %s", len(failed),
-                            failed[0])
-            return
-        # Each under the key this process will look it up by (on_disk settled it)
-        missing = [dataclasses.replace(spec, source_key=kernel_of(spec).cache_key) for spec in missing]
         start = time.perf_counter()
-        try:
-            self.pool = self.pool or CompilePool(min(self.processes, len(missing)), setup)
-        except OSError as error:
-            log.warning("Parallel Triton compile skipped: its processes did not start (%s); kernels compile on "
-                        "first launch", error)
-            return
-        processes = len(self.pool.workers)
-        outcome = self.pool.compile(missing)
+        failed, submitted = [], len(recorded)
+        if pool is None:
+            missing = []
+            for spec in recorded:
+                try:
+                    if not on_disk(spec):
+                        missing.append(keyed(spec))
+                except PRELOAD_ERRORS as error:
+                    failed.append(f"{spec.name}: {type(error).__name__}: {error}")
+            if not missing:
+                self.info.update(parallel_compile_dry_run_seconds=dry_run_seconds)
+                log.info("Parallel Triton compile: the start's dry run (%.2f s) found every kernel on disk",
+                         dry_run_seconds)
+                if failed:
+                    log.warning("Parallel Triton compile: %d kernels cannot be compiled ahead, the first: %s",
+                                len(failed), failed[0])
+                return
+            try:
+                pool = self.pool = CompilePool(min(self.processes, len(missing)), setup)
+            except OSError as error:
+                log.warning("Parallel Triton compile skipped: its processes did not start (%s); kernels compile on "
+                            "first launch", error)
+                return
+            for spec in missing:
+                pool.submit(spec)
+            submitted = len(missing)
+        outcome = pool.finish()
         seconds = time.perf_counter() - start
+        processes = len(pool.workers)
         self.info.update(parallel_compile_kernels=outcome.compiled, parallel_compile_processes=processes,
-                         parallel_compile_seconds=seconds, parallel_compile_dry_run_seconds=dry_run_seconds)
+                         parallel_compile_seconds=seconds, parallel_compile_dry_run_seconds=dry_run_seconds,
+                         parallel_compile_busy_seconds=outcome.busy_seconds)
+        if outcome.longest is not None:
+            self.info["parallel_compile_longest_kernel"] = {"name": outcome.longest[0], "seconds": outcome.longest[1]}
         if outcome.stopped is not None:
             log.warning("Parallel Triton compile stopped (%s) after %d of %d kernels; the rest compile on first "
-                        "launch", outcome.stopped, outcome.compiled, len(missing))
+                        "launch", outcome.stopped, outcome.compiled, submitted)
             return
         failed += outcome.failed
-        log.info("Compiled %d Triton kernels in %d processes in %.2f s (dry run of the start %.2f s)%s",
-                 outcome.compiled, processes, seconds, dry_run_seconds,
+        log.info("Compiled %d Triton kernels in %d processes in %.2f s after the start's dry run (%.2f s); %.1f s of "
+                 "compiling in all, the longest %s (%.2f s)%s", outcome.compiled, processes, seconds, dry_run_seconds,
+                 outcome.busy_seconds, *(outcome.longest or ("none", 0.0)),
                  f"; {len(failed)} failed and compile on first launch, the first: {failed[0]}" if failed else "")
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-
-
-if __name__ == "__main__":  # a compile process: python -m batchgen.worker.compile_ahead FD FOR_GPU
-    serve(Connection(int(sys.argv[1])), sys.argv[2] == "1")

@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-from batchgen.worker.compile_ahead import TargetDriver
+from batchgen.worker.compile_pool import TargetDriver
 
 
 class CpuTargetDriver(TargetDriver):

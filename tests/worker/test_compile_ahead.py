@@ -18,15 +18,9 @@ import pytest
 import torch
 
 from batchgen.config import EngineConfig
-from batchgen.worker import compile_ahead
-from batchgen.worker.compile_ahead import (
-    CompileAhead,
-    CompilePool,
-    KernelSpec,
-    MissingKernel,
-    PoolOutcome,
-    WorkerSetup,
-)
+from batchgen.worker import compile_ahead, compile_pool
+from batchgen.worker.compile_ahead import CompileAhead, MissingKernel
+from batchgen.worker.compile_pool import CompilePool, KernelSpec, PoolOutcome, WorkerSetup
 from tests.helpers.common import REPO, comparable
 
 FAKES = "tests.helpers.fake_kernels"
@@ -54,6 +48,7 @@ def test_the_pool_compiles_every_spec_in_its_own_processes_with_the_engines_vari
     setup = WorkerSetup({"BATCHGEN_TEST_VALUE": "from the engine"}, for_gpu=False)
     outcome, processes = compiled([fake("writes", tmp_path / str(i)) for i in range(5)], setup)
     assert outcome == PoolOutcome(compiled=5, failed=[], stopped=None)
+    assert outcome.busy_seconds > 0 and outcome.longest[0] == "writes"  # what the compiles cost, for the log
     written = [(tmp_path / str(i)).read_text().split(" ", 1) for i in range(5)]
     assert {pid for pid, _ in written} <= {str(process.pid) for process in processes}
     assert {value for _, value in written} == {"from the engine"}
@@ -80,6 +75,30 @@ def test_a_pool_not_done_by_its_deadline_stops_and_its_processes_are_killed(tmp_
     outcome, processes = compiled([fake("hangs", tmp_path / "a")], processes=1, timeout=1.0)
     assert outcome == PoolOutcome(compiled=0, failed=[], stopped="not done after 1 s")
     assert processes[0].poll() is not None
+
+
+def test_specs_submitted_one_at_a_time_never_wait_for_a_compile(tmp_path):
+    """The dry run hands each kernel over as it records it and goes on: a submit returns while every process is
+    busy (here with a kernel that never finishes), and finish() waits."""
+    pool = CompilePool(1, PLAIN)
+    try:
+        pool.submit(fake("hangs", tmp_path / "a"))
+        pool.submit(fake("writes", tmp_path / "b"))  # queued behind it
+        assert pool.finish(timeout=1.0) == PoolOutcome(compiled=0, failed=[], stopped="not done after 1 s")
+    finally:
+        pool.close()
+    assert not (tmp_path / "b").exists()
+
+
+def test_specs_submitted_while_others_compile_are_all_compiled(tmp_path):
+    pool = CompilePool(2, PLAIN)
+    try:
+        for i in range(6):
+            pool.submit(fake("writes", tmp_path / str(i)))
+        assert pool.finish() == PoolOutcome(compiled=6, failed=[], stopped=None)
+    finally:
+        pool.close()
+    assert sorted(path.name for path in tmp_path.iterdir()) == [str(i) for i in range(6)]
 
 
 def test_a_process_that_fails_to_start_stops_the_pool(tmp_path):
@@ -153,12 +172,32 @@ def test_a_phase_that_meets_a_missing_kernel_runs_again_after_the_compile(monkey
 def test_parallel_compile_processes_leave_a_core_to_the_engine(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert compile_ahead.compile_processes() == 15
+    assert compile_pool.compile_processes() == 15
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four data-parallel ranks on the machine
-    assert compile_ahead.compile_processes() == 3
+    assert compile_pool.compile_processes() == 3
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert compile_ahead.compile_processes() == compile_ahead.MAX_PROCESSES
+    assert compile_pool.compile_processes() == compile_pool.MAX_PROCESSES
+
+
+@pytest.mark.parametrize("config", [
+    EngineConfig(tensor_parallel_size=2), EngineConfig(parallel_compile=False), EngineConfig(torch_compile=True),
+], ids=["tensor_parallel", "off", "torch_compile"])
+def test_the_job_starts_no_compile_process_for_an_engine_that_would_not_use_them(monkeypatch, config):
+    """Nor does it ask Triton to find that out."""
+    monkeypatch.setattr(compile_pool, "missing_triton_api", lambda: pytest.fail("Triton asked"))
+    compile_pool.start_ahead(config)
+    assert compile_pool.take_started() is None
+
+
+def test_an_engine_that_does_not_compile_ahead_ends_the_processes_started_for_it(monkeypatch):
+    """A start that turns out not to compile ahead (here: on CPU) must not leave them running."""
+    pool = CompilePool(1, PLAIN)
+    processes = [process for process, _ in pool.workers]
+    monkeypatch.setattr(compile_pool, "_started", pool)
+    ahead = CompileAhead.begin(EngineConfig(), torch.device("cpu"), 1)
+    assert ahead.pool is None and pool.workers == [] and compile_pool.take_started() is None
+    assert all(process.poll() is not None for process in processes)
 
 
 @pytest.mark.gpu
@@ -181,6 +220,7 @@ def test_a_fresh_start_compiles_in_processes_and_decodes_the_same_greedy_tokens(
     assert re.search(r"Compiled \d+ Triton kernels in \d+ processes in", log), log
     assert "compile on first launch" not in log, log  # every kernel, and its launcher where Triton builds one
     assert engine["parallel_compile_kernels"] > 0 and engine["parallel_compile_processes"] >= 2
+    assert engine["parallel_compile_started_ahead"]  # as the job began: they started up while it read its input
     assert "parallel_compile_missed_kernels" not in engine  # every kernel found where the processes stored it
     serial_log, serial_engine, serial_rows = job("serial", "serial_cache", "engine.parallel_compile=false")
     assert "parallel_compile_kernels" not in serial_engine and "Triton kernels in" not in serial_log

@@ -23,18 +23,20 @@ from batchgen.layers.embedding import Embedding  # noqa: E402
 from batchgen.layers.linear import Linear  # noqa: E402
 from batchgen.layers.norms import RMSNorm  # noqa: E402
 from batchgen.models.loader import load_hf_config, load_model  # noqa: E402
-from batchgen.worker import compile_ahead  # noqa: E402
+from batchgen.worker import compile_ahead, compile_pool  # noqa: E402
 from batchgen.worker.compile_ahead import (  # noqa: E402
     CompileAhead,
-    CompilePool,
-    KernelSpec,
     MissingKernel,
-    PoolOutcome,
-    WorkerSetup,
     dry_launches,
     on_disk,
-    settled_kernel,
     stop_at_missing_kernel,
+)
+from batchgen.worker.compile_pool import (  # noqa: E402
+    CompilePool,
+    KernelSpec,
+    PoolOutcome,
+    WorkerSetup,
+    settled_kernel,
 )
 from batchgen.worker.model_runner import ModelRunner  # noqa: E402
 from tests.helpers.triton_cpu_target import cpu_target, scale, scale_kernel  # noqa: E402
@@ -111,7 +113,7 @@ def test_a_compile_process_builds_the_kernels_launcher_where_triton_compiles_lau
         monkeypatch.delattr(cuda_driver, "make_launcher", raising=False)
     x, out = torch.ones(100), torch.zeros(100)
     (spec,) = recorded(lambda: scale(x, 2.0, out=out))
-    assert compile_ahead._preload(spec, for_gpu=True) is None
+    assert compile_pool._preload(spec, for_gpu=True) is None
     assert on_disk(spec)
     if compiled_launchers:
         ((src, metadata),) = built
@@ -129,30 +131,51 @@ def test_a_compile_process_stores_a_kernel_under_the_engines_key_of_its_source(m
     x, out = torch.ones(100), torch.zeros(100)
     (spec,) = recorded(lambda: scale(x, 2.0, out=out))
     monkeypatch.setattr(scale_kernel, "hash", "the engine's key")
-    assert compile_ahead._preload(replace(spec, source_key="the engine's key"), for_gpu=True) is None
+    assert compile_pool._preload(replace(spec, source_key="the engine's key"), for_gpu=True) is None
     assert on_disk(replace(spec, source_key="the engine's key"))
     monkeypatch.setattr(scale_kernel, "hash", None)  # keyed as a fresh process keys it: another entry
     assert not on_disk(spec)
 
 
-def test_the_specs_sent_to_the_processes_carry_the_engines_key(monkeypatch, tmp_path):
+class RecordingPool:
+    """A pool that compiles nothing: what was submitted, and when."""
+
+    workers = [1, 2]
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def submit(self, spec: KernelSpec) -> None:
+        self.events.append(spec)
+
+    def finish(self) -> PoolOutcome:
+        self.events.append("finish")
+        return PoolOutcome(sum(isinstance(event, KernelSpec) for event in self.events), [], None)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_the_specs_go_to_the_processes_under_the_engines_key_as_the_dry_run_records_them(monkeypatch, fresh):
+    """A pool started with the start (an empty cache) gets each kernel while the dry run goes on; otherwise the
+    missing ones go after it, once looked up on disk."""
     x, out = torch.ones(100), torch.zeros(100)
-    sent = []
+    pool = RecordingPool()
 
-    class Pool:
-        workers = [1, 2]
+    def dry_run() -> None:
+        scale(x, 2.0, out=out)
+        pool.events.append("second launch")
+        scale(x, 2.0, out=out, block=128)
 
-        def compile(self, specs):
-            sent.extend(specs)
-            return PoolOutcome(len(specs), [], None)
-
-        def close(self):
-            pass
-
-    ahead = CompileAhead(WorkerSetup({}), processes=2, pool=Pool())
-    ahead._compile(lambda: scale(x, 2.0, out=out), ahead.setup)
-    (spec,) = sent
-    assert spec.source_key == scale_kernel.cache_key and spec.source_key
+    monkeypatch.setattr(compile_ahead, "CompilePool", lambda processes, setup: pool)  # started after the dry run
+    ahead = CompileAhead(WorkerSetup({}), processes=2, pool=pool if fresh else None)
+    ahead._compile(dry_run, ahead.setup)
+    first, second = [event for event in pool.events if isinstance(event, KernelSpec)]
+    order = ["spec", "second launch", "spec", "finish"] if fresh else ["second launch", "spec", "spec", "finish"]
+    assert [event if isinstance(event, str) else "spec" for event in pool.events] == order
+    assert first.source_key == second.source_key == scale_kernel.cache_key and first.source_key
+    assert ahead.info["parallel_compile_kernels"] == 2
 
 
 def test_a_kernels_cache_key_is_the_same_whichever_function_this_process_keyed_first(monkeypatch):
@@ -230,6 +253,28 @@ def test_the_processes_start_with_the_engine_only_on_a_fresh_machine(tmp_path, m
     finally:
         ahead.close()
     assert ahead.pool is None
+
+
+def test_processes_the_job_started_on_a_fresh_machine_are_the_engines(monkeypatch):
+    """Started as the job began; the engine takes them instead of starting its own, once."""
+    for module in (compile_pool, compile_ahead):
+        monkeypatch.setattr(module, "compile_processes", lambda: 2)
+    compile_pool.start_ahead(EngineConfig())
+    started = compile_pool._started
+    assert started is not None and len(started.workers) == 2
+    ahead = CompileAhead.begin(EngineConfig(), torch.device("cuda"), 1)
+    try:
+        assert ahead.pool is started and compile_pool.take_started() is None
+        assert ahead.info == {"parallel_compile_started_ahead": True}
+    finally:
+        ahead.close()
+
+
+def test_the_job_starts_no_process_where_the_cache_has_kernels(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_pool, "compile_processes", lambda: 2)
+    (tmp_path / "triton" / "an entry").mkdir(parents=True)
+    compile_pool.start_ahead(EngineConfig())
+    assert compile_pool.take_started() is None
 
 
 @pytest.mark.slow

@@ -1,0 +1,323 @@
+"""The compile processes: plain subprocesses that compile Triton kernels into its disk cache, one spec at a time, for
+an engine start's compile ahead (batchgen/worker/compile_ahead.py). On a fresh machine the job starts them as it
+begins (`start_ahead`), so that their own imports of torch and Triton (seconds each) run while it reads its input and
+loads the model, and they are ready when the start's dry run records its first kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from triton.backends.compiler import GPUTarget
+
+    from batchgen.config import EngineConfig
+
+MAX_PROCESSES = 16
+COMPILE_TIMEOUT_SECONDS = 300.0  # a whole start's kernels on two processes take well under a minute
+ENDED = "a compile process ended"
+PRELOAD_ERRORS = (RuntimeError, AttributeError, KeyError, TypeError, ValueError, ImportError, OSError)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One specialization of one kernel, as Triton's jit_cache_hook describes it."""
+
+    module: str  # the module that defines the kernel
+    name: str  # the kernel's name in it
+    data: str  # Triton's specialization_data (JSON): what JITFunction.preload compiles
+    target: str  # the GPUTarget it was launched for (JSON of its fields): what the compile processes build for
+    # The engine's cache key of the kernel's source, under which a compile process stores it ("": its own settled
+    # key). Triton 3.6 folds into a kernel's key what called functions this process has keyed so far, so a compile
+    # process, which keyed others before, can reach another key than the engine's even settled: the engine then
+    # missed the entry and compiled the kernel again, alone.
+    source_key: str = ""
+
+
+def settle(kernel: Any) -> None:
+    """Computes the JIT function's source cache key again until it stops changing. Triton 3.6 adds the global
+    constants a called function reads to its caller's key before it computes them (3.8 after), so a key depended on
+    which kernels this process keyed first: settled, every called function's are in (the key 3.8 computes)."""
+    key = kernel.cache_key
+    kernel.hash = None
+    while kernel.cache_key != key:
+        key = kernel.cache_key
+        kernel.hash = None
+
+
+def kernel_of(spec: KernelSpec) -> Any:
+    """The spec's JIT function, as it is in this process."""
+    return getattr(importlib.import_module(spec.module), spec.name)
+
+
+def settled_kernel(spec: KernelSpec) -> Any:
+    """The spec's JIT function, its cache key the spec's source_key where it has one, else settled (`settle`)."""
+    kernel = kernel_of(spec)
+    if spec.source_key:
+        kernel.hash = spec.source_key
+    else:
+        settle(kernel)
+    return kernel
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    env: dict[str, str]  # on top of the engine's: the Triton cache and the variables Triton keys it by
+    # Build each spec for the GPU target it names (False: the tests' stand-in kernels, which are not Triton's)
+    for_gpu: bool = True
+
+
+@dataclass
+class PoolOutcome:
+    compiled: int
+    failed: list[str]  # one line each: kernel, error
+    stopped: str | None  # why the pool stopped before the end, or None
+    # What the compiles cost: the processes' seconds in all, and the longest kernel's (name, seconds)
+    busy_seconds: float = field(default=0.0, compare=False)
+    longest: tuple[str, float] | None = field(default=None, compare=False)
+
+
+def _preload(spec: KernelSpec, for_gpu: bool) -> str | None:
+    """Compiles the spec into the disk cache: None, or what went wrong, in one line."""
+    try:
+        if for_gpu:
+            from triton.backends.compiler import GPUTarget
+            from triton.runtime.driver import driver
+
+            driver.set_active(TargetDriver(GPUTarget(**json.loads(spec.target))))
+            kernel = settled_kernel(spec)
+        else:
+            kernel = kernel_of(spec)
+        compiled = kernel.preload(spec.data)
+        if for_gpu:
+            build_launcher(compiled)
+    except (*PRELOAD_ERRORS, subprocess.CalledProcessError) as error:
+        return f"{spec.name}: {type(error).__name__}: {error}"
+    return None
+
+
+def build_launcher(compiled: Any) -> None:
+    """Where Triton's launcher of a kernel is C code compiled for its signature (3.6: the CUDA backend's
+    `make_launcher`), the engine's first launch of the kernel runs the C compiler, in its own process, one kernel after
+    another (about half a second each). Built here instead, it lands in the disk cache and that launch loads it. Triton
+    3.8 launches without compiled launchers: nothing to do."""
+    from triton.backends.nvidia import driver as cuda_driver
+
+    if hasattr(cuda_driver, "make_launcher"):
+        cuda_driver.CudaLauncher(compiled.src, compiled.metadata)
+
+
+class TargetDriver:
+    """Triton's driver in a compile process: what Triton's compile path asks of one (JITFunction.preload), answered
+    without touching a GPU, so that the process makes no CUDA context and takes no GPU memory. The target is the one
+    the engine's launch recorded in the spec."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+def serve(conn: Connection, for_gpu: bool) -> None:
+    """A compile process: compiles each spec the engine sends and answers, until the engine closes the pipe."""
+    if for_gpu:  # before the first spec arrives: the engine is still starting
+        importlib.import_module("torch")  # the kernels' modules import it
+        importlib.import_module("triton")
+    while True:
+        try:
+            spec = conn.recv()
+        except EOFError:  # the engine closed the pipe, or ended
+            os._exit(0)  # nothing to flush: its compiles are in the disk cache; a torch process's teardown only costs
+        start = time.perf_counter()
+        error = _preload(spec, for_gpu)
+        conn.send((error, time.perf_counter() - start))
+
+
+class CompilePool:
+    """Compile processes, each fed one spec at a time. Plain subprocesses (`python -m` this module), not
+    multiprocessing's: spawned children import the parent's __main__, which runs a script without a main guard
+    again."""
+
+    def __init__(self, processes: int, setup: WorkerSetup):
+        # What the engine imports from, its own sys.path included (tests add the repository's root there); no
+        # warnings, which the engine shows once and each process would repeat.
+        env = {**os.environ, **setup.env, "PYTHONPATH": os.pathsep.join(path or os.getcwd() for path in sys.path),
+               "PYTHONWARNINGS": "ignore"}
+        self.workers: list[tuple[subprocess.Popen, Connection]] = []
+        try:
+            for _ in range(processes):
+                conn, child_conn = Pipe()
+                command = [sys.executable, "-m", __name__, str(child_conn.fileno()), str(int(setup.for_gpu))]
+                # A session of their own: a Ctrl-C stops the engine, whose pipes closing then ends them, rather than
+                # each of them with a traceback.
+                process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                           pass_fds=(child_conn.fileno(),))
+                child_conn.close()
+                self.workers.append((process, conn))
+        except OSError:
+            self.close()
+            raise
+        self._conns = [conn for _, conn in self.workers]
+        self._idle: list[Connection] = list(self._conns)
+        self._busy: dict[Connection, str] = {}  # a busy process's pipe: the kernel it compiles
+        self._todo: deque[KernelSpec] = deque()
+        self.outcome = PoolOutcome(0, [], None)
+
+    def submit(self, spec: KernelSpec) -> None:
+        """Queues a spec, takes the answers already in, and hands queued specs to idle processes; never waits. After
+        a process ended, nothing is sent."""
+        self._todo.append(spec)
+        self._take(wait(self._conns, timeout=0))
+        self._send()
+
+    def finish(self, timeout: float = COMPILE_TIMEOUT_SECONDS) -> PoolOutcome:
+        """Waits until every spec submitted is compiled; stops at the first process that ends (it crashed) or at
+        timeout."""
+        deadline = time.monotonic() + timeout
+        while self.outcome.stopped is None and (self._todo or self._busy):
+            self._send()
+            ready = wait(self._conns, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.outcome.stopped = f"not done after {timeout:.0f} s"
+            self._take(ready)
+        return self.outcome
+
+    def compile(self, specs: list[KernelSpec], timeout: float = COMPILE_TIMEOUT_SECONDS) -> PoolOutcome:
+        self._todo.extend(specs)
+        return self.finish(timeout)
+
+    def _send(self) -> None:
+        try:
+            while self.outcome.stopped is None and self._todo and self._idle:
+                conn, spec = self._idle.pop(), self._todo.popleft()
+                conn.send(spec)
+                self._busy[conn] = spec.name
+        except ConnectionError:  # its process ended
+            self.outcome.stopped = ENDED
+
+    def _take(self, ready: list) -> None:
+        """The answers of the processes whose pipes are readable."""
+        if self.outcome.stopped is not None or not ready:
+            return
+        if not self._busy.keys() >= set(ready):  # an idle process's pipe turns readable only when it ends
+            self.outcome.stopped = ENDED
+            return
+        outcome = self.outcome
+        try:
+            for conn in ready:
+                error, seconds = conn.recv()
+                name = self._busy.pop(conn)
+                self._idle.append(conn)
+                if error is None:
+                    outcome.compiled += 1
+                else:
+                    outcome.failed.append(error)
+                outcome.busy_seconds += seconds
+                if outcome.longest is None or seconds > outcome.longest[1]:
+                    outcome.longest = (name, seconds)
+        except (EOFError, ConnectionError):  # its end closed (ConnectionResetError with a spec left unread)
+            self.outcome.stopped = ENDED
+
+    def close(self) -> None:
+        """Ends the processes, busy ones (after a stop) and ones still starting up too: a compile cut short leaves no
+        cache entry (Triton writes an entry's index file last)."""
+        for process, conn in self.workers:
+            conn.close()
+            process.kill()
+            process.wait()
+        self.workers = []
+
+
+# -- whether and how many -------------------------------------------------------------------------------------
+
+
+def compile_processes() -> int:
+    """Worker processes for one engine: the cores this process may use, shared among the machine's local ranks
+    (LOCAL_WORLD_SIZE, as data-parallel ranks set it), less one for the engine itself; at most MAX_PROCESSES."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(MAX_PROCESSES, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1)
+
+
+def missing_triton_api() -> str | None:
+    """What this Triton lacks of what compile ahead uses, or None (Triton 3.6 and 3.8 have it all)."""
+    import triton
+
+    if not hasattr(getattr(getattr(triton, "knobs", None), "runtime", None), "jit_cache_hook"):
+        return f"Triton {triton.__version__} has no knobs.runtime.jit_cache_hook"
+    from triton.runtime import jit
+
+    if not hasattr(jit.JITFunction, "preload"):
+        return f"Triton {triton.__version__} has no JITFunction.preload"
+    if not hasattr(triton._C.libtriton, "get_cache_invalidating_env_vars"):
+        return f"Triton {triton.__version__} does not list the variables its cache keys depend on"
+    return None
+
+
+def worker_setup() -> WorkerSetup:
+    """What a compile process needs to build what the engine's launches will look up: the Triton cache and the
+    variables Triton keys it by."""
+    from triton import knobs
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    return WorkerSetup({**get_cache_invalidating_env_vars(), "TRITON_CACHE_DIR": knobs.cache.dir})
+
+
+def _cache_is_empty() -> bool:
+    from triton import knobs
+
+    try:
+        with os.scandir(knobs.cache.dir) as entries:
+            return next(entries, None) is None
+    except FileNotFoundError:
+        return True
+
+
+
+# -- started ahead by the job --------------------------------------------------------------------------------
+
+_started: CompilePool | None = None  # for this process's engine, which takes it (take_started)
+
+
+def start_ahead(engine: EngineConfig) -> None:
+    """Starts the compile processes now, as the job begins on a CUDA GPU, where its engine will compile ahead on an
+    empty Triton cache (a fresh machine): their imports of torch and Triton then run while the job reads its input
+    and loads the model. The engine takes them (`take_started`), or closes them if it does not compile ahead after
+    all. Not before this process has imported torch: processes importing it beside this one slow its own import
+    (benchmarks/RESULTS.md)."""
+    global _started
+    if _started is not None:  # a multirun's previous job did not start its engine
+        _started.close()
+        _started = None
+    if engine.tensor_parallel_size > 1 or not engine.parallel_compile or engine.torch_compile:
+        return
+    processes = compile_processes()
+    if processes < 2 or missing_triton_api() is not None or not _cache_is_empty():
+        return
+    with contextlib.suppress(OSError):  # then the engine starts them as it loads
+        _started = CompilePool(processes, worker_setup())
+
+
+def take_started() -> CompilePool | None:
+    """The processes start_ahead started, handed over once."""
+    global _started
+    pool, _started = _started, None
+    return pool
+
+
+if __name__ == "__main__":  # a compile process: python -m batchgen.worker.compile_pool FD FOR_GPU
+    serve(Connection(int(sys.argv[1])), sys.argv[2] == "1")

@@ -12,8 +12,8 @@ keyed by source, specialization, options and target only, so any process may com
 3. Those not in the disk cache are compiled by compile processes (batchgen/worker/compile_pool.py;
    `JITFunction.preload`, one per core but one, at most 16), with their launchers where Triton compiles those too
    (`build_launcher`), and the phase runs again: each first launch then loads its kernel from disk. When the cache
-   was empty at the start (a fresh machine), the processes were started ahead, by the command line or while the
-   model loads, and each kernel goes to them as the dry run records it: they compile while it goes on.
+   was empty at the start (a fresh machine), the processes were started ahead, as the job began or while the model
+   loads, and each kernel goes to them as the dry run records it: they compile while it goes on.
 
 Anything unexpected (another Triton without these hooks, a dry run or a worker that fails) loses only the speed-up:
 one line in the log, and the kernels compile at their first launch as before.
@@ -39,7 +39,7 @@ from batchgen.worker.compile_pool import (
     CompilePool,
     KernelSpec,
     WorkerSetup,
-    _cache_is_empty,
+    cache_is_empty,
     compile_processes,
     kernel_of,
     missing_triton_api,
@@ -94,7 +94,6 @@ def stop_at_missing_kernel() -> contextlib.AbstractContextManager[None]:
             raise MissingKernel(name)
 
     return on_disk_miss(stop)
-
 
 
 _settled: set[int] = set()  # ids of the JIT functions this process has settled (settle_loaded_kernels, keyed)
@@ -271,7 +270,7 @@ class CompileAhead:
         if processes < 2:
             return cls(None)
         setup = worker_setup()
-        if not _cache_is_empty():
+        if not cache_is_empty():
             return cls(setup, processes)
         if started is not None:
             ahead = cls(setup, processes, started)

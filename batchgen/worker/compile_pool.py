@@ -243,7 +243,7 @@ class CompilePool:
         self.workers = []
 
 
-# -- whether and how many -------------------------------------------------------------------------------------
+# -- whether and how many --------------------------------------------------------------------------------------
 
 
 def compile_processes() -> int:
@@ -277,7 +277,8 @@ def worker_setup() -> WorkerSetup:
     return WorkerSetup({**get_cache_invalidating_env_vars(), "TRITON_CACHE_DIR": knobs.cache.dir})
 
 
-def _cache_is_empty() -> bool:
+def cache_is_empty() -> bool:
+    """Whether Triton's disk cache holds nothing (a fresh machine's)."""
     from triton import knobs
 
     try:
@@ -287,8 +288,7 @@ def _cache_is_empty() -> bool:
         return True
 
 
-
-# -- started ahead by the job --------------------------------------------------------------------------------
+# -- started ahead by the job ----------------------------------------------------------------------------------
 
 _started: CompilePool | None = None  # for this process's engine, which takes it (take_started)
 
@@ -306,7 +306,7 @@ def start_ahead(engine: EngineConfig) -> None:
     if engine.tensor_parallel_size > 1 or not engine.parallel_compile or engine.torch_compile:
         return
     processes = compile_processes()
-    if processes < 2 or missing_triton_api() is not None or not _cache_is_empty():
+    if processes < 2 or missing_triton_api() is not None or not cache_is_empty():
         return
     with contextlib.suppress(OSError):  # then the engine starts them as it loads
         _started = CompilePool(processes, worker_setup())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -303,7 +304,8 @@ def start_ahead(engine: EngineConfig) -> None:
     if _started is not None:  # a multirun's previous job did not start its engine
         _started.close()
         _started = None
-    if engine.tensor_parallel_size > 1 or not engine.parallel_compile or engine.torch_compile:
+    if (engine.tensor_parallel_size > 1 or not engine.parallel_compile or engine.torch_compile
+            or importlib.util.find_spec("triton") is None):
         return
     processes = compile_processes()
     if processes < 2 or missing_triton_api() is not None or not cache_is_empty():

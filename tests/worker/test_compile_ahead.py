@@ -190,6 +190,14 @@ def test_the_job_starts_no_compile_process_for_an_engine_that_would_not_use_them
     assert compile_pool.take_started() is None
 
 
+def test_the_job_starts_no_compile_process_without_triton(monkeypatch):
+    """A torch without Triton beside it: nothing to compile ahead, and no import of Triton to find that out."""
+    monkeypatch.setattr(compile_pool.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(compile_pool, "missing_triton_api", lambda: pytest.fail("Triton asked"))
+    compile_pool.start_ahead(EngineConfig())
+    assert compile_pool.take_started() is None
+
+
 def test_an_engine_that_does_not_compile_ahead_ends_the_processes_started_for_it(monkeypatch):
     """A start that turns out not to compile ahead (here: on CPU) must not leave them running."""
     pool = CompilePool(1, PLAIN)

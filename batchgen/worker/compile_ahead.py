@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -41,6 +41,7 @@ from batchgen.worker.compile_pool import (
     WorkerSetup,
     cache_is_empty,
     compile_processes,
+    compiles_ahead,
     kernel_of,
     missing_triton_api,
     settle,
@@ -122,6 +123,20 @@ def keyed(spec: KernelSpec) -> KernelSpec:
         settle(kernel)
         _settled.add(id(kernel))
     return dataclasses.replace(spec, source_key=kernel.cache_key)
+
+
+def missing_on_disk(specs: Iterable[KernelSpec]) -> tuple[list[KernelSpec], list[str]]:
+    """The specs that Triton's disk cache lacks, each under this process's key (`keyed`), and one line for each
+    that cannot be looked up (kernel, error)."""
+    missing, failed = [], []
+    for spec in specs:
+        try:
+            spec = keyed(spec)
+            if not on_disk(spec):
+                missing.append(spec)
+        except PRELOAD_ERRORS as error:
+            failed.append(f"{spec.name}: {type(error).__name__}: {error}")
+    return missing, failed
 
 
 def on_disk(spec: KernelSpec) -> bool:
@@ -243,9 +258,8 @@ class CompileAhead:
 
     @classmethod
     def begin(cls, config: EngineConfig, device: torch.device, tensor_parallel_size: int) -> CompileAhead:
-        """Off unless engine.parallel_compile on one CUDA device (tensor-parallel ranks' forwards pair collectives,
-        which a phase that one rank stops alone would leave waiting; torch.compile's kernels are Inductor's own),
-        with at least two processes to spare.
+        """Off unless on one CUDA device that compiles ahead (`compiles_ahead`), with at least two processes to
+        spare.
 
         When the Triton cache is empty (a fresh machine: the first phase will stop at once), the processes are up
         already (started as the job began, `start_ahead`) or start now, while the model loads; otherwise a phase's stop
@@ -260,7 +274,7 @@ class CompileAhead:
     @classmethod
     def _begin(cls, config: EngineConfig, device: torch.device, tensor_parallel_size: int,
                started: CompilePool | None) -> CompileAhead:
-        if not config.parallel_compile or device.type != "cuda" or tensor_parallel_size > 1 or config.torch_compile:
+        if device.type != "cuda" or not compiles_ahead(config, tensor_parallel_size):
             return cls(None)
         reason = missing_triton_api()
         if reason is not None:
@@ -328,13 +342,7 @@ class CompileAhead:
         start = time.perf_counter()
         failed, submitted = [], len(recorded)
         if pool is None:
-            missing = []
-            for spec in recorded:
-                try:
-                    if not on_disk(spec):
-                        missing.append(keyed(spec))
-                except PRELOAD_ERRORS as error:
-                    failed.append(f"{spec.name}: {type(error).__name__}: {error}")
+            missing, failed = missing_on_disk(recorded)
             if not missing:
                 self.info.update(parallel_compile_dry_run_seconds=dry_run_seconds)
                 log.info("Parallel Triton compile: the start's dry run (%.2f s) found every kernel on disk",

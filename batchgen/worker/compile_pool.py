@@ -247,6 +247,13 @@ class CompilePool:
 # -- whether and how many --------------------------------------------------------------------------------------
 
 
+def compiles_ahead(engine: EngineConfig, tensor_parallel_size: int) -> bool:
+    """Whether an engine on a CUDA GPU compiles ahead: engine.parallel_compile, not tensor-parallel (its ranks'
+    forwards pair collectives, which a phase that one rank stops alone would leave waiting), not torch.compile's
+    (Inductor's kernels are its own)."""
+    return engine.parallel_compile and tensor_parallel_size == 1 and not engine.torch_compile
+
+
 def compile_processes() -> int:
     """Worker processes for one engine: the cores this process may use, shared among the machine's local ranks
     (LOCAL_WORLD_SIZE, as data-parallel ranks set it), less one for the engine itself; at most MAX_PROCESSES."""
@@ -304,8 +311,7 @@ def start_ahead(engine: EngineConfig) -> None:
     if _started is not None:  # a multirun's previous job did not start its engine
         _started.close()
         _started = None
-    if (engine.tensor_parallel_size > 1 or not engine.parallel_compile or engine.torch_compile
-            or importlib.util.find_spec("triton") is None):
+    if not compiles_ahead(engine, engine.tensor_parallel_size) or importlib.util.find_spec("triton") is None:
         return
     processes = compile_processes()
     if processes < 2 or missing_triton_api() is not None or not cache_is_empty():

@@ -6,8 +6,11 @@ so a run with N = 64 matches the transformers peer in peers.py. Warm-up: the fir
 
 Beside the throughput: the decode steps' weight-read floor, the sum over decode steps of the bytes of the active
 weights each reads (`common.decode_read_bytes`: a mixture of experts, --model qwen3_30b_a3b, reads only the experts its
-rows route to) / measured copy bandwidth, against their measured forward time. --quantization fp8 quantizes the
-linear and expert layers to fp8 at load (model.quantization=fp8).
+rows route to) / measured copy bandwidth, against their measured forward time; and their KV-read floor, the K and V
+bytes of every position each decode step attends over / the same bandwidth. At this workload's contexts the KV reads
+are about as large as the weight reads, and fp8 weights shrink only the weight reads (an fp8 KV cache, the KV reads):
+the two floors bound what each can buy. --quantization fp8 quantizes the linear and expert layers to fp8 at load
+(model.quantization=fp8).
 
 With --tensor-parallel-size N the model is split over N GPUs (engine.tensor_parallel_size); the floor is one GPU's
 shard's.
@@ -23,6 +26,7 @@ import argparse
 from dataclasses import replace
 
 from batchgen.engine.llm_engine import StepRecord
+from batchgen.engine.outputs import RequestOutput
 from benchmarks.common import (
     NANOVLLM_NUM_SEQS,
     QWEN3,
@@ -62,13 +66,24 @@ def result_name(args: argparse.Namespace) -> str:
     return "_".join(parts) + tensor_parallel_suffix(args.tensor_parallel_size)
 
 
-def decode_floor(records: list[StepRecord], read_bytes: dict[int, float], bandwidth_gbs: float) -> dict[str, float]:
-    """The decode steps' measured forward seconds and their weight-read floor (read_bytes: by the step's rows)."""
+def decode_kv_positions(outputs: list[RequestOutput]) -> int:
+    """The KV positions the requests' decode steps attend over, without preemption: a request of p prompt tokens and m
+    output tokens takes its first token from its prefill, then m - 1 decode steps, the j-th over p + j positions."""
+    return sum((m - 1) * p + (m - 1) * m // 2
+               for p, m in ((len(o.prompt_token_ids), o.num_output_tokens) for o in outputs) if m > 1)
+
+
+def decode_floor(records: list[StepRecord], read_bytes: dict[int, float], kv_read_bytes: float,
+                 bandwidth_gbs: float) -> dict[str, float]:
+    """The decode steps' measured forward seconds, their weight-read floor (read_bytes: by the step's rows) and
+    their KV-read floor (kv_read_bytes: all decode steps' K and V reads)."""
     decode = [r for r in records if r.kind == "decode"]
     forward_s = sum(r.forward_ms for r in decode) / 1000
     floor_s = sum(read_bytes[r.num_seqs] for r in decode) / (bandwidth_gbs * 1e9)
+    kv_floor_s = kv_read_bytes / (bandwidth_gbs * 1e9)
     return {"decode_forward_s": forward_s, "decode_weight_floor_s": floor_s,
-            "decode_floor_fraction": floor_s / forward_s if forward_s else 0.0}
+            "decode_floor_fraction": floor_s / forward_s if forward_s else 0.0, "decode_kv_floor_s": kv_floor_s,
+            "decode_weight_and_kv_fraction": (floor_s + kv_floor_s) / forward_s if forward_s else 0.0}
 
 
 def main() -> None:
@@ -106,6 +121,7 @@ def main() -> None:
         info = dict(engine.info)
         model = engine.runner.model
         read_bytes = {rows: decode_read_bytes(model, rows) for rows in {r.num_seqs for r in records}}
+        kv_bytes_per_position = info["kv_cache_bytes"] / info["kv_capacity_tokens"]  # one rank's, as the weights
     finally:
         engine.close()
 
@@ -120,7 +136,8 @@ def main() -> None:
         "requests_preempted": sum(o.num_preemptions > 0 for o in outputs),
         "cuda_graph_steps": sum(r.cuda_graph for r in records),
         "kv_cache_dtype": info["kv_cache_dtype"], "kv_blocks": info["kv_blocks"],
-        "copy_bandwidth_gbs": bandwidth, **decode_floor(records, read_bytes, bandwidth),
+        "copy_bandwidth_gbs": bandwidth,
+        **decode_floor(records, read_bytes, decode_kv_positions(outputs) * kv_bytes_per_position, bandwidth),
     }
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     name = result_name(args)
@@ -134,7 +151,8 @@ def main() -> None:
           f"KV cache {summary['kv_cache_dtype']} ({summary['kv_blocks']} blocks); decode forward "
           f"{summary['decode_forward_s']:.2f} s against a weight-read floor of "
           f"{summary['decode_weight_floor_s']:.2f} s (active weights / copy {bandwidth:.0f} GB/s: "
-          f"{summary['decode_floor_fraction']:.0%} of it)\n")
+          f"{summary['decode_floor_fraction']:.0%} of it) and a KV-read floor of {summary['decode_kv_floor_s']:.2f} s "
+          f"(both: {summary['decode_weight_and_kv_fraction']:.0%})\n")
     print(breakdown_table(breakdown))
 
 

@@ -139,6 +139,36 @@ def test_weight_read_floor_counts_the_active_weights_only():
     assert abs(decode_read_bytes(moe, 256) - (weight_bytes(moe) - embedding.nbytes + 256 * embedding[0].nbytes)) < 1
 
 
+def test_nanovllm_kv_floor_counts_the_positions_the_engines_decode_attention_reads(monkeypatch):
+    """decode_kv_positions, from the outputs alone, equals the positions every decode step's attention reads in the
+    first layer of a tiny engine (prompts and output lengths of several sizes, no preemption)."""
+    from batchgen.layers import attention_torch
+    from batchgen.sample.params import SamplingParams
+    from benchmarks.common import benchmark_model_config, build_engine, random_prompt, run_engine
+    from benchmarks.nanovllm_bench import decode_kv_positions
+
+    engine = build_engine(benchmark_model_config("qwen3_0_6b", tiny=True), enforce_eager=True, device="cpu",
+                          max_model_len=256, max_num_seqs=4)
+    first_layer = engine.runner.model.model.layers[0].self_attn.attn
+    read = []
+    decode_attention = attention_torch.decode_attention
+
+    def counting(q, k_cache, *args, **kwargs):
+        if k_cache is first_layer.k_cache:
+            read.append(int(args[2].sum()))  # seq_lens: the positions each row attends over (0 for padding rows)
+        return decode_attention(q, k_cache, *args, **kwargs)
+
+    monkeypatch.setattr(attention_torch, "decode_attention", counting)
+    try:
+        requests = [(random_prompt(length, seed=length), SamplingParams(max_tokens=new, ignore_eos=True))
+                    for length, new in ((5, 1), (17, 9), (40, 3), (3, 30), (64, 12))]
+        outputs = run_engine(engine, requests)[0]
+    finally:
+        engine.close()
+    assert [o.num_output_tokens for o in outputs] == [1, 9, 3, 30, 12]
+    assert sum(read) == decode_kv_positions(outputs) == 8 * 17 + 36 + 2 * 40 + 3 + 29 * 3 + 435 + 11 * 64 + 66
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="b1_latency imports the PDL switch (Triton)")
 def test_b1_latency_tiny_splits_the_model_over_two_ranks_and_times_one_shard(tmp_path):
     common = ["--tiny", "--modes", "eager", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",

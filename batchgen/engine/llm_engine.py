@@ -530,12 +530,18 @@ class LLMEngine:
         return {"embedding": pooled}
 
     def close(self) -> None:
-        """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean."""
+        """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean. After a
+        tensor-parallel follower died, nothing waits for the device: an NCCL collective aborted for it may never end
+        there (a synchronize here then waited forever)."""
         self.runner.close()
         self._in_flight = None  # a stopped job may leave a launched step holding device tensors
+        follower_died = self.followers is not None and self.followers.died()
         self._close_followers()
         gc.collect()
-        if self.device.type == "cuda":
+        if follower_died and self.device.type == "cuda":
+            log.warning("A tensor-parallel follower died: %s may still run the collective aborted for it; start the "
+                        "next engine in a new process", self.device)
+        elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             # cuBLAS keeps a workspace per handle and stream in the caching allocator, which empty_cache() skips.
             torch._C._cuda_clearCublasWorkspaces()

@@ -144,6 +144,10 @@ class Followers:
                 return
             time.sleep(POLL_SECONDS)
 
+    def died(self) -> bool:
+        """Whether a follower has exited while the engine ran (before close stopped it)."""
+        return self.failure is not None or (not self._closing and self._exited() is not None)
+
     def check(self) -> None:
         """Raises the failure the watchdog saw, if any."""
         if self.failure is not None:

@@ -200,9 +200,12 @@ def test_chunked_prefill_and_preemption_equal_one_process(setup: str):
 def test_a_follower_that_died_ends_the_next_step_with_its_rank():
     llm = LLM(str(SHAKESPEARE), tensor_parallel_size=2, device="cpu")
     try:
-        (follower,) = llm.engine.followers.processes
+        followers = llm.engine.followers
+        (follower,) = followers.processes
+        assert not followers.died()
         follower.kill()
         follower.wait()
+        assert followers.died()  # LLMEngine.close then waits for nothing on the device
         with pytest.raises(FollowerExited, match=rf"tensor-parallel rank 1 of 2 \(pid {follower.pid}\) exited on "
                                                  "signal SIGKILL"):
             llm.generate(["KING:"], GREEDY, use_tqdm=False)

@@ -53,11 +53,6 @@ class Request:
     # The seed of its random draws (None: sampling_params.seed): the engine gives each request its own, so that the
     # requests of a job share one parameters object.
     seed: int | None = None
-
-    @property
-    def key(self) -> tuple[int, int]:
-        """Unique among live requests: the n samples of a prompt share its request id."""
-        return self.request_id, self.sample_index
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sampling_params.bad_words, tokenized
     # Per generated token when sampling_params asks for logprobs; per prompt token with prompt_logprobs.
     logprobs: list | None = None
@@ -69,6 +64,11 @@ class Request:
     # sampled ids that end it on stop (its eos_token_id unless ignore_eos, and stop_token_ids).
     max_num_outputs: int = field(default=0, init=False, repr=False, compare=False)
     stop_token_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Unique among live requests: the n samples of a prompt share its request id."""
+        return self.request_id, self.sample_index
 
     @property
     def sampling_seed(self) -> int | None:

@@ -111,17 +111,20 @@ def settle_loaded_kernels() -> None:
         if not name.startswith("batchgen.") or module is None:
             continue
         for kernel in list(vars(module).values()):
-            if isinstance(kernel, JITFunction) and id(kernel) not in _settled:
-                settle(kernel)
-                _settled.add(id(kernel))
+            if isinstance(kernel, JITFunction):
+                _settle_once(kernel)
+
+
+def _settle_once(kernel: Any) -> None:
+    if id(kernel) not in _settled:
+        settle(kernel)
+        _settled.add(id(kernel))
 
 
 def keyed(spec: KernelSpec) -> KernelSpec:
     """The spec under the key this process will look its kernel up by, which a compile process stores it under."""
     kernel = kernel_of(spec)
-    if id(kernel) not in _settled:
-        settle(kernel)
-        _settled.add(id(kernel))
+    _settle_once(kernel)
     return dataclasses.replace(spec, source_key=kernel.cache_key)
 
 
@@ -357,10 +360,10 @@ class CompileAhead:
                 log.warning("Parallel Triton compile skipped: its processes did not start (%s); kernels compile on "
                             "first launch", error)
                 return
-            for spec in missing:
-                pool.submit(spec)
             submitted = len(missing)
-        outcome = pool.finish()
+            outcome = pool.compile(missing)
+        else:  # every recorded kernel went to the processes as the dry run recorded it
+            outcome = pool.finish()
         seconds = time.perf_counter() - start
         processes = len(pool.workers)
         self.info.update(parallel_compile_kernels=outcome.compiled, parallel_compile_processes=processes,

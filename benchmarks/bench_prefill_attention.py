@@ -15,7 +15,7 @@ triton.testing.do_bench medians (L2 flushed before every call).
 TREE`) on the same inputs, beside this tree's.
 --sweep times every launch configuration (block_m 64/128, block_n 32/64/128, warps 4/8, stages 2/3/4) on each
 model and case, and per model the one with the least slowdown against each case's best (geometric mean), next to
-prefill_config's.
+that of prefill_config's picks (one per case: it picks by the context).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def compare(shapes: list[HeadShape], cases: list[Case], cache_dtype: torch.dtype
         ours, reference = inputs.triton_fn(), sdpa_fn(inputs)
         assert_matches(ours(), reference())
         triton_ms, sdpa_ms = median_ms(ours), median_ms(reference)
-        config = attention_triton.prefill_config(shape.head_dim, DTYPE)
+        config = default_config(shape, case)
         row = {"model": shape.model, "case": case.name, "seqs": case.num_seqs, "queries": case.query_len,
                "context": case.context_len, "config": asdict(config), "triton_ms": triton_ms, "sdpa_ms": sdpa_ms,
                "triton_tflops": tflops(shape, case, triton_ms), "sdpa_tflops": tflops(shape, case, sdpa_ms),
@@ -204,6 +204,12 @@ def compare(shapes: list[HeadShape], cases: list[Case], cache_dtype: torch.dtype
         del inputs, ours, reference
         torch.cuda.empty_cache()
     return rows
+
+
+def default_config(shape: HeadShape, case: Case) -> PrefillConfig:
+    """prefill_config's launch for the case on this GPU."""
+    return attention_triton.prefill_config(shape.head_dim, DTYPE, shape.num_heads // shape.num_kv_heads,
+                                           case.context_len, torch.device("cuda"))
 
 
 def sweep_configs() -> list[PrefillConfig]:
@@ -242,10 +248,16 @@ def sweep(shapes: list[HeadShape], cases: list[Case], cache_dtype: torch.dtype) 
         complete = {c: s for c, s in slowdowns.items() if len(s) == len(cases)}
         geomean = {c: math.exp(sum(map(math.log, s)) / len(s)) for c, s in complete.items()}
         winner = min(geomean, key=geomean.get)
-        default = attention_triton.prefill_config(shape.head_dim, DTYPE)
+        # prefill_config picks per case (by its context): the slowdown of its picks against each case's best.
+        picked = {case.name: default_config(shape, case) for case in cases}
+        ms = {(t["case"], PrefillConfig(t["block_m"], t["block_n"], t["num_warps"], t["num_stages"])): t["ms"]
+              for t in mine}
+        picked_slowdowns = [ms[name, config] / best[name] for name, config in picked.items() if (name, config) in ms]
         summary.append({"model": shape.model, "head_dim": shape.head_dim, "best": asdict(winner),
-                        "best_slowdown": geomean[winner], "default": asdict(default),
-                        "default_slowdown": geomean.get(default)})
+                        "best_slowdown": geomean[winner],
+                        "default": {name: asdict(config) for name, config in picked.items()},
+                        "default_slowdown": math.exp(sum(map(math.log, picked_slowdowns)) / len(picked_slowdowns))
+                        if len(picked_slowdowns) == len(cases) else None})
     return timings, summary
 
 
@@ -278,7 +290,8 @@ def main() -> None:
                    "summary": summary})
         table = markdown_table(
             ["model", "best block_m/block_n/warps/stages", "its slowdown", "prefill_config's", "its slowdown"],
-            [[s["model"], config_label(s["best"]), s["best_slowdown"], config_label(s["default"]),
+            [[s["model"], config_label(s["best"]), s["best_slowdown"],
+              ", ".join(f"{case} {config_label(config)}" for case, config in s["default"].items()),
               s["default_slowdown"]] for s in summary])
         print(f"\n## sweep_prefill_attention {title} (slowdown: geometric mean over the cases of ms / the case's "
               f"best)\n\n{table}")

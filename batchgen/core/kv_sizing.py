@@ -52,6 +52,11 @@ class KVDemand:
             self._rows = self._rows.result()
         return self._rows
 
+    def longest(self, max_model_len: int) -> int:
+        """The longest sequence a row can grow to (prompt + max_tokens, at most max_model_len); max_model_len for a
+        job without rows, as job_block_limit takes it."""
+        return max((min(prompt + max_tokens, max_model_len) for prompt, max_tokens in self.rows), default=max_model_len)
+
     def __reduce__(self) -> tuple:  # a tensor-parallel follower's copy holds the rows themselves
         return KVDemand, (self.rows,)
 

@@ -136,7 +136,7 @@ class ModelWorker:
         graphs = captures and decoding != 0
         # on CUDA, a forward that measures the activations' peak
         kv_choice = compile_ahead.run(lambda: self._num_kv_blocks(kv_demand),
-                                      lambda: self._start_forwards(graphs, decoding))
+                                      lambda: self._start_forwards(graphs, decoding, kv_demand))
         self.num_blocks = agree_min(kv_choice.num_blocks)
         self.runner.allocate_kv_cache(self.num_blocks)
         block_size = self.config.block_size
@@ -160,9 +160,10 @@ class ModelWorker:
             log.info("CUDA graphs not captured: no row of the job takes a decode step (max_tokens <= 1)")
         if graphs:
             compile_ahead.run(lambda: self._capture_graphs(decoding),
-                              lambda: self._start_forwards(graphs, decoding, profile=False))
+                              lambda: self._start_forwards(graphs, decoding, kv_demand, profile=False))
         if device.type == "cuda":
-            compile_ahead.run(self._warm_up_step, lambda: self._start_forwards(False, decoding, profile=False))
+            compile_ahead.run(lambda: self._warm_up_step(kv_demand),
+                              lambda: self._start_forwards(False, decoding, kv_demand, profile=False))
         compile_ahead.close()
         self.info.update(compile_ahead.info)
 
@@ -196,18 +197,27 @@ class ModelWorker:
         return choose_num_blocks(available // block_bytes,
                                  f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}", limit)
 
-    def _start_forwards(self, graphs: bool, max_rows: int | None, profile: bool = True) -> None:
+    def _start_forwards(self, graphs: bool, max_rows: int | None, demand: KVDemand | None,
+                        profile: bool = True) -> None:
         """The start's forwards on the device from a phase on, run once more for compile_ahead's dry run: the
-        KV-sizing profile's (profile), each CUDA graph's warm-up forward (graphs), then the warm-up step."""
+        KV-sizing profile's (profile), each CUDA graph's warm-up forward (graphs), then the warm-up steps."""
         if profile:
             self.runner.profile_peak_bytes(scores_logits=self.pooler is None)
         if graphs:
             self.runner.warm_up_graphs(max_rows)
-        self.runner.warm_up_step(self.pooler)
+        self.runner.warm_up_step(self.pooler, self._warm_up_contexts(demand))
 
-    def _warm_up_step(self) -> None:
+    def _warm_up_contexts(self, demand: KVDemand | None) -> list[int]:
+        """The longer prefill steps that the warm-up adds for the attention's other launch configurations
+        (prefill_warm_up_contexts), those that the job's sequences can reach."""
+        longest = self.config.max_model_len if demand is None else demand.longest(self.config.max_model_len)
+        head_dim = self.runner.attention_layers[0].head_dim
+        contexts = self.runner.attention_ops.prefill_warm_up_contexts(head_dim, self.dtype, self.device)
+        return [context for context in contexts if context <= longest]
+
+    def _warm_up_step(self, demand: KVDemand | None) -> None:
         start = time.perf_counter()
-        self.runner.warm_up_step(self.pooler)
+        self.runner.warm_up_step(self.pooler, self._warm_up_contexts(demand))
         self.info.update(warm_up_seconds=time.perf_counter() - start)
         log.info("Warm-up step (the first launch of each prefill kernel) in %.2f s", self.info["warm_up_seconds"])
 

@@ -120,6 +120,11 @@ def decode_early_read_limit(batch: int, num_kv_heads: int, head_dim: int, q_dtyp
     return 0
 
 
+def prefill_warm_up_contexts(head_dim: int, q_dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
+    """As attention_triton's: one way to run every prefill step, which the start's short warm-up step covers."""
+    return ()
+
+
 def prefill_attention(
     q: torch.Tensor,  # (T, H, D)
     k_cache: torch.Tensor,  # (NB, BS, KVH, D)

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from batchgen.layers import pdl
+from batchgen.layers.fp8_gemm_triton import HOPPER, gpu_limits
 from batchgen.layers.pdl import launch_options, wait_for_previous
 
 _MAX_SPLITS = 16  # of each sequence's own KV range, and (cascade) of the shared prefix
@@ -637,12 +638,35 @@ class PrefillConfig:
     num_stages: int
 
 
-def prefill_config(head_dim: int, q_dtype: torch.dtype) -> PrefillConfig:
-    """The prefill kernel's configuration for a head width and query dtype; benchmarks/bench_prefill_attention.py
-    --sweep times the others (benchmarks/RESULTS.md, 2026-11-27c: 32-position KV tiles led on the Qwen3-0.6B heads)."""
+# From this context on (a step's longest sequence) KV tiles of 128 positions beat narrower ones: few of a query tile's
+# keys then lie on its causal diagonal, where a wide tile computes scores that the mask throws away.
+PREFILL_LONG_CONTEXT = 3072
+
+
+def prefill_config(head_dim: int, q_dtype: torch.dtype, group: int, max_seq_len: int,
+                   device: torch.device) -> PrefillConfig:
+    """The prefill kernel's configuration for a head width, query dtype, query heads per kv head and the step's longest
+    sequence; benchmarks/bench_prefill_attention.py --sweep times the others (benchmarks/RESULTS.md, 2026-11-28c).
+    A query tile of 128 rows holds 128 / group positions: with four or more heads a group its diagonal is short, and
+    64-position KV tiles lead even on short contexts. The wider KV tiles were measured on Hopper only, and their
+    stages take most of its shared memory: a GPU with less keeps 32-position tiles."""
     if _wide(head_dim, q_dtype):
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
-    return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
+    if gpu_limits(device).shared_memory_bytes < HOPPER.shared_memory_bytes:
+        block_n = 32
+    elif max_seq_len >= PREFILL_LONG_CONTEXT:
+        block_n = 128
+    else:
+        block_n = 64 if group >= 4 else 32
+    return PrefillConfig(block_m=128, block_n=block_n, num_warps=8, num_stages=3)
+
+
+def prefill_warm_up_contexts(head_dim: int, q_dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
+    """The longest sequence of each prefill step that a start's warm-up runs beside its short one, so that every launch
+    configuration prefill_config picks on `device` is loaded (or compiled) before a job's first step."""
+    if prefill_config(head_dim, q_dtype, 1, PREFILL_LONG_CONTEXT, device).block_n == 128:
+        return (PREFILL_LONG_CONTEXT,)
+    return ()
 
 
 @triton.jit
@@ -820,8 +844,8 @@ def prefill_attention(
         return out
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert k_cache.stride() == v_cache.stride(), "the K and V caches must share one layout"
-    config = config or prefill_config(head_dim, q.dtype)
     group = num_heads // num_kv_heads
+    config = config or prefill_config(head_dim, q.dtype, group, max_seq_len, q.device)
     block_m = max(config.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_kv_heads, batch)](

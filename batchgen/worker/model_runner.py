@@ -7,7 +7,7 @@ import bisect
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from types import ModuleType
@@ -267,23 +267,33 @@ class ModelRunner:
         finally:
             self._unbind_kv_cache()
 
-    def warm_up_step(self, pooler: Pooler | None = None) -> None:
+    def warm_up_step(self, pooler: Pooler | None = None, long_contexts: Sequence[int] = ()) -> None:
         """One eager prefill step of a few dummy prompts, launched and collected as the engine's loop does it:
         greedy, scoring the prompts' and the sampled tokens' logprobs (with pooler: a pooling step instead). A
         process pays for its first launch of each kernel (loaded from Triton's disk cache, or compiled) and its first
-        pass over the step's host path once: here, at the start, rather than in the job's first step. Before the KV
-        cache is allocated (compile_ahead's dry run), over a scratch cache of the step's blocks; with the cache, in
-        its first blocks, which hold nothing yet. An engine too small for the step's rows skips it."""
-        block_size = self.config.block_size
+        pass over the step's host path once: here, at the start, rather than in the job's first step. Then, for each
+        of long_contexts, a step of one prompt that long: the prefill attention launches otherwise from there on
+        (prefill_warm_up_contexts). Before the KV cache is allocated (compile_ahead's dry run), over a scratch cache of
+        the step's blocks; with the cache, in its first blocks, which hold nothing yet. An engine too small for a
+        step's rows skips it."""
         rows = min(WARM_UP_ROWS, self.config.max_num_seqs)  # a step's device buffers hold max_num_seqs rows
         row_tokens = min(self.config.max_model_len, min(WARM_UP_TOKENS, self.config.max_num_batched_tokens) // rows)
         if row_tokens >= 16:  # the step's token count a multiple of 16, as a full step's: Triton specializes on it
             row_tokens -= row_tokens % 16
+        self._warm_up_rows(rows, row_tokens, 2, pooler)  # a prompt logprob needs two tokens
+        for context in long_contexts:
+            if context <= min(self.config.max_model_len, self.config.max_num_batched_tokens):
+                self._warm_up_rows(1, context, context, pooler)
+
+    def _warm_up_rows(self, rows: int, row_tokens: int, min_tokens: int, pooler: Pooler | None) -> None:
+        """A warm-up step of `rows` prompts of row_tokens each, fewer where the cache holds less; none when that is
+        under min_tokens."""
+        block_size = self.config.block_size
         row_blocks = -(-row_tokens // block_size)
         if self.kv_cache is not None:  # a cache sized to a small job
             row_blocks = min(row_blocks, self.kv_cache.shape[2] // rows)
             row_tokens = min(row_tokens, row_blocks * block_size)
-        if row_tokens < 2:  # a prompt logprob needs two tokens
+        if row_tokens < min_tokens:
             return
         requests = [Request(WARM_UP_REQUEST_ID - i, [0] * row_tokens, WARM_UP_PARAMS,
                             block_ids=list(range(i * row_blocks, (i + 1) * row_blocks))) for i in range(rows)]

@@ -123,6 +123,11 @@ PREFILL_CASES = [
     ((40, 9), (23, 0), 4, 4, 64, 1, f32),
     ((512, 300, 7, 128), (0, 1500, 60, 400), 16, 8, 128, 16, bf16),
     ((1,) * 12, tuple(range(0, 1200, 100)), 8, 4, 64, 32, f32),
+    # prefill_config's other launches on a GPU: 64-position KV tiles for four or more query heads a kv head, and from
+    # PREFILL_LONG_CONTEXT on 128-position ones (two and four heads a kv head)
+    ((700, 64), (0, 900), 32, 8, 128, 16, bf16),
+    ((512, 300), (3000, 3500), 16, 8, 128, 16, bf16),
+    ((128, 1, 700), (3200, 4000, 0), 32, 8, 128, 16, bf16),
 ]
 
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.core.kv_sizing import KVDemand
+from batchgen.layers import attention_torch
 from batchgen.worker.model_runner import WARM_UP_ROWS
 from tests.engine.test_tasks_embed import prompts_with_a_repeat
 from tests.helpers.common import build_tiny_classifier_dir, hf_greedy_on, random_prompts
@@ -88,6 +90,27 @@ def test_an_engine_of_one_row_a_step_warms_up_on_one_row(tiny_model_dir):
     outputs = llm.generate(random_prompts(256, 3), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                            use_tqdm=False)
     assert all(len(o.token_ids) == 4 for o in outputs)
+    llm.close()
+
+
+def test_a_long_context_adds_a_step_of_one_prompt_that_long(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("Qwen3ForCausalLM")), **OPTIONS)
+    runner = llm.engine.runner
+    runner.kv_cache.fill_(float("nan"))
+    runner.warm_up_step(long_contexts=[60, 100])  # 100: more than a step's 64 tokens, skipped
+    written = (~runner.kv_cache.isnan()).flatten(3).any(-1).any(0).any(0).nonzero().flatten().tolist()
+    assert written == list(range(60 // 4))  # the long prompt's 15 blocks; the short step's three prompts take 12
+    llm.close()
+
+
+def test_the_warm_up_adds_only_the_long_contexts_a_job_reaches(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(attention_torch, "prefill_warm_up_contexts", lambda head_dim, q_dtype, device: (40, 90))
+    llm = LLM(str(tiny_model_dir("Qwen3ForCausalLM")), **OPTIONS, max_model_len=64)
+    worker = llm.engine.worker
+    assert worker._warm_up_contexts(KVDemand([(10, 5), (20, 19)])) == []  # its longest row: 39 tokens
+    assert worker._warm_up_contexts(KVDemand([(10, 5), (30, 10)])) == [40]
+    assert worker._warm_up_contexts(KVDemand([(60, 500)])) == [40]  # a row ends at max_model_len
+    assert worker._warm_up_contexts(None) == [40]  # rows unknown (LLM.generate): as long as max_model_len
     llm.close()
 
 

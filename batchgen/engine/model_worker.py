@@ -199,12 +199,14 @@ class ModelWorker:
 
     def _start_forwards(self, graphs: bool, max_rows: int | None, demand: KVDemand | None,
                         profile: bool = True) -> None:
-        """The start's forwards on the device from a phase on, run once more for compile_ahead's dry run: the
-        KV-sizing profile's (profile), each CUDA graph's warm-up forward (graphs), then the warm-up steps."""
-        if profile:
-            self.runner.profile_peak_bytes(scores_logits=self.pooler is None)
+        """The start's forwards on the device from a phase on, run once more for compile_ahead's dry run: each CUDA
+        graph's warm-up forward (graphs), the KV-sizing profile's (profile), then the warm-up steps. The graphs' come
+        first, though their phase comes later: they launch most of the start's kernels, which then compile while the
+        dry run goes on."""
         if graphs:
             self.runner.warm_up_graphs(max_rows)
+        if profile:
+            self.runner.profile_peak_bytes(scores_logits=self.pooler is None)
         self.runner.warm_up_step(self.pooler, self._warm_up_contexts(demand))
 
     def _warm_up_contexts(self, demand: KVDemand | None) -> list[int]:

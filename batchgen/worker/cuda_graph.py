@@ -239,10 +239,12 @@ class CudaGraphRunner:
 
     def warm_up_forwards(self) -> None:
         """The warm-up forwards of every bucket's capture, deferred ones too, capturing nothing (compile_ahead's dry
-        run of them: a deferred capture then finds its kernels compiled)."""
+        run of them: a deferred capture then finds its kernels compiled). Smallest first: the small buckets launch
+        most of a start's distinct kernels (the decode GEMV's specializations, by rows), which the dry run hands to the
+        compile processes as it meets them, while it goes on through the larger buckets."""
         from batchgen.layers import pdl
 
-        for key in self.capture_keys(self.buckets):
+        for key in reversed(self.capture_keys(self.buckets)):
             with pdl.early_start(key.early):
                 self._warm_up(key)
 

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,20 @@ PART_PREFIX = "part-"
 # A writer keeps the rows of the parts it flushed in memory up to this many bytes (a job's whole output, unless it is
 # large), so that closing merges them without reading its own parts back; past it, the rest is read from disk.
 KEPT_PART_BYTES = 256 << 20
+
+
+def import_pandas_in_background() -> threading.Thread:
+    """Imports pandas on a thread, where it is installed: pyarrow imports it at its first array made of Python objects
+    (to tell pandas' own objects apart), which a job makes as it opens its outputs and starts its engine, 0.2-0.3 s on
+    the job's path. Begun before the input is read, the import runs while Arrow parses the input without the GIL."""
+
+    def import_pandas() -> None:
+        with contextlib.suppress(ImportError):
+            import pandas  # noqa: F401
+
+    thread = threading.Thread(target=import_pandas, name="batchgen-import-pandas", daemon=True)
+    thread.start()
+    return thread
 
 
 class DuplicateRowError(ValueError):
@@ -329,7 +344,7 @@ class PartedParquetWriter:
             # records itself there), without a copy where only the metadata differs.
             tables.append(table.replace_schema_metadata(schema.metadata) if table.schema.equals(schema)
                           else table.cast(schema))
-        return pa.concat_tables(tables) if tables else schema.empty_table()
+        return pa.concat_tables(tables) if tables else pa.Table.from_batches([], schema=schema)
 
     def _check_merged(self, table: pa.Table) -> None:
         """Subclasses raise here when the merged rows break an invariant; the parts are left untouched."""

@@ -32,7 +32,7 @@ from batchgen.io.openai_results import openai_results_wanted, write_openai_resul
 from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.schema import COMPLETIONS_SCHEMA
 from batchgen.io.shard_split import ShardSplit
-from batchgen.io.writers import CompletionWriter, write_kernels
+from batchgen.io.writers import CompletionWriter, import_pandas_in_background, write_kernels
 from batchgen.job.exits import is_environment_fault
 from batchgen.job.process_clock import take_startup
 from batchgen.job.progress import Progress
@@ -102,6 +102,7 @@ class Job:
         self.run_dir = Path(run_dir)
         read_start = time.perf_counter()
         self.startup_phases = take_startup(read_start)
+        import_pandas_in_background()
         # Input problems surface here, before the model loads.
         self.openai_results = openai_results_wanted(config)
         self.detokenizer = Detokenizer.load(config.model)

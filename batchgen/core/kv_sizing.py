@@ -52,10 +52,13 @@ class KVDemand:
             self._rows = self._rows.result()
         return self._rows
 
+    def lengths(self, max_model_len: int) -> list[int]:
+        """The longest sequence each row can grow to: prompt + max_tokens, at most max_model_len."""
+        return [min(prompt + max_tokens, max_model_len) for prompt, max_tokens in self.rows]
+
     def longest(self, max_model_len: int) -> int:
-        """The longest sequence a row can grow to (prompt + max_tokens, at most max_model_len); max_model_len for a
-        job without rows, as job_block_limit takes it."""
-        return max((min(prompt + max_tokens, max_model_len) for prompt, max_tokens in self.rows), default=max_model_len)
+        """The longest of `lengths`; max_model_len for a job without rows, as job_block_limit takes it."""
+        return max(self.lengths(max_model_len), default=max_model_len)
 
     def __reduce__(self) -> tuple:  # a tensor-parallel follower's copy holds the rows themselves
         return KVDemand, (self.rows,)
@@ -79,8 +82,8 @@ def job_block_limit(max_num_seqs: int, max_model_len: int, block_size: int,
                            f"max_num_seqs={max_num_seqs} x {per_seq} blocks for max_model_len={max_model_len}")
     if not demand or not demand.rows:
         return choice
-    needs = sorted((_blocks(min(prompt + max_tokens, max_model_len), block_size)
-                    for prompt, max_tokens in demand.rows), reverse=True)[:max_num_seqs]
+    needs = sorted((_blocks(length, block_size) for length in demand.lengths(max_model_len)),
+                   reverse=True)[:max_num_seqs]
     if sum(needs) < choice.num_blocks:
         return KVBlockChoice(sum(needs), f"the {len(needs)} largest of the job's {len(demand.rows)} rows "
                                          "(prompt + max_tokens) run at once without preemption")

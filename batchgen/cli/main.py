@@ -113,6 +113,9 @@ def _main(cfg: DictConfig) -> float | None:
     try:
         config = to_config(cfg)
         process_clock.mark("config")
+        from batchgen.job.read_ahead import ReadAhead  # the job's modules (not torch): once the config is valid
+
+        ahead = ReadAhead.start(config, run_dir)  # the input, read while torch and the engine's modules import
         from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
 
         process_clock.mark("engine_imports")
@@ -124,7 +127,7 @@ def _main(cfg: DictConfig) -> float | None:
         # interpreter's end, where nanobind lists Triton's objects as leaked.
         if gc.get_freeze_count() == 0:
             gc.freeze()
-        summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))
+        summary = launch(config, run_dir, list(HydraConfig.get().overrides.task), ahead)
     except (ConfigError, InputError, DirectoryInUse) as exc:
         log.error("%s", exc)
         remove_unstarted_run_dir(run_dir)

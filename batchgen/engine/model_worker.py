@@ -24,7 +24,7 @@ from batchgen.models.hf_config import max_positions
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.models.pooling_config import checkpoint_pooling
 from batchgen.models.registry import check_task
-from batchgen.worker.compile_ahead import CompileAhead
+from batchgen.worker.compile_ahead import CompileAhead, wait_for_triton_driver
 from batchgen.worker.cuda_graph import CAPTURE_AFTER_USES
 from batchgen.worker.host_threads import intra_op_threads
 from batchgen.worker.model_runner import BitmaskProvider, ModelRunner
@@ -113,6 +113,7 @@ class ModelWorker:
         compile_ahead = CompileAhead.begin(engine_config, device, tp.size)
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, device, task, tp)
+        wait_for_triton_driver()  # started as the job began: the first kernel comes next
         if not model.cuda_graphs and not engine_config.enforce_eager:
             engine_config = replace(engine_config, enforce_eager=True)
             if device.type == "cuda":

@@ -39,7 +39,7 @@ from batchgen.worker.compile_pool import (
     CompilePool,
     KernelSpec,
     WorkerSetup,
-    cache_is_empty,
+    cache_holds_no_kernel,
     compile_processes,
     compiles_ahead,
     kernel_of,
@@ -231,13 +231,31 @@ def dry_launches(on_record: Callable[[KernelSpec], None] | None = None) -> Itera
 # -- one engine start ------------------------------------------------------------------------------------------
 
 
-def key_triton_in_background() -> threading.Thread:
-    """Starts hashing Triton's own files on a thread: every process computes that part of the kernels' cache keys
-    once, at its first kernel (about 0.4 s on an H200's host), and on the thread most of it (hashlib's) runs beside
-    the job's reading of its input, without the GIL."""
-    thread = threading.Thread(target=_key_triton, name="triton-key", daemon=True)
-    thread.start()
-    return thread
+_driver_start: threading.Thread | None = None  # start_triton_in_background's, until wait_for_triton_driver
+
+
+def start_triton_in_background() -> tuple[threading.Thread, threading.Thread]:
+    """Starts on threads what a process's first Triton kernel waits for otherwise, so that it runs beside the job's
+    reading of its input and the model's load, mostly without the GIL:
+    - hashing Triton's own files, the part of the kernels' cache keys computed once a process (about 0.4 s of
+      hashlib on an H200's host);
+    - Triton's CUDA driver, which on a fresh machine first builds its C helper module (about 1 s, most of it the C
+      compiler's, in a subprocess). The engine waits for it (`wait_for_triton_driver`) before its first kernel:
+      two threads that both found no driver would each build one."""
+    global _driver_start
+    key = threading.Thread(target=_key_triton, name="triton-key", daemon=True)
+    _driver_start = threading.Thread(target=_start_triton_driver, name="triton-driver", daemon=True)
+    key.start()
+    _driver_start.start()
+    return key, _driver_start
+
+
+def wait_for_triton_driver() -> None:
+    """Joins the driver's start, if this process began one."""
+    global _driver_start
+    if _driver_start is not None:
+        _driver_start.join()
+        _driver_start = None
 
 
 def _key_triton() -> None:
@@ -246,6 +264,15 @@ def _key_triton() -> None:
     except ImportError:  # no Triton (torch's CPU build), or one that keys elsewhere: its first kernel pays it
         return
     triton_key()
+
+
+def _start_triton_driver() -> None:
+    try:
+        from triton.runtime.driver import driver
+
+        driver.active  # noqa: B018 (creating the driver builds its helper module)
+    except Exception:  # noqa: BLE001 (no Triton, no GPU, or another Triton: the first kernel meets it as before)
+        return
 
 
 class CompileAhead:
@@ -287,7 +314,7 @@ class CompileAhead:
         if processes < 2:
             return cls(None)
         setup = worker_setup()
-        if not cache_is_empty():
+        if not cache_holds_no_kernel():
             return cls(setup, processes)
         if started is not None:
             ahead = cls(setup, processes, started)

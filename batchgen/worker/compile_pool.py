@@ -285,13 +285,27 @@ def worker_setup() -> WorkerSetup:
     return WorkerSetup({**get_cache_invalidating_env_vars(), "TRITON_CACHE_DIR": knobs.cache.dir})
 
 
-def cache_is_empty() -> bool:
-    """Whether Triton's disk cache holds nothing (a fresh machine's)."""
+def cache_holds_no_kernel() -> bool:
+    """Whether Triton's disk cache holds no compiled kernel (a fresh machine's). It may hold C helper modules (`.so`
+    files): the CUDA driver's, which the job builds on a thread as it begins (`start_triton_in_background`), and the
+    kernels' launchers, which are built with kernels."""
     from triton import knobs
 
     try:
         with os.scandir(knobs.cache.dir) as entries:
-            return next(entries, None) is None
+            return all(_holds_only_modules(entry) for entry in entries)
+    except FileNotFoundError:
+        return True
+
+
+def _holds_only_modules(entry: os.DirEntry) -> bool:
+    """A cache entry (a folder of one key's files) that holds no file but `.so` modules. A folder inside it is a
+    write in progress (FileCacheManager.put's), not a file yet."""
+    if not entry.is_dir():
+        return entry.name.endswith(".so")
+    try:
+        with os.scandir(entry.path) as files:
+            return all(file.name.endswith(".so") for file in files if file.is_file())
     except FileNotFoundError:
         return True
 
@@ -302,11 +316,11 @@ _started: CompilePool | None = None  # for this process's engine, which takes it
 
 
 def start_ahead(engine: EngineConfig) -> None:
-    """Starts the compile processes now, as the job begins on a CUDA GPU, where its engine will compile ahead on an
-    empty Triton cache (a fresh machine): their imports of torch and Triton then run while the job reads its input
-    and loads the model. The engine takes them (`take_started`), or closes them if it does not compile ahead after
-    all. Not before this process has imported torch: processes importing it beside this one slow its own import
-    (benchmarks/RESULTS.md)."""
+    """Starts the compile processes now, as the job begins on a CUDA GPU, where its engine will compile ahead on a
+    Triton cache without kernels (a fresh machine): their imports of torch and Triton then run while the job reads
+    its input and loads the model. The engine takes them (`take_started`), or closes them if it does not compile
+    ahead after all. Not before this process has imported torch: processes importing it beside this one slow its own
+    import (benchmarks/RESULTS.md)."""
     global _started
     if _started is not None:  # a multirun's previous job did not start its engine
         _started.close()
@@ -314,7 +328,7 @@ def start_ahead(engine: EngineConfig) -> None:
     if not compiles_ahead(engine, engine.tensor_parallel_size) or importlib.util.find_spec("triton") is None:
         return
     processes = compile_processes()
-    if processes < 2 or missing_triton_api() is not None or not cache_is_empty():
+    if processes < 2 or missing_triton_api() is not None or not cache_holds_no_kernel():
         return
     with contextlib.suppress(OSError):  # then the engine starts them as it loads
         _started = CompilePool(processes, worker_setup())

@@ -239,8 +239,9 @@ def test_a_fresh_start_compiles_in_processes_and_decodes_the_same_greedy_tokens(
     assert warm_rows == rows
 
 
-def test_tritons_own_key_is_computed_on_a_thread_where_triton_is(monkeypatch):
-    """Without Triton (torch's CPU build) the thread ends quietly; with it, Triton's once-a-process key is cached."""
+def test_tritons_own_key_and_driver_start_on_threads_where_triton_is(monkeypatch):
+    """Without Triton (torch's CPU build) the threads end quietly, and so does the driver's without a GPU; with
+    Triton, its once-a-process key is cached. The engine's wait for the driver then returns at once."""
     errors = []
     monkeypatch.setattr(threading, "excepthook", errors.append)
     try:
@@ -249,7 +250,10 @@ def test_tritons_own_key_is_computed_on_a_thread_where_triton_is(monkeypatch):
         triton_key = None
     else:
         triton_key.cache_clear()
-    compile_ahead.key_triton_in_background().join(timeout=60)
-    assert errors == []
+    key, driver = compile_ahead.start_triton_in_background()
+    key.join(timeout=60)
+    compile_ahead.wait_for_triton_driver()
+    assert errors == [] and not driver.is_alive() and compile_ahead._driver_start is None
     if triton_key is not None:
         assert triton_key.cache_info().currsize == 1
+    compile_ahead.wait_for_triton_driver()  # none started: nothing to wait for

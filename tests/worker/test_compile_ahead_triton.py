@@ -249,7 +249,7 @@ def test_the_processes_start_with_the_engine_only_on_a_fresh_machine(tmp_path, m
     phase that stops starts them (a warm start never does)."""
     monkeypatch.setattr(compile_ahead, "compile_processes", lambda: 2)
     if not fresh:
-        (tmp_path / "triton" / "an entry").mkdir(parents=True)
+        put_kernel_file(tmp_path)
     ahead = CompileAhead.begin(EngineConfig(), torch.device("cuda"), 1)
     try:
         assert ahead.setup.env["TRITON_CACHE_DIR"] == str(tmp_path / "triton") and ahead.setup.for_gpu
@@ -276,9 +276,34 @@ def test_processes_the_job_started_on_a_fresh_machine_are_the_engines(monkeypatc
 
 def test_the_job_starts_no_process_where_the_cache_has_kernels(tmp_path, monkeypatch):
     monkeypatch.setattr(compile_pool, "compile_processes", lambda: 2)
-    (tmp_path / "triton" / "an entry").mkdir(parents=True)
+    put_kernel_file(tmp_path)
     compile_pool.start_ahead(EngineConfig())
     assert compile_pool.take_started() is None
+
+
+def put_kernel_file(tmp_path, name: str = "scale_kernel.json") -> None:
+    entry = tmp_path / "triton" / "an entry"
+    entry.mkdir(parents=True, exist_ok=True)
+    (entry / name).write_text("{}")
+
+
+@pytest.mark.parametrize(("files", "holds_no_kernel"), [
+    ((), True),
+    (("cuda_utils.cpython-312-x86_64-linux-gnu.so",), True),  # the driver's helper module, built on a thread
+    (("cuda_utils.cpython-312-x86_64-linux-gnu.so", "tmp.pid_7_x/"), True),  # and a write in progress
+    (("__triton_launcher.so", "scale_kernel.json"), False),
+    (("scale_kernel.cubin",), False),
+])
+def test_a_cache_of_helper_modules_alone_holds_no_kernel(tmp_path, files, holds_no_kernel):
+    """What the job's start on a thread (the CUDA driver's helper module) writes leaves the machine fresh."""
+    cache = tmp_path / "triton"
+    assert compile_pool.cache_holds_no_kernel()  # not there yet
+    cache.mkdir()
+    for index, name in enumerate(files):
+        path = cache / f"key{index}" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir() if name.endswith("/") else path.write_bytes(b"x")
+    assert compile_pool.cache_holds_no_kernel() == holds_no_kernel
 
 
 @pytest.mark.slow

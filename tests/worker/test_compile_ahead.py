@@ -240,20 +240,19 @@ def test_a_fresh_start_compiles_in_processes_and_decodes_the_same_greedy_tokens(
 
 
 def test_tritons_own_key_and_driver_start_on_threads_where_triton_is(monkeypatch):
-    """Without Triton (torch's CPU build) the threads end quietly, and so does the driver's without a GPU; with
-    Triton, its once-a-process key is cached. The engine's wait for the driver then returns at once."""
+    """Without Triton (torch's CPU build) none starts; with it, its once-a-process key is cached, and the driver's
+    thread ends quietly without a GPU. The engine's wait for the driver then returns at once."""
     errors = []
     monkeypatch.setattr(threading, "excepthook", errors.append)
     try:
         from triton.runtime.cache import triton_key
     except ImportError:
-        triton_key = None
-    else:
-        triton_key.cache_clear()
+        assert compile_ahead.start_triton_in_background() is None
+        compile_ahead.wait_for_triton_driver()  # none started: nothing to wait for
+        return
+    triton_key.cache_clear()
     key, driver = compile_ahead.start_triton_in_background()
     key.join(timeout=60)
     compile_ahead.wait_for_triton_driver()
     assert errors == [] and not driver.is_alive() and compile_ahead._driver_start is None
-    if triton_key is not None:
-        assert triton_key.cache_info().currsize == 1
-    compile_ahead.wait_for_triton_driver()  # none started: nothing to wait for
+    assert triton_key.cache_info().currsize == 1

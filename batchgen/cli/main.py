@@ -114,8 +114,11 @@ def _main(cfg: DictConfig) -> float | None:
         config = to_config(cfg)
         process_clock.mark("config")
         from batchgen.job.read_ahead import ReadAhead  # the job's modules (not torch): once the config is valid
+        from batchgen.worker.triton_start import start_triton_in_background
 
-        ahead = ReadAhead.start(config, run_dir)  # the input, read while torch and the engine's modules import
+        # The input, and what the first Triton kernel needs, on threads while torch and the engine's modules import
+        ahead = ReadAhead.start(config, run_dir)
+        start_triton_in_background(config)
         from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
 
         process_clock.mark("engine_imports")

@@ -24,11 +24,12 @@ from batchgen.models.hf_config import max_positions
 from batchgen.models.loader import load_hf_config, load_model, resolve_dtype
 from batchgen.models.pooling_config import checkpoint_pooling
 from batchgen.models.registry import check_task
-from batchgen.worker.compile_ahead import CompileAhead, wait_for_triton_driver
+from batchgen.worker.compile_ahead import CompileAhead
 from batchgen.worker.cuda_graph import CAPTURE_AFTER_USES
 from batchgen.worker.host_threads import intra_op_threads
 from batchgen.worker.model_runner import BitmaskProvider, ModelRunner
 from batchgen.worker.pooling import Pooler
+from batchgen.worker.triton_start import wait_for_triton_driver
 
 log = logging.getLogger(__name__)
 

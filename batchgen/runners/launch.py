@@ -14,7 +14,6 @@ from batchgen.job.read_ahead import ReadAhead
 from batchgen.runners.data_parallel import run_data_parallel
 from batchgen.runners.local import run_local
 from batchgen.runners.ranks import Rank, run_rank
-from batchgen.worker.compile_ahead import start_triton_in_background
 from batchgen.worker.compile_pool import start_ahead
 
 
@@ -30,8 +29,6 @@ def launch(config: Config, run_dir: Path, task_overrides: list[str], ahead: Read
         with DirectoryLock(run_dir):
             return run_ray(config, run_dir)
     check_gpus(config)
-    if runs_on_cuda(config):
-        start_triton_in_background()
     if config.engine.data_parallel_size > 1:
         with DirectoryLock(run_dir):
             return run_data_parallel(config, run_dir, task_overrides)

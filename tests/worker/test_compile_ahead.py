@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import types
 from pathlib import Path
 
@@ -237,22 +236,3 @@ def test_a_fresh_start_compiles_in_processes_and_decodes_the_same_greedy_tokens(
     assert not any(key.startswith("parallel_compile") for key in warm_engine), warm_engine
     assert "Triton kernels in" not in warm_log and "dry run" not in warm_log
     assert warm_rows == rows
-
-
-def test_tritons_own_key_and_driver_start_on_threads_where_triton_is(monkeypatch):
-    """Without Triton (torch's CPU build) none starts; with it, its once-a-process key is cached, and the driver's
-    thread ends quietly without a GPU. The engine's wait for the driver then returns at once."""
-    errors = []
-    monkeypatch.setattr(threading, "excepthook", errors.append)
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:
-        assert compile_ahead.start_triton_in_background() is None
-        compile_ahead.wait_for_triton_driver()  # none started: nothing to wait for
-        return
-    triton_key.cache_clear()
-    key, driver = compile_ahead.start_triton_in_background()
-    key.join(timeout=60)
-    compile_ahead.wait_for_triton_driver()
-    assert errors == [] and not driver.is_alive() and compile_ahead._driver_start is None
-    assert triton_key.cache_info().currsize == 1

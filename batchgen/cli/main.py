@@ -113,12 +113,9 @@ def _main(cfg: DictConfig) -> float | None:
     try:
         config = to_config(cfg)
         process_clock.mark("config")
-        from batchgen.job.read_ahead import ReadAhead  # the job's modules (not torch): once the config is valid
         from batchgen.worker.triton_start import start_triton_in_background
 
-        # The input, and what the first Triton kernel needs, on threads while torch and the engine's modules import
-        ahead = ReadAhead.start(config, run_dir)
-        start_triton_in_background(config)
+        start_triton_in_background(config)  # what the first Triton kernel waits for, beside the import of torch
         from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
 
         process_clock.mark("engine_imports")
@@ -130,7 +127,7 @@ def _main(cfg: DictConfig) -> float | None:
         # interpreter's end, where nanobind lists Triton's objects as leaked.
         if gc.get_freeze_count() == 0:
             gc.freeze()
-        summary = launch(config, run_dir, list(HydraConfig.get().overrides.task), ahead)
+        summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))
     except (ConfigError, InputError, DirectoryInUse) as exc:
         log.error("%s", exc)
         remove_unstarted_run_dir(run_dir)

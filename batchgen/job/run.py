@@ -45,7 +45,6 @@ from batchgen.tp.errors import FollowerExited
 
 if TYPE_CHECKING:
     from batchgen.engine.llm_engine import LLMEngine, NewRow
-    from batchgen.job.read_ahead import ReadAhead
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +96,12 @@ def check_run_dir(config: Config, run_dir: Path) -> dict[str, Any] | None:
 
 
 class Job:
-    def __init__(self, config: Config, run_dir: Path, ahead: bool = False):
-        """Reads the input. ahead: on a thread during the process's start-up (batchgen/job/read_ahead.py), which
-        `begin` then ends: the start-up's phases and the read's wait are counted from the job's start."""
+    def __init__(self, config: Config, run_dir: Path):
         self.config = config
         self.task = config.job.task
         self.run_dir = Path(run_dir)
         read_start = time.perf_counter()
-        self.startup_phases = {} if ahead else take_startup(read_start)
+        self.startup_phases = take_startup(read_start)
         import_pandas_in_background()
         # Input problems surface here, before the model loads.
         self.openai_results = openai_results_wanted(config)
@@ -113,21 +110,12 @@ class Job:
                             model_name(config.model), self.task)
         with rare_collections():  # a row is several objects: the default thresholds would go over the rows many times
             self.rows = self._read_shard(rows)
-        self.read_done = time.perf_counter()
-        self.read_seconds = self.read_done - read_start
-        self.read_ahead_seconds: float | None = None  # the read's own span, when it ran ahead
+        self.read_seconds = time.perf_counter() - read_start
         if self.num_input_rows == 0:
             if config.data.on_empty == "fail":
                 raise InputError(f"{config.data.path}: no rows to generate (data.on_empty=fail)")
             log.warning("%s has no rows: writing empty outputs (data.on_empty=fail makes this an error)",
                         config.data.path)
-
-    def begin(self, started_at: float) -> None:
-        """Starts a job read ahead at started_at (a perf_counter): the start-up ends there, and the job's read_input
-        phase is only its wait for the rest of the read."""
-        self.startup_phases = take_startup(started_at)
-        self.read_ahead_seconds = self.read_seconds
-        self.read_seconds = max(0.0, self.read_done - started_at)
 
     def _open_run_dir(self) -> None:
         """Checks the run dir (check_run_dir) and opens its outputs, or finds the run already finished there."""
@@ -144,7 +132,7 @@ class Job:
                                 for index, samples in written.items() if index in self.num_samples}
         self.pending = [row for row in self.rows if self.missing_samples.get(row.index, True)]
         self.stats = AttemptStats(self.outputs.attempt, startup_phases=self.startup_phases,
-                                  read_input_seconds=self.read_seconds, read_ahead_seconds=self.read_ahead_seconds)
+                                  read_input_seconds=self.read_seconds)
         if written:
             log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.stats.number,
                      len(self.rows) - len(self.pending), len(self.rows))
@@ -463,14 +451,12 @@ def run(config: Config, run_dir: Path) -> dict[str, Any]:
     return run_job(config, run_dir)[0]
 
 
-def run_job(config: Config, run_dir: Path, wait_for_ranks: Callable[[], None] | None = None,
-            ahead: ReadAhead | None = None) -> tuple[dict[str, Any], Job]:
+def run_job(config: Config, run_dir: Path, wait_for_ranks: Callable[[], None] | None = None
+            ) -> tuple[dict[str, Any], Job]:
     """Runs the job (see Job.run); returns its summary and the job. SIGTERM and SIGINT end it with JobStopped
-    after every finished row is flushed. ahead: the job's input, read ahead for this config and run_dir."""
+    after every finished row is flushed."""
     def start(signals: StopSignals) -> tuple[dict[str, Any], Job]:
-        job = ahead.job(config, run_dir) if ahead is not None else None
-        if job is None:
-            job = Job(config, run_dir)
+        job = Job(config, run_dir)
         return job.run(signals, wait_for_ranks), job
 
     return run_stoppable(start)

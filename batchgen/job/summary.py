@@ -65,8 +65,7 @@ class AttemptStats:
     output_tokens: int = 0
     # The process's start until the job's (batchgen.job.process_clock): interpreter, imports, Hydra, config, launch.
     startup_phases: dict[str, float] = field(default_factory=dict)
-    read_input_seconds: float = 0.0  # reading, validating and tokenizing the input (read ahead: the job's wait for it)
-    read_ahead_seconds: float | None = None  # the read's own span where it ran ahead, beside the start-up
+    read_input_seconds: float = 0.0  # reading, validating and tokenizing the input
     open_outputs_seconds: float = 0.0  # checking the run dir, opening its writers (reading a resumed run's rows)
     engine_start_seconds: float = 0.0  # loading the model, allocating the KV cache, capturing CUDA graphs
     wait_for_ranks_seconds: float = 0.0  # a data-parallel rank: waiting for the other ranks' engines
@@ -103,8 +102,6 @@ class AttemptStats:
         if not self.wait_for_ranks_seconds:  # a data-parallel rank's only
             del phases["wait_for_ranks"]
         spans = [f"{name.replace('_', ' ')} {seconds:.2f} s" for name, seconds in phases.items()]
-        if self.read_ahead_seconds is not None:
-            spans[0] += f" (read ahead in {self.read_ahead_seconds:.2f} s, beside the start-up)"
         if self.startup_phases:
             startup = ", ".join(f"{phase.replace('_', ' ')} {seconds:.2f}"
                                 for phase, seconds in self.startup_phases.items())
@@ -147,7 +144,6 @@ def attempt_summary(stats: AttemptStats, steps: list[dict[str, Any]]) -> dict[st
             "finish": stats.finish_seconds,
         },
         "startup_phases": stats.startup_phases,
-        "read_ahead_seconds": stats.read_ahead_seconds,
         # Inside the engine loop's time: Python's garbage collections while it ran.
         "engine_loop_collections": {"count": stats.engine_loop_collections.count,
                                     "seconds": stats.engine_loop_collections.seconds},

@@ -10,19 +10,16 @@ import torch
 
 from batchgen.config import Config, ConfigError
 from batchgen.io.atomic import DirectoryLock
-from batchgen.job.read_ahead import ReadAhead
 from batchgen.runners.data_parallel import run_data_parallel
 from batchgen.runners.local import run_local
 from batchgen.runners.ranks import Rank, run_rank
 from batchgen.worker.compile_pool import start_ahead
 
 
-def launch(config: Config, run_dir: Path, task_overrides: list[str], ahead: ReadAhead | None = None
-           ) -> dict[str, Any]:
+def launch(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str, Any]:
     """Returns the run's summary (a rank other than 0: its shard's). task_overrides: the command line's overrides,
-    which spawned ranks repeat. ahead: the input of the job this process runs alone, read since the config was
-    valid. A process that writes the run directory holds its lock (DirectoryLock) meanwhile: the Ray driver and the
-    data-parallel parent here, a local job or rank (in its shard's directory) in Job.run."""
+    which spawned ranks repeat. A process that writes the run directory holds its lock (DirectoryLock) meanwhile:
+    the Ray driver and the data-parallel parent here, a local job or rank (in its shard's directory) in Job.run."""
     if config.runner.name == "ray":
         from batchgen.runners.ray_data import run_ray  # Ray is an optional extra: imported only when chosen
 
@@ -36,7 +33,7 @@ def launch(config: Config, run_dir: Path, task_overrides: list[str], ahead: Read
         start_ahead(config.engine)  # on a fresh machine: compile processes that start up while the input is read
     if (rank := Rank.from_env()) is not None:
         return run_rank(config, run_dir, rank)
-    return run_local(config, run_dir, ahead=ahead)
+    return run_local(config, run_dir)
 
 
 def runs_on_cuda(config: Config) -> bool:

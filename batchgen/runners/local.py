@@ -7,15 +7,12 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from batchgen.config import Config
 from batchgen.job.run import run_job
 from batchgen.job.run_outputs import SUMMARY_FILE
 from batchgen.runners.shards import MARKER_FILE, ShardMarker, shard_dir_name
-
-if TYPE_CHECKING:
-    from batchgen.job.read_ahead import ReadAhead
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +22,16 @@ def shard_run_dir(config: Config, run_dir: Path) -> Path:
     return run_dir if data.num_shards == 1 else run_dir / shard_dir_name(data.num_shards, data.shard_index)
 
 
-def run_local(config: Config, run_dir: Path, wait_for_ranks: Callable[[], None] | None = None,
-              ahead: ReadAhead | None = None) -> dict[str, Any]:
+def run_local(config: Config, run_dir: Path, wait_for_ranks: Callable[[], None] | None = None) -> dict[str, Any]:
     """Runs the job (or its shard); a finished shard leaves shard.json for the merge. wait_for_ranks: a
-    data-parallel rank's start barrier (Job.run). ahead: its input, read ahead (batchgen/job/read_ahead.py)."""
+    data-parallel rank's start barrier (Job.run)."""
     directory = shard_run_dir(config, run_dir)
     if config.data.num_shards > 1 and config.job.resume and (directory / MARKER_FILE).exists():
         # Resuming a data-parallel run restarts every rank; a finished shard need not load the model again.
         log.info("Shard %d of %d already finished in %s", config.data.shard_index, config.data.num_shards, directory)
         return json.loads((directory / SUMMARY_FILE).read_text())
     started_at = time.time()
-    summary, job = run_job(config, directory, wait_for_ranks, ahead)
+    summary, job = run_job(config, directory, wait_for_ranks)
     if config.data.num_shards > 1:
         ShardMarker(config.data.num_shards, config.data.shard_index, job.num_input_rows, started_at, time.time(),
                     config.data.shard_by, job.split_digest).write(directory)

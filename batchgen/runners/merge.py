@@ -129,10 +129,10 @@ def combine_summaries(completions: pa.Table, steps: pa.Table, summaries: dict[in
     """A local run's summary (summary_document's keys) over every shard, plus `num_shards` and `shards` (each
     shard's own figures). `job` counts the merged rows and steps; `this_attempt` is the shards' last attempts
     together: their rows and tokens summed, wall_seconds and tok/s over the whole (first shard start to last shard
-    end), steps and step_medians of those attempts, each phase of time_seconds and of startup_phases, the
-    read_ahead_seconds and the engine_loop_collections summed over the shards (so the job's phases add up to the
-    shards' wall seconds together, not to the whole's), engine_ready_at when the last engine was ready, and
-    generation (the top-level one too) from the first engine loop's start to the last one's end."""
+    end), steps and step_medians of those attempts, each phase of time_seconds and of startup_phases and the
+    engine_loop_collections summed over the shards (so the job's phases add up to the shards' wall seconds together,
+    not to the whole's), engine_ready_at when the last engine was ready, and generation (the top-level one too) from
+    the first engine loop's start to the last one's end."""
     wall = max(m.finished_at for m in markers.values()) - min(m.started_at for m in markers.values())
     attempts = [summary["this_attempt"] for summary in summaries.values()]
     last_attempt_steps = [row for row in steps.to_pylist() if row["attempt"] == summaries[row["shard"]]["attempt"]]
@@ -147,7 +147,6 @@ def combine_summaries(completions: pa.Table, steps: pa.Table, summaries: dict[in
         startup_phases.update(attempt.get("startup_phases", {}))
         collections.update(attempt.get("engine_loop_collections", {}))
     ready = [attempt.get("engine_ready_at") for attempt in attempts]
-    read_ahead = [attempt.get("read_ahead_seconds") for attempt in attempts]  # null where a shard read at its start
     # The ranks' engine loops together: null when a shard did not record its own (written by an older version).
     phases = [summary.get("generation") for summary in summaries.values()]
     this_attempt = {
@@ -161,7 +160,6 @@ def combine_summaries(completions: pa.Table, steps: pa.Table, summaries: dict[in
         "output_tokens_per_s": output_tokens / wall,
         "time_seconds": dict(time_seconds),
         "startup_phases": dict(startup_phases),
-        "read_ahead_seconds": None if None in read_ahead else sum(read_ahead),
         "engine_loop_collections": {"count": collections["count"], "seconds": collections["seconds"]},
         "engine_ready_at": None if None in ready else max(ready),
         "generation": None if None in phases else generation_phase(

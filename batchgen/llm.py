@@ -15,6 +15,7 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.models.hub import resolve_model
 from batchgen.sample.params import SamplingParams
+from batchgen.worker.triton_start import start_triton_in_background
 
 Prompt = str | list[int]
 Text = str | list[int]  # a text, or its token ids
@@ -49,6 +50,7 @@ class LLM:
         validate_model(model_config)
         validate_engine(engine_config)
         self.task = task
+        start_triton_in_background(engine_config)  # beside the model's load
         self.engine = LLMEngine(resolve_model(model_config), engine_config, task=task)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

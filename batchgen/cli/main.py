@@ -115,7 +115,8 @@ def _main(cfg: DictConfig) -> float | None:
         process_clock.mark("config")
         from batchgen.worker.triton_start import start_triton_in_background
 
-        start_triton_in_background(config)  # what the first Triton kernel waits for, beside the import of torch
+        if config.runner.name == "local":  # Ray's actors run the engines
+            start_triton_in_background(config.engine)  # what the first Triton kernel waits for, beside torch's import
         from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
 
         process_clock.mark("engine_imports")

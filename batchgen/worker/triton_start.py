@@ -1,6 +1,6 @@
-"""What a process's first Triton kernel otherwise waits for, started on threads as soon as the job's config is valid,
-so that it runs beside the import of torch, the job's reading of its input and the model's load, mostly without the
-GIL:
+"""What a process's first Triton kernel otherwise waits for, started on threads as soon as the job's config is valid
+(or as `LLM` begins), so that it runs beside the import of torch, the job's reading of its input and the model's load,
+mostly without the GIL:
 - hashing Triton's own files, the part of the kernels' cache keys computed once a process (about 0.4 s of hashlib on
   an H200's host);
 - Triton's CUDA driver, which on a fresh machine first builds its C helper module (about 1 s, most of it the C
@@ -17,20 +17,17 @@ import importlib.util
 import threading
 from typing import Any
 
-from batchgen.config import Config
+from batchgen.config import EngineConfig
 
 _driver_start: threading.Thread | None = None  # start_triton_in_background's, until wait_for_triton_driver
 
 
-def start_triton_in_background(config: Config) -> tuple[threading.Thread, threading.Thread] | None:
-    """The two threads, started where this process will run an engine on a GPU with Triton (the local runner, not a
-    data-parallel parent, whose ranks start their own); None elsewhere. Triton's modules are imported here, before
-    either starts: threads importing them at once deadlock on their import locks (Python then hands one of them a
-    module half imported)."""
+def start_triton_in_background(engine: EngineConfig) -> tuple[threading.Thread, threading.Thread] | None:
+    """The two threads, started for an engine of this process on a GPU with Triton (not for a data-parallel parent,
+    whose ranks start their own); None elsewhere. Triton's modules are imported here, before either starts: threads
+    importing them at once deadlock on their import locks (Python then hands one of them a module half imported)."""
     global _driver_start
-    engine = config.engine
-    if (engine.device == "cpu" or config.runner.name != "local" or engine.data_parallel_size > 1
-            or importlib.util.find_spec("triton") is None):
+    if engine.device == "cpu" or engine.data_parallel_size > 1 or importlib.util.find_spec("triton") is None:
         return None
     try:
         from triton.runtime.cache import triton_key  # Triton 3.6 and 3.8 keep it here

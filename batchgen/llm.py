@@ -15,7 +15,6 @@ from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.models.hub import resolve_model
 from batchgen.sample.params import SamplingParams
-from batchgen.worker.triton_start import start_triton_in_background
 
 Prompt = str | list[int]
 Text = str | list[int]  # a text, or its token ids
@@ -50,7 +49,6 @@ class LLM:
         validate_model(model_config)
         validate_engine(engine_config)
         self.task = task
-        start_triton_in_background(engine_config)  # beside the model's load
         self.engine = LLMEngine(resolve_model(model_config), engine_config, task=task)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

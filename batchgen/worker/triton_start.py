@@ -1,6 +1,6 @@
-"""What a process's first Triton kernel otherwise waits for, started on threads as soon as the job's config is valid
-(or as `LLM` begins), so that it runs beside the import of torch, the job's reading of its input and the model's load,
-mostly without the GIL:
+"""What a process's first Triton kernel otherwise waits for, started on threads as soon as the job's config is valid,
+so that it runs beside the import of torch, the job's reading of its input and the model's load, mostly without the
+GIL:
 - hashing Triton's own files, the part of the kernels' cache keys computed once a process (about 0.4 s of hashlib on
   an H200's host);
 - Triton's CUDA driver, which on a fresh machine first builds its C helper module (about 1 s, most of it the C

@@ -102,12 +102,3 @@ def test_unknown_engine_option_is_rejected():
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(str(MODEL_DIR), device="cpu", max_num_seq=4)
 
-
-def test_the_api_starts_tritons_key_and_driver_beside_the_models_load(monkeypatch):
-    """As a job does (batchgen/worker/triton_start.py): the engine's config decides whether they start."""
-    import batchgen.llm as llm_module
-
-    started = []
-    monkeypatch.setattr(llm_module, "start_triton_in_background", started.append)
-    LLM(str(MODEL_DIR), device="cpu", max_num_seqs=4).close()
-    assert [(engine.device, engine.max_num_seqs) for engine in started] == [("cpu", 4)]

@@ -101,4 +101,3 @@ def test_token_id_prompts_and_too_long_prompts(prompts):
 def test_unknown_engine_option_is_rejected():
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(str(MODEL_DIR), device="cpu", max_num_seq=4)
-

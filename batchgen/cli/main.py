@@ -113,10 +113,6 @@ def _main(cfg: DictConfig) -> float | None:
     try:
         config = to_config(cfg)
         process_clock.mark("config")
-        from batchgen.worker.triton_start import start_triton_in_background
-
-        if config.runner.name == "local":  # Ray's actors run the engines
-            start_triton_in_background(config.engine)  # what the first Triton kernel waits for, beside torch's import
         from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
 
         process_clock.mark("engine_imports")

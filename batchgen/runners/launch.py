@@ -14,6 +14,7 @@ from batchgen.runners.data_parallel import run_data_parallel
 from batchgen.runners.local import run_local
 from batchgen.runners.ranks import Rank, run_rank
 from batchgen.worker.compile_pool import start_ahead
+from batchgen.worker.triton_start import start_triton_in_background
 
 
 def launch(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str, Any]:
@@ -30,6 +31,7 @@ def launch(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str
         with DirectoryLock(run_dir):
             return run_data_parallel(config, run_dir, task_overrides)
     if runs_on_cuda(config):
+        start_triton_in_background()  # first: its imports of Triton, before any thread's
         start_ahead(config.engine)  # on a fresh machine: compile processes that start up while the input is read
     if (rank := Rank.from_env()) is not None:
         return run_rank(config, run_dir, rank)

@@ -1,13 +1,10 @@
-"""What a process's first Triton kernel otherwise waits for, started on threads as soon as the job's config is valid,
-so that it runs beside the import of torch, the job's reading of its input and the model's load, mostly without the
-GIL:
+"""What a process's first Triton kernel otherwise waits for, started on threads as the job begins on a CUDA GPU, so
+that it runs beside the job's reading of its input and the model's load, mostly without the GIL:
 - hashing Triton's own files, the part of the kernels' cache keys computed once a process (about 0.4 s of hashlib on
   an H200's host);
 - Triton's CUDA driver, which on a fresh machine first builds its C helper module (about 1 s, most of it the C
   compiler's, in a subprocess). The engine waits for it (`wait_for_triton_driver`) before its first kernel: two
   threads that both found no driver would each build one.
-
-Torch-free: the command line starts these before it imports torch.
 """
 
 from __future__ import annotations
@@ -17,17 +14,15 @@ import importlib.util
 import threading
 from typing import Any
 
-from batchgen.config import EngineConfig
-
 _driver_start: threading.Thread | None = None  # start_triton_in_background's, until wait_for_triton_driver
 
 
-def start_triton_in_background(engine: EngineConfig) -> tuple[threading.Thread, threading.Thread] | None:
-    """The two threads, started for an engine of this process on a GPU with Triton (not for a data-parallel parent,
-    whose ranks start their own); None elsewhere. Triton's modules are imported here, before either starts: threads
-    importing them at once deadlock on their import locks (Python then hands one of them a module half imported)."""
+def start_triton_in_background() -> tuple[threading.Thread, threading.Thread] | None:
+    """The two threads; None without Triton (torch's CPU build). Triton's modules are imported here, before either
+    starts: threads importing them at once deadlock on their import locks (Python then hands one of them a module
+    half imported)."""
     global _driver_start
-    if engine.device == "cpu" or engine.data_parallel_size > 1 or importlib.util.find_spec("triton") is None:
+    if importlib.util.find_spec("triton") is None:
         return None
     try:
         from triton.runtime.cache import triton_key  # Triton 3.6 and 3.8 keep it here
@@ -50,6 +45,5 @@ def wait_for_triton_driver() -> None:
 
 
 def _start_driver(driver: Any) -> None:
-    # Its check for a GPU imports torch: beside the command line's own import, it waits for that to end.
     with contextlib.suppress(Exception):  # no GPU, or another Triton: the first kernel meets it as before
         driver.active  # noqa: B018 (creating the driver builds its helper module)

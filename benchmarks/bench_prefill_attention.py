@@ -24,7 +24,7 @@ import argparse
 import functools
 import importlib.util
 import itertools
-import math
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -238,25 +238,22 @@ def sweep(shapes: list[HeadShape], cases: list[Case], cache_dtype: torch.dtype) 
 
     summary = []
     for shape in shapes:
-        mine = [t for t in timings if t["model"] == shape.model]
-        best = {case.name: min(t["ms"] for t in mine if t["case"] == case.name) for case in cases}
+        ms = {(t["case"], PrefillConfig(t["block_m"], t["block_n"], t["num_warps"], t["num_stages"])): t["ms"]
+              for t in timings if t["model"] == shape.model}
+        best = {case.name: min(value for (name, _), value in ms.items() if name == case.name) for case in cases}
         slowdowns: dict[PrefillConfig, list[float]] = {}
-        for t in mine:
-            config = PrefillConfig(t["block_m"], t["block_n"], t["num_warps"], t["num_stages"])
-            slowdowns.setdefault(config, []).append(t["ms"] / best[t["case"]])
+        for (name, config), value in ms.items():
+            slowdowns.setdefault(config, []).append(value / best[name])
         # A configuration that failed on some case is no candidate.
-        complete = {c: s for c, s in slowdowns.items() if len(s) == len(cases)}
-        geomean = {c: math.exp(sum(map(math.log, s)) / len(s)) for c, s in complete.items()}
+        geomean = {c: statistics.geometric_mean(s) for c, s in slowdowns.items() if len(s) == len(cases)}
         winner = min(geomean, key=geomean.get)
         # prefill_config picks per case (by its context): the slowdown of its picks against each case's best.
         picked = {case.name: default_config(shape, case) for case in cases}
-        ms = {(t["case"], PrefillConfig(t["block_m"], t["block_n"], t["num_warps"], t["num_stages"])): t["ms"]
-              for t in mine}
         picked_slowdowns = [ms[name, config] / best[name] for name, config in picked.items() if (name, config) in ms]
         summary.append({"model": shape.model, "head_dim": shape.head_dim, "best": asdict(winner),
                         "best_slowdown": geomean[winner],
                         "default": {name: asdict(config) for name, config in picked.items()},
-                        "default_slowdown": math.exp(sum(map(math.log, picked_slowdowns)) / len(picked_slowdowns))
+                        "default_slowdown": statistics.geometric_mean(picked_slowdowns)
                         if len(picked_slowdowns) == len(cases) else None})
     return timings, summary
 

@@ -256,6 +256,10 @@ class BlockManager:
         return sum(1 for block_id in block_ids if ref_counts[block_id] == 0)
 
     def free(self, request: Request) -> None:
+        """Drops the request's references, its blocks of computed tokens offered to the cache first. Decodes fill
+        their blocks one token a step: they are hashed here, once a request finishes or is preempted (for its
+        recompute), not at every step that fills one; only a prompt's blocks are offered as they are computed."""
+        self.cache_full_blocks(request, request.num_computed_tokens)
         free, ref_counts, block_hashes = self._free, self.ref_counts, self.block_hashes
         for block_id in reversed(request.block_ids):
             ref_counts[block_id] -= 1

@@ -318,15 +318,14 @@ class Scheduler:
 
         Runs for every request of every step: the decode rows, when none of them has finished since the step was
         built, are committed by array operations over their rows (`_commit_decodes`); the other rows by a loop whose
-        checks are inlined, which offers a request's blocks to the prefix cache only when one of them has filled."""
+        checks are inlined, which offers a request's prompt blocks to the prefix cache as a chunk fills them."""
         now = time.perf_counter()
         finished: list[Request] = []
         first_row = 0
         decode_rows = output.decode_rows
         if decode_rows is not None and output.num_finished_at_schedule == self.num_finished:
             first_row = len(decode_rows.requests)
-            self._commit_decodes(decode_rows, output.computed_ends, output.output_slots, sampled_token_ids, finished,
-                                 now)
+            self._commit_decodes(decode_rows, output.output_slots, sampled_token_ids, finished, now)
         if first_row < len(output.requests):
             self._commit_rows(output, sampled_token_ids, first_row, finished, now)
         if finished:
@@ -334,24 +333,17 @@ class Scheduler:
             self.running = [request for request in self.running if request.status is not finished_status]
         return finished
 
-    def _commit_decodes(self, rows: DecodeRows, computed_ends: list[int], output_slots: list[int],
-                        sampled_token_ids: list[int], finished: list[Request], now: float) -> None:
-        """_commit_rows for a step's decode rows (its first rows; computed_ends, output_slots and sampled_token_ids
-        go on past them), none of which has finished since the step was built. Each decode samples, and its
-        request has committed a token before (so its first_token_time is set); its earlier blocks are offered to
-        the prefix cache at its earlier commits, so the decode fills a block only where its computed end starts a
-        new one."""
+    def _commit_decodes(self, rows: DecodeRows, output_slots: list[int], sampled_token_ids: list[int],
+                        finished: list[Request], now: float) -> None:
+        """_commit_rows for a step's decode rows (its first rows; output_slots and sampled_token_ids go on past
+        them), none of which has finished since the step was built. Each decode samples, and its request has
+        committed a token before (so its first_token_time is set); the blocks decodes fill go to the prefix cache
+        when the request's blocks are freed (BlockManager.free), not here."""
         requests = rows.requests
         num_rows = len(requests)
         token_ids = sampled_token_ids if len(sampled_token_ids) == num_rows else sampled_token_ids[:num_rows]
         for request, slot, token_id in zip(requests, output_slots, token_ids, strict=False):
             request.output_token_ids[slot] = token_id
-        block_manager = self.block_manager
-        if block_manager.enable_prefix_caching:
-            # A request preempted since this step was launched has no blocks and num_computed_tokens 0.
-            for row in np.flatnonzero(rows.computed_ends % block_manager.block_size == 0).tolist():
-                request = requests[row]
-                block_manager.cache_full_blocks(request, min(computed_ends[row], request.num_computed_tokens))
         stop_token_set = rows.stop_token_set
         if stop_token_set is None:
             stopped = [row for row, (request, token_id) in enumerate(zip(requests, token_ids, strict=True))
@@ -380,9 +372,10 @@ class Scheduler:
         for request, samples, slot, computed_end, token_id in islice(rows, first_row, None):
             if request.status is finished_status:  # it ended at an earlier step: this token is discarded
                 continue
-            if caching and computed_end // block_size > request.num_hashed_blocks:
+            if caching and min(computed_end, request.num_prompt_tokens) // block_size > request.num_hashed_blocks:
                 # A request preempted since this step was launched has no blocks and num_computed_tokens 0.
-                block_manager.cache_full_blocks(request, min(computed_end, request.num_computed_tokens))
+                block_manager.cache_full_blocks(request, min(computed_end, request.num_prompt_tokens,
+                                                             request.num_computed_tokens))
             if not samples:
                 continue
             max_num_outputs = request.max_num_outputs

@@ -685,3 +685,35 @@ def test_a_prefill_step_admits_many_rows_in_queue_order_within_slots_and_budget(
     output, _ = run_step(scheduler)
     assert output.requests == requests[:34]  # the budget: 33 whole prompts, then a chunk of the 34th
     assert output.num_scheduled_tokens == [3] * 33 + [1] and output.samples == [True] * 33 + [False]
+
+
+def test_blocks_filled_by_decodes_reach_the_cache_when_the_request_ends():
+    scheduler = make_scheduler(block_size=4)
+    (request,) = add_requests(scheduler, [4], max_tokens=14)
+    run_step(scheduler)  # the prefill: the prompt's block is offered as it is computed
+    cache = scheduler.block_manager
+    assert cache.num_cached_blocks == 1
+    while request.num_computed_tokens < 12:
+        run_step(scheduler)
+    assert not request.is_finished
+    assert cache.num_cached_blocks == 1  # two blocks of decodes are full: not hashed while the request runs
+    run_to_completion(scheduler)
+    # 4 prompt tokens and 14 outputs, the last of which never had its KV computed: four full blocks.
+    assert request.num_output_tokens == 14 and cache.num_cached_blocks == 4
+    follow_up = Request(1, [*request.prompt_token_ids, *request.output_token_ids], SamplingParams(max_tokens=1))
+    scheduler.add_request(follow_up)
+    assert scheduler.schedule().num_cached_tokens == 16
+
+
+def test_a_preempted_request_recomputes_none_of_its_cached_decode_blocks():
+    scheduler = make_scheduler(num_blocks=6, block_size=4)
+    first, second = add_requests(scheduler, [4, 4], max_tokens=12)
+    output, _ = run_step(scheduler)
+    while not output.preempted:  # at the 13th token each needs a fourth block: the second gives its three up
+        output, _ = run_step(scheduler)
+    assert output.preempted == [second] and second.num_output_tokens == 9
+    while second.status == RequestStatus.WAITING:
+        output, _ = run_step(scheduler)
+    # The first took the block freed last (the second's third) for its fourth: its first two, the prompt's and one
+    # filled by decodes, come from the cache.
+    assert output.num_cached_tokens == 8

@@ -1,7 +1,5 @@
 """The command line's one entry point: `python -m batchgen` and the `batchgen` console script both run main()."""
 
-import atexit
-import os
 import sys
 
 from batchgen.job import process_clock  # first of batchgen's own: the process's start-up is counted from here
@@ -20,18 +18,11 @@ def main() -> None:
 
     process_clock.mark("cli_imports")
     run_job()
+    # The jobs finished: their files are final. A job that fails exits by SystemExit, the ordinary way, unless a
+    # tensor-parallel follower died (batchgen.cli.main).
+    from batchgen.job.exits import end_process
+
     end_process()
-
-
-def end_process() -> None:
-    """Ends a process whose jobs finished: their files are final, so the exit handlers (the log's flush among them)
-    run, and then the process ends without the interpreter's teardown, which only frees objects (every module's,
-    libtorch's, the CUDA context) and on a GPU machine costs a short job a noticeable share of its time
-    (benchmarks/RESULTS.md). A job that fails exits the ordinary way, by SystemExit."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

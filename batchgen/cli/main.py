@@ -34,6 +34,7 @@ from batchgen.job.exits import (
     EXIT_CRASH,
     EXIT_ENVIRONMENT,
     describe_os_error,
+    end_process,
     is_environment_fault,
     remove_unstarted_run_dir,
 )
@@ -151,7 +152,7 @@ def _main(cfg: DictConfig) -> float | None:
         kept = (f"; the finished rows are kept: resume with: "
                 f"{resume_command(list(HydraConfig.get().overrides.task), run_dir)}" if run_dir.exists() else "")
         log.error("%s%s", exc, kept)
-        sys.exit(EXIT_CRASH)
+        end_process(EXIT_CRASH)  # the teardown would abort on the collective aborted for the dead rank
     print(brief_table(summary))
     answers = exact_match(run_dir, {"path": config.data.path, "format": config.data.format})
     if answers is not None:

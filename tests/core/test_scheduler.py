@@ -714,6 +714,6 @@ def test_a_preempted_request_recomputes_none_of_its_cached_decode_blocks():
     assert output.preempted == [second] and second.num_output_tokens == 9
     while second.status == RequestStatus.WAITING:
         output, _ = run_step(scheduler)
-    # The first took the block freed last (the second's third) for its fourth: its first two, the prompt's and one
-    # filled by decodes, come from the cache.
+    # The first took the block freed first (the second's third: a request's blocks are freed tail first) for its
+    # fourth; the second's first two, the prompt's and one filled by decodes, come from the cache.
     assert output.num_cached_tokens == 8

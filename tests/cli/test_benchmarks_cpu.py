@@ -36,6 +36,17 @@ def test_profile_prefill_host_times_every_part_of_both_step_kinds(tmp_path):
                                               "forward_launch", "sample_launch", "commit"))
 
 
+@pytest.mark.parametrize("stub", [False, True], ids=["forward", "stub_forward"])
+def test_many_rows_host_runs_every_row_through_the_job(tmp_path, stub):
+    run_benchmark("many_rows_host", tmp_path, "--rows", "600", *(["--stub-forward"] if stub else []))
+    result = json.loads((tmp_path / "many_rows_host.json").read_text())
+    assert result["stub_forward"] is stub
+    kinds = {row["kind"]: row for row in result["step_kinds"]}
+    assert set(kinds) == {"prefill", "decode"}
+    assert kinds["prefill"]["steps"] * kinds["prefill"]["mean_rows"] == pytest.approx(600)  # each row admitted once
+    assert all(result["us_per_row"][part] > 0 for part in ("engine_start", "engine_loop", "schedule", "prepare"))
+
+
 def test_decode_host_tiny_splits_the_full_decode_steps_host_time(tmp_path):
     run_benchmark("decode_host", tmp_path, "--tiny")
     result = json.loads((tmp_path / "decode_host_tiny.json").read_text())["result"]

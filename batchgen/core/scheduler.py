@@ -372,10 +372,10 @@ class Scheduler:
         for request, samples, slot, computed_end, token_id in islice(rows, first_row, None):
             if request.status is finished_status:  # it ended at an earlier step: this token is discarded
                 continue
-            if caching and min(computed_end, request.num_prompt_tokens) // block_size > request.num_hashed_blocks:
+            if caching and (prompt_end := min(computed_end, request.num_prompt_tokens)) // block_size \
+                    > request.num_hashed_blocks:
                 # A request preempted since this step was launched has no blocks and num_computed_tokens 0.
-                block_manager.cache_full_blocks(request, min(computed_end, request.num_prompt_tokens,
-                                                             request.num_computed_tokens))
+                block_manager.cache_full_blocks(request, min(prompt_end, request.num_computed_tokens))
             if not samples:
                 continue
             max_num_outputs = request.max_num_outputs

@@ -10,7 +10,6 @@ that it runs beside the job's reading of its input and the model's load, mostly 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import threading
 from typing import Any
 
@@ -22,12 +21,10 @@ def start_triton_in_background() -> tuple[threading.Thread, threading.Thread] | 
     starts: threads importing them at once deadlock on their import locks (Python then hands one of them a module
     half imported)."""
     global _driver_start
-    if importlib.util.find_spec("triton") is None:
-        return None
     try:
         from triton.runtime.cache import triton_key  # Triton 3.6 and 3.8 keep it here
         from triton.runtime.driver import driver
-    except ImportError:  # a Triton that keys elsewhere: its first kernel pays both
+    except ImportError:  # no Triton, or one that keys elsewhere: its first kernel pays both
         return None
     key = threading.Thread(target=triton_key, name="triton-key", daemon=True)
     _driver_start = threading.Thread(target=_start_driver, args=(driver,), name="triton-driver", daemon=True)

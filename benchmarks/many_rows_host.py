@@ -75,19 +75,18 @@ ENTRY_POINTS = (
     ("batchgen/job/run_outputs.py", "write_summary"),
 )
 
-# `python -m batchgen` under cProfile: the job ends by os._exit after the exit handlers, so the profile is written by
-# one of them (`python -m cProfile -o` would write it after the script returns, which never happens).
-PROFILED_JOB = """import atexit, cProfile, runpy, sys
-profiler = cProfile.Profile()
-atexit.register(lambda: (profiler.disable(), profiler.dump_stats({path!r})))
-sys.argv = ["batchgen", *sys.argv[1:]]
-profiler.enable()
-runpy.run_module("batchgen", run_name="__main__", alter_sys=True)
-"""
+# `python -m batchgen` as a script, for the options that run code ahead of it.
 JOB = """import runpy, sys
 sys.argv = ["batchgen", *sys.argv[1:]]
 runpy.run_module("batchgen", run_name="__main__", alter_sys=True)
 """
+# The job under cProfile: it ends by os._exit after the exit handlers, so the profile is written by one of them
+# (`python -m cProfile -o` would write it after the script returns, which never happens).
+PROFILED_JOB = """import atexit, cProfile
+profiler = cProfile.Profile()
+atexit.register(lambda: (profiler.disable(), profiler.dump_stats({path!r})))
+profiler.enable()
+""" + JOB
 # --stub-forward, ahead of the job's script: every eager forward (all of them on CPU) returns zeros.
 STUB_FORWARD = """import torch
 from batchgen.worker.model_runner import ModelRunner

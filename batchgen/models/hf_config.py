@@ -284,22 +284,67 @@ def _read_json(path: Path, where: str) -> dict[str, Any]:
 
 
 def _check_weights(directory: Path, where: str) -> None:
-    """The safetensors files load_model reads are all there: those model.safetensors.index.json names, or
-    model.safetensors."""
+    """The safetensors files load_model reads are all there (those model.safetensors.index.json names, or
+    model.safetensors) and whole (`check_safetensors`)."""
     index = directory / SAFETENSORS_INDEX
     if index.is_file():
         weight_map = _read_json(index, where).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ConfigError(f"{where}: {SAFETENSORS_INDEX} has no weight_map")
-        missing = sorted(name for name in set(weight_map.values()) if not (directory / name).is_file())
+        names = sorted(set(weight_map.values()))
+        missing = [name for name in names if not (directory / name).is_file()]
         if missing:
             raise ConfigError(f"{where}: {SAFETENSORS_INDEX} names weight files that are missing: {', '.join(missing)}")
-    elif not (directory / SAFETENSORS_FILE).is_file():
+    elif (directory / SAFETENSORS_FILE).is_file():
+        names = [SAFETENSORS_FILE]
+    else:
         if any((directory / name).is_file() for name in PICKLE_WEIGHTS):
             raise ConfigError(f"{where}: holds only PyTorch pickles (pytorch_model.bin), which batchgen never loads "
                               "(unpickling runs code): convert them to safetensors")
         raise ConfigError(f"{where}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} (batchgen reads safetensors "
                           "weights; model.load_format=dummy runs random weights from config.json)")
+    for name in names:
+        check_safetensors(directory / name, where)
+
+
+_LFS_POINTER = b"version https://git-lfs"  # how a Git LFS pointer file starts
+_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on its JSON header
+
+
+def check_safetensors(path: Path, where: str) -> None:
+    """The file is a safetensors file exactly as long as its header says: not a Git LFS pointer left by a clone without
+    git-lfs, not cut short by an interrupted download. Reads the header alone (8 bytes of length, then JSON)."""
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        start = file.read(len(_LFS_POINTER))
+        if start == _LFS_POINTER:
+            raise ConfigError(f"{where}: {path.name} is a Git LFS pointer ({size} bytes), not the weights: fetch them "
+                              "(git lfs pull in the clone, or huggingface-cli download)")
+        header_bytes = int.from_bytes(start[:8], "little")
+        header = None
+        if len(start) >= 8 and header_bytes <= min(size - 8, _MAX_HEADER_BYTES):
+            file.seek(8)
+            header = _json_map(file.read(header_bytes))
+    if header is None:
+        raise ConfigError(f"{where}: {path.name} is not a safetensors file, or is cut short ({size} bytes): download "
+                          "it again")
+    ends = [entry["data_offsets"][1] for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets", ())) == 2]
+    expected = 8 + header_bytes + max(ends, default=0)
+    if size < expected:
+        raise ConfigError(f"{where}: {path.name} is incomplete, {size} of its {expected} bytes (an interrupted "
+                          "download?): download it again")
+    if size > expected:  # safetensors refuses bytes its tensors do not cover
+        raise ConfigError(f"{where}: {path.name} has {size - expected} bytes past its tensors' data, which safetensors "
+                          "refuses: download it again")
+
+
+def _json_map(data: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def check_checkpoint(model: ModelConfig, max_model_len: int | None, tensor_parallel_size: int = 1) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from batchgen.config import ModelConfig
@@ -27,6 +27,7 @@ from batchgen.models.hf_config import (
     SAFETENSORS_INDEX,
     architecture_of,
     check_quantization,
+    check_safetensors,
     hf_config_from_dict,
     model_implementation,
     read_hf_config,
@@ -101,7 +102,12 @@ def iter_safetensors(files: list[Path], lazy: bool = False) -> Iterator[tuple[st
     """(name, tensor) pairs read one tensor at a time, so a checkpoint never sits in host memory whole; lazy: a
     safetensors slice in place of each tensor, which reads only what is indexed (a tensor-parallel rank's part)."""
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as shard:
+        try:
+            shard = safe_open(str(file), framework="pt", device="cpu")
+        except SafetensorError as exc:  # its message names no file: say which, and why where the header tells
+            check_safetensors(file, f"model.path={file.parent}")
+            raise ValueError(f"model.path={file.parent}: {file.name} cannot be read ({exc})") from None
+        with shard:
             for name in shard.keys():
                 yield name, shard.get_slice(name) if lazy else shard.get_tensor(name)
 

@@ -68,6 +68,14 @@ def model_dir(tmp_path: Path, kind: str) -> Path:
     if kind == "bert":
         config.update(architectures=["BertModel"], model_type="bert")
         shutil.copy(SHAKESPEARE_MODEL / "model.safetensors", directory)
+    weights = (SHAKESPEARE_MODEL / "model.safetensors").read_bytes()
+    if kind == "truncated":  # an interrupted download
+        (directory / "model.safetensors").write_bytes(weights[:-1000])
+    if kind == "lfs_pointer":  # a clone without git-lfs
+        (directory / "model.safetensors").write_text(
+            f"version https://git-lfs.github.com/spec/v1\noid sha256:{'0' * 64}\nsize {len(weights)}\n")
+    if kind == "not_safetensors":
+        (directory / "model.safetensors").write_text("<html>rate limited</html>")
     (directory / "config.json").write_text(json.dumps(config))
     return directory
 
@@ -76,6 +84,9 @@ def model_dir(tmp_path: Path, kind: str) -> Path:
     ("empty", "no config.json"),
     ("config_only", "no model.safetensors or model.safetensors.index.json"),
     ("bert", "architecture BertModel is not supported"),
+    ("truncated", "model.safetensors is incomplete"),
+    ("lfs_pointer", "model.safetensors is a Git LFS pointer"),
+    ("not_safetensors", "model.safetensors is not a safetensors file"),
     ("missing", "no such directory"),
 ])
 def test_a_bad_model_directory_is_a_configuration_error_that_leaves_no_run_dir(tmp_path, kind, named):
@@ -111,6 +122,12 @@ def test_check_checkpoint_reads_files_only(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match=f"model.path={broken}: .* missing: {shard}"):
         check_checkpoint(ModelConfig(path=str(broken)), None)
     check_checkpoint(ModelConfig(path=str(broken), load_format="dummy"), None)  # dummy weights need config.json only
+    # The same checkpoint with a shard cut short: named with its expected size.
+    shutil.copy(sharded / shard, broken / shard)
+    whole = (broken / shard).read_bytes()
+    (broken / shard).write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ConfigError, match=f"{shard} is incomplete, {len(whole) // 2} of its {len(whole)} bytes"):
+        check_checkpoint(ModelConfig(path=str(broken)), None)
     # Dummy weights from model.hf_config alone: the model type's defaults (Llama: 2048 positions) apply.
     check_checkpoint(ModelConfig(load_format="dummy", hf_config={"model_type": "llama"}), 2048)
     with pytest.raises(ConfigError, match="engine.max_model_len=4096"):

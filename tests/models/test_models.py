@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -107,6 +108,29 @@ def test_missing_and_unexpected_tensors_are_named(tiny_model_dir: Callable[..., 
         model.load_weights(weights)
     with pytest.raises(ValueError, match=r"unexpected \['model.extra.weight'\]"):
         model.load_weights([*iter_safetensors(files), ("model.extra.weight", torch.ones(1))])
+
+
+def test_a_weight_file_cut_short_is_named_where_the_model_loads(tiny_model_dir: Callable[..., Path],
+                                                                tmp_path: Path) -> None:
+    """The Python API loads without the command line's checkpoint check: safetensors' own error names no file, so
+    the loader's does, and why."""
+    directory = tiny_model_dir("LlamaForCausalLM")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_bytes((directory / "config.json").read_bytes())
+    weights = (directory / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(weights[:-100])
+    with pytest.raises(ValueError, match=f"model.path={broken}: model.safetensors is incomplete, "
+                                         f"{len(weights) - 100} of its {len(weights)} bytes"):
+        load_ours(broken)
+    (broken / "model.safetensors").write_bytes(weights + bytes(16))
+    with pytest.raises(ValueError, match="model.safetensors has 16 bytes past its tensors' data"):
+        load_ours(broken)
+    # What the header check passes and safetensors refuses still names the file.
+    header = json.dumps({"w": {"dtype": "NO_SUCH_TYPE", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (broken / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    with pytest.raises(ValueError, match=f"model.path={broken}: model.safetensors cannot be read \\("):
+        load_ours(broken)
 
 
 def test_gpt2_loads_checkpoints_without_transformer_prefix(tiny_model_dir: Callable[..., Path]) -> None:

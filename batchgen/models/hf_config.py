@@ -328,9 +328,10 @@ def check_safetensors(path: Path, where: str) -> None:
     if header is None:
         raise ConfigError(f"{where}: {path.name} is not a safetensors file, or is cut short ({size} bytes): download "
                           "it again")
-    ends = [entry["data_offsets"][1] for name, entry in header.items()
-            if name != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets", ())) == 2]
-    expected = 8 + header_bytes + max(ends, default=0)
+    offsets = [entry.get("data_offsets") for name, entry in header.items()
+               if name != "__metadata__" and isinstance(entry, dict)]
+    expected = 8 + header_bytes + max((pair[1] for pair in offsets if isinstance(pair, list) and len(pair) == 2
+                                       and all(isinstance(offset, int) for offset in pair)), default=0)
     if size < expected:
         raise ConfigError(f"{where}: {path.name} is incomplete, {size} of its {expected} bytes (an interrupted "
                           "download?): download it again")

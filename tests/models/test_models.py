@@ -126,6 +126,10 @@ def test_a_weight_file_cut_short_is_named_where_the_model_loads(tiny_model_dir: 
     (broken / "model.safetensors").write_bytes(weights + bytes(16))
     with pytest.raises(ValueError, match="model.safetensors has 16 bytes past its tensors' data"):
         load_ours(broken)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]}}).encode()  # no numbers
+    (broken / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    with pytest.raises(ValueError, match="model.safetensors has 4 bytes past its tensors' data"):
+        load_ours(broken)
     # What the header check passes and safetensors refuses still names the file.
     header = json.dumps({"w": {"dtype": "NO_SUCH_TYPE", "shape": [1], "data_offsets": [0, 4]}}).encode()
     (broken / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))

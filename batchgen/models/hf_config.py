@@ -328,16 +328,24 @@ def check_safetensors(path: Path, where: str) -> None:
     if header is None:
         raise ConfigError(f"{where}: {path.name} is not a safetensors file, or is cut short ({size} bytes): download "
                           "it again")
-    offsets = [entry.get("data_offsets") for name, entry in header.items()
-               if name != "__metadata__" and isinstance(entry, dict)]
-    expected = 8 + header_bytes + max((pair[1] for pair in offsets if isinstance(pair, list) and len(pair) == 2
-                                       and all(isinstance(offset, int) for offset in pair)), default=0)
+    expected = 8 + header_bytes + _data_bytes(header)
     if size < expected:
         raise ConfigError(f"{where}: {path.name} is incomplete, {size} of its {expected} bytes (an interrupted "
                           "download?): download it again")
     if size > expected:  # safetensors refuses bytes its tensors do not cover
         raise ConfigError(f"{where}: {path.name} has {size - expected} bytes past its tensors' data, which safetensors "
                           "refuses: download it again")
+
+
+def _data_bytes(header: dict[str, Any]) -> int:
+    """How many bytes of tensor data follow the header: the last end among its tensors' [begin, end] data_offsets
+    (entries without a pair of integers there count for none)."""
+    ends = [0]
+    for name, entry in header.items():
+        offsets = entry.get("data_offsets") if name != "__metadata__" and isinstance(entry, dict) else None
+        if isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(offset, int) for offset in offsets):
+            ends.append(offsets[1])
+    return max(ends)
 
 
 def _json_map(data: bytes) -> dict[str, Any] | None:

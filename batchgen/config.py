@@ -107,6 +107,10 @@ class EngineConfig:
     # N > 1: split the model over N ranks (processes this one starts, each with its shard on its own GPU, rank r of
     # data-parallel rank d on cuda:(d * N + r)), so that a model larger than one GPU runs
     tensor_parallel_size: int = 1
+    # With tensor_parallel_size > 1 on GPUs of one host with peer access: the decode graphs' all-reduces of small
+    # tensors read the other ranks' buffers directly (one kernel) instead of NCCL's (vLLM's
+    # disable_custom_all_reduce, inverted)
+    custom_all_reduce: bool = True
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
     @property

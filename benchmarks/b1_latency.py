@@ -49,6 +49,7 @@ from benchmarks.common import (
     random_prompt,
     run_engine,
     save_json,
+    tensor_parallel_options,
     tensor_parallel_suffix,
     weight_bytes,
 )
@@ -75,7 +76,7 @@ def measure(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, rep
 def run_mode(model_config: ModelConfig, mode: str, batches: list[int], args: argparse.Namespace) -> dict[str, Any]:
     engine = build_engine(model_config, enforce_eager=mode == "eager", max_num_seqs=max([1, *batches]),
                           max_model_len=args.max_model_len, async_scheduling=mode != "graph_sync",
-                          kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
+                          kv_cache_dtype=args.kv_cache_dtype, **tensor_parallel_options(args))
     try:
         results = []
         for batch in batches:
@@ -137,9 +138,10 @@ def main() -> None:
     variants = {f"_{args.model}": args.model != QWEN3, "_tiny": args.tiny, "_unfused": args.unfused,
                 "_no_pdl": args.no_pdl, "_unfused_silu": args.unfused_silu, "_fp8": args.kv_cache_dtype == "fp8",
                 "_fp8_weights": args.quantization == "fp8"}
-    suffix = "".join(name for name, on in variants.items() if on) + tensor_parallel_suffix(args.tensor_parallel_size)
+    suffix = "".join(name for name, on in variants.items() if on) + tensor_parallel_suffix(args)
     save_json(args.out, "b1_latency" + suffix, {
         "environment": environment(), "tensor_parallel_size": args.tensor_parallel_size,
+        "custom_all_reduce": not args.no_custom_all_reduce,
         "gemv_fusions": not args.unfused, "pdl": not args.no_pdl,
         "silu_fused": fused.FUSE_SILU_AND_MUL,
         "model": model_config.hf_config,

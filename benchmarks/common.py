@@ -94,11 +94,20 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split the model over N ranks (engine.tensor_parallel_size): N GPUs, or CPU processes")
+    parser.add_argument("--no-custom-all-reduce", action="store_true",
+                        help="the decode graphs' all-reduces on NCCL too (engine.custom_all_reduce=false)")
 
 
-def tensor_parallel_suffix(size: int) -> str:
+def tensor_parallel_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options of add_tensor_parallel_argument's arguments."""
+    return {"tensor_parallel_size": args.tensor_parallel_size, "custom_all_reduce": not args.no_custom_all_reduce}
+
+
+def tensor_parallel_suffix(args: argparse.Namespace) -> str:
     """The results file's name part for a tensor-parallel run ("" for one rank)."""
-    return f"_tp{size}" if size > 1 else ""
+    if args.tensor_parallel_size == 1:
+        return ""
+    return f"_tp{args.tensor_parallel_size}" + ("_nccl" if args.no_custom_all_reduce else "")
 
 
 def benchmark_model_config(name: str, tiny: bool = False, quantization: str | None = None) -> ModelConfig:

@@ -48,6 +48,7 @@ from benchmarks.common import (
     save_json,
     step_breakdown,
     step_counts,
+    tensor_parallel_options,
     tensor_parallel_suffix,
 )
 
@@ -63,7 +64,7 @@ def result_name(args: argparse.Namespace) -> str:
         parts.append(args.kv_cache_dtype)
     if args.quantization == "fp8":
         parts.append("fp8_weights")
-    return "_".join(parts) + tensor_parallel_suffix(args.tensor_parallel_size)
+    return "_".join(parts) + tensor_parallel_suffix(args)
 
 
 def decode_kv_positions(outputs: list[RequestOutput]) -> int:
@@ -114,7 +115,7 @@ def main() -> None:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, mixed_prefill_decode=args.mixed,
                           async_scheduling=not args.sync, kv_cache_dtype=args.kv_cache_dtype,
-                          tensor_parallel_size=args.tensor_parallel_size)
+                          **tensor_parallel_options(args))
     try:
         run_engine(engine, [(ids, replace(params, max_tokens=8)) for ids, params in requests[:16]])
         outputs, records, wall = run_engine(engine, requests)

@@ -88,6 +88,13 @@ step bench_linear_llama3_1_8b_fp8_weights 150 "$PY" -m benchmarks.bench_linear -
 step profile_decode_llama3_1_8b_fp8_weights 150 "$PY" -m benchmarks.profile_decode --model llama3_1_8b \
     --quantization fp8 --batches 1 8
 step fp8_accuracy 240 "$PY" -m benchmarks.fp8_accuracy
+if (( $("$PY" -c "import torch; print(torch.cuda.device_count())") >= 2 )); then  # tensor parallelism
+    step bench_all_reduce 90 "$PY" -m benchmarks.bench_all_reduce
+    step b1_latency_llama3_1_8b_tp2 150 "$PY" -m benchmarks.b1_latency --model llama3_1_8b --modes graph \
+        --batches 64 --tensor-parallel-size 2
+    step b1_latency_llama3_1_8b_tp2_nccl 150 "$PY" -m benchmarks.b1_latency --model llama3_1_8b --modes graph \
+        --batches 64 --tensor-parallel-size 2 --no-custom-all-reduce
+fi
 
 echo
 echo "# Results ($OUT)"

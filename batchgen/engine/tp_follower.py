@@ -22,6 +22,7 @@ import torch
 from batchgen.engine.model_worker import ModelWorker
 from batchgen.layers.tensor_parallel import TensorParallel
 from batchgen.tp.group import ControlChannel, RankGroup, connect_store, joined_key
+from batchgen.tp.peer_memory import peer_rows
 from batchgen.tp.ranks import FollowerSpec
 from batchgen.tp.steps import StepMessage, StepMirror
 from batchgen.worker.model_runner import LaunchedStep
@@ -70,7 +71,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     store = connect_store(spec.port, spec.size)
     store.set(joined_key(spec.rank), "1")
-    group = RankGroup.create(store, spec.rank, spec.size, device)
+    group = RankGroup.create(store, spec.rank, spec.size, device, peer_rows(spec.engine_config))
     mirror = StepMirror()
     try:
         worker = ModelWorker(spec.model_config, spec.engine_config, spec.task, device, spec.kv_demand,

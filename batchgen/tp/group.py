@@ -2,7 +2,8 @@
 torchrun has one of its own, and so may the program that builds an `LLM`):
 
 - the device group: the layers' all-reduces and all-gathers (gloo on CPU, NCCL on CUDA, on the current stream, so
-  CUDA graphs capture them);
+  CUDA graphs capture them; the decode graphs' small all-reduces through the ranks' mapped buffers instead,
+  batchgen/tp/peer_memory.py);
 - the control group (gloo, host memory): rank 0's step messages, and the few numbers the ranks agree on.
 
 Rank 0 serves the rendezvous store (a TCPStore on a free port of this host); a follower connects to it, says it has
@@ -19,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions
+
+from batchgen.tp.peer_memory import PeerAllReduce
 
 HOST = "127.0.0.1"  # the ranks of a tensor-parallel engine share a host
 STORE_TIMEOUT = timedelta(minutes=10)  # a follower starting: Python, torch, the connection
@@ -51,11 +54,15 @@ def nccl_environment(environ: dict[str, str] | os._Environ) -> None:
 class DeviceCollectives:
     """The layers' collectives (layers.tensor_parallel.Collectives) over one backend."""
 
-    def __init__(self, backend: dist.Backend, size: int) -> None:
+    def __init__(self, backend: dist.Backend, size: int, peer: PeerAllReduce | None = None) -> None:
         self.backend = backend
         self.size = size
+        self.peer = peer
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
+        if self.peer is not None and self.peer.accepts(tensor):
+            self.peer.all_reduce(tensor)
+            return
         options = AllreduceOptions()
         options.asyncOp = False  # NCCL runs a synchronous collective on the current stream
         _wait(self.backend.allreduce([tensor], options))
@@ -131,22 +138,30 @@ class RankGroup:
     control: ControlChannel
 
     @classmethod
-    def create(cls, store: dist.Store, rank: int, size: int, device: torch.device) -> RankGroup:
-        """Builds both groups; every rank calls it at the same time (rank 0 once every follower has joined)."""
-        control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, CONTROL_TIMEOUT)
+    def create(cls, store: dist.Store, rank: int, size: int, device: torch.device, peer_rows: int = 0) -> RankGroup:
+        """Builds both groups; every rank calls it at the same time (rank 0 once every follower has joined), with the
+        same peer_rows: the most rows of the decode graphs' all-reduces through mapped buffers (0: none, NCCL)."""
+        control = ControlChannel(dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size,
+                                                       CONTROL_TIMEOUT), rank)
+        peer = None
         if device.type == "cuda":
             nccl_environment(os.environ)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = NCCL_TIMEOUT
             backend = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, size, options)
             backend.eager_connect_single_device(device)
+            if peer_rows:
+                peer = PeerAllReduce.create(dist.PrefixStore("peer", store), control.agree_min, rank, size, device,
+                                            peer_rows)
         else:
             backend = dist.ProcessGroupGloo(dist.PrefixStore("device", store), rank, size, CONTROL_TIMEOUT)
-        return cls(rank, size, DeviceCollectives(backend, size), ControlChannel(control, rank))
+        return cls(rank, size, DeviceCollectives(backend, size, peer), control)
 
     def abort(self) -> None:
         """Fails every collective in flight or to come, so a rank waiting on a dead one returns (NCCL would wait
-        forever)."""
+        forever), and lets the mapped buffers' waits pass."""
+        if self.collectives.peer is not None:
+            self.collectives.peer.abort()
         for backend in (self.collectives.backend, self.control.backend):
             backend.abort()
 
@@ -154,6 +169,8 @@ class RankGroup:
         """Rank 0, once its followers have exited: releases its side of the communicators (NCCL warns of a group
         left undestroyed). An NCCL group is aborted rather than shut down: nothing runs on it any more, and shutting
         down one that CUDA graphs captured did not return on two H100s."""
+        if self.collectives.peer is not None:
+            self.collectives.peer.close()
         device_backend = self.collectives.backend
         if device_backend.name() == "nccl":
             device_backend.abort()

@@ -33,6 +33,7 @@ from batchgen.core.scheduler import SchedulerOutput
 from batchgen.layers.tensor_parallel import TensorParallel
 from batchgen.tp.errors import FollowerExited
 from batchgen.tp.group import RankGroup, joined_key, nccl_environment, serve_store
+from batchgen.tp.peer_memory import peer_rows
 from batchgen.tp.steps import StepSender
 from batchgen.worker.model_runner import BitmaskProvider
 
@@ -102,7 +103,7 @@ class Followers:
         self._watchdog.start()
         with self.failures():
             self._wait_until_joined(store)
-            self.group = RankGroup.create(store, 0, size, device)
+            self.group = RankGroup.create(store, 0, size, device, peer_rows(engine_config))
         self.store = store  # the followers' connections to it stay open while they run
         self.sender = StepSender(self.group.control, bitmask_provider)
         self.tensor_parallel = TensorParallel(0, size, self.group.collectives)

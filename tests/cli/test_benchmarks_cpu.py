@@ -186,9 +186,12 @@ def test_b1_latency_tiny_splits_the_model_over_two_ranks_and_times_one_shard(tmp
               "--copy-mib", "1"]
     run_benchmark("b1_latency", tmp_path, *common)
     run_benchmark("b1_latency", tmp_path, *common, "--tensor-parallel-size", "2")
+    run_benchmark("b1_latency", tmp_path, *common, "--tensor-parallel-size", "2", "--no-custom-all-reduce")
     whole = json.loads((tmp_path / "b1_latency_tiny.json").read_text())
     split = json.loads((tmp_path / "b1_latency_tiny_tp2.json").read_text())
+    nccl = json.loads((tmp_path / "b1_latency_tiny_tp2_nccl.json").read_text())
     assert (whole["tensor_parallel_size"], split["tensor_parallel_size"]) == (1, 2)
+    assert (split["custom_all_reduce"], nccl["custom_all_reduce"]) == (True, False)
     # The floor is one rank's shard: half the weights, but for the norms every rank holds whole.
     assert 0.45 < split["weight_bytes"] / whole["weight_bytes"] < 0.55
     assert split["results"][0]["decode_step_ms"] > 0

@@ -146,6 +146,8 @@ class LLMEngine:
         if self.followers is not None:
             worker.runner.wait_for_step = self.followers.wait_for_step
         self.hf_config, self.dtype, self.config, self.info = worker.hf_config, worker.dtype, worker.config, worker.info
+        if self.followers is not None:
+            self.info["tensor_parallel_all_reduce"] = self.followers.group.collectives.describe()
         self.runner, self.pooler = worker.runner, worker.pooler
         self.detokenizer = detokenizer or Detokenizer.load(model_config)
         self.eos_token_ids = self._eos_token_ids(self.hf_config)

@@ -67,6 +67,11 @@ class DeviceCollectives:
         options.asyncOp = False  # NCCL runs a synchronous collective on the current stream
         _wait(self.backend.allreduce([tensor], options))
 
+    def describe(self) -> str:
+        """How the ranks sum: the backend's name, and whether the decode graphs sum through the mapped buffers."""
+        name = self.backend.name()
+        return f"{name}; decode graphs: mapped buffers" if self.peer is not None else name
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         gathered = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
         options = AllgatherOptions()

@@ -154,6 +154,8 @@ class PeerAllReduce:
                     if own is not None:
                         runtime.free(own)
                 return None
+            log.info("tensor parallel: the decode graphs' all-reduces through mapped buffers (%.0f MiB a GPU)",
+                     nbytes / 2**20)
             return cls(rank, size, max_rows, runtime, own, [p for p in peers if p != own],
                        _device_tensor(own, nbytes, device).view(torch.int64),
                        torch.tensor([(p - own) // 8 for p in peers], dtype=torch.int64, device=device),

@@ -203,6 +203,7 @@ def test_a_follower_that_died_ends_the_next_step_with_its_rank():
         followers = llm.engine.followers
         (follower,) = followers.processes
         assert not followers.died()
+        assert llm.engine.info["tensor_parallel_all_reduce"] == "gloo"  # the mapped buffers are CUDA's
         follower.kill()
         follower.wait()
         assert followers.died()  # LLMEngine.close then waits for nothing on the device

@@ -205,3 +205,9 @@ class Followers:
         if stopped:
             with contextlib.suppress(RuntimeError):
                 self.group.shutdown()  # the followers have exited: nothing runs on the groups any more
+        elif self.group is not None and self.failure is None:
+            # Killed, not stopped (the watchdog aborted the groups after a failure): nobody answers rank 0's side of
+            # the groups any more, whose teardown at the process's exit could wait for them. (An engine start that
+            # failed on both ranks left rank 0's process waiting at exit on two H200s.)
+            with contextlib.suppress(RuntimeError):
+                self.group.abort()

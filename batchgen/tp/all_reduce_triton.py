@@ -8,10 +8,10 @@ in its own buffer, and sums the N rows in rank order in float32, rounding once: 
 One kernel with one one-way trip over NVLink, where NCCL's all-reduce is a kernel that the next cannot start
 beside (PDL), and round trips more.
 
-A row's flag is its count of calls, kept in this rank's memory; counts advance alike on every rank, since the ranks
-replay the same graphs in the same order. Call c writes the half of the receive slots its count's parity names.
-A peer writes that half again at call c + 2 only after it has seen this rank's words of call c + 1, which this
-rank sends after it has read call c's: no write lands on words still to be read.
+A row's flag is its count of calls (int32, wrapping), kept in this rank's memory; counts advance alike on every
+rank, since the ranks replay the same graphs in the same order. Call c writes the half of the receive slots its
+count's parity names. A peer writes that half again at call c + 2 only after it has seen this rank's words of call
+c + 1, which this rank sends after it has read call c's: no write lands on words still to be read.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _one_shot_all_reduce_kernel(
     tl.store(counts_ptr + row, count)
     flag = count.to(tl.int64) << 32
     lines = flag | (words.to(tl.int64) & 0xFFFFFFFF)
-    parity = count % 2
+    parity = count & 1  # 0 or 1 for a count that has wrapped below zero too
     for peer in tl.static_range(SIZE):
         if peer != RANK:
             slots = receive_ptr + tl.multiple_of(tl.load(receive_offsets + peer), 16)
@@ -59,8 +59,9 @@ def _one_shot_all_reduce_kernel(
         else:
             source = receive_ptr + ((rank * 2 + parity) * max_rows + row).to(tl.int64) * SLOT_WORDS + offs_w
             received = tl.load(source, mask=mask_w, other=flag, volatile=True)
-            # >=: a slot holds this call's words or those of two calls before, never later ones
-            while (tl.sum(((received >> 32).to(tl.int32) < count).to(tl.int32)) > 0) & \
+            # A slot holds this call's words or those of two calls before, never later ones: != is exact, and
+            # stays so when the counts wrap
+            while (tl.sum(((received >> 32).to(tl.int32) != count).to(tl.int32)) > 0) & \
                     (tl.load(stop_ptr, volatile=True) == 0):
                 received = tl.load(source, mask=mask_w, other=flag, volatile=True)
             data = received.to(tl.int32)

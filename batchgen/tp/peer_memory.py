@@ -22,7 +22,9 @@ from batchgen.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-MAX_BYTES = 2 << 20  # a call's tensor on one rank; larger ones (many rows) go to NCCL, whose bandwidth wins there
+# A call's tensor on one rank; larger ones go to NCCL: the kernel sends twice the bytes (a flag beside each word),
+# so what it saves shrinks as the tensor grows
+MAX_BYTES = 2 << 20
 ROW_BYTES = 16 * 1024  # a row's data: hidden sizes up to 8,192 in bf16
 SLOT_WORDS = ROW_BYTES // 4  # a row's slot: each 32-bit word of data with its flag, an int64
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,10 +120,10 @@ class PeerAllReduce:
     stopped: torch.Tensor  # int32 (1,) pinned host memory holding 1, for abort
 
     @classmethod
-    def create(cls, store: dist.Store, control_agree_min, rank: int, size: int, device: torch.device,
+    def create(cls, store: dist.Store, agree_min: Callable[[int], int], rank: int, size: int, device: torch.device,
                max_rows: int) -> PeerAllReduce | None:
         """Every rank calls it at once; returns None on every rank unless every rank could map every other's buffer
-        (then the layers' all-reduces stay with NCCL)."""
+        (then the layers' all-reduces stay with NCCL). agree_min: the control group's (ControlChannel.agree_min)."""
         runtime, own, peers, failure = None, None, [], None
         nbytes = size * 2 * max_rows * SLOT_WORDS * 8
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
@@ -146,7 +147,7 @@ class PeerAllReduce:
                     peers = [runtime.open(handles[r]) if r != rank else own for r in range(size)]
                 except RuntimeError as error:
                     failure = error
-            if control_agree_min(int(failure is None)) == 0:
+            if agree_min(int(failure is None)) == 0:
                 if failure is not None:
                     log.warning("the decode steps' all-reduces run on NCCL: %s", failure)
                 if runtime is not None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+from batchgen.tp.group import RankGroup, connect_store, serve_store
 from benchmarks.common import add_out_argument, environment, markdown_table, save_json
 
 CALLS = 64
@@ -42,14 +42,9 @@ def _time_graph(calls, x: torch.Tensor) -> float:
 
 
 def _rank(rank: int, port: int, hidden: int, rows_list: list[int], results: Any) -> None:
-    import torch.distributed as dist
-
-    from batchgen.tp.group import RankGroup
-
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
-    group = RankGroup.create(store, rank, 2, device, peer_rows=max(rows_list))
+    group = RankGroup.create(connect_store(port, 2), rank, 2, device, peer_rows=max(rows_list))
     collectives, peer = group.collectives, group.collectives.peer
     rows_out = []
     for rows in rows_list:
@@ -76,12 +71,9 @@ def main() -> None:
     args = parser.parse_args()
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_all_reduce needs two CUDA devices")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    mp.start_processes(_rank, args=(port, args.hidden, args.rows, results), nprocs=2, start_method="spawn")
+    store = serve_store(2)  # the ranks' rendezvous, served here as rank 0's engine serves its followers'
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_rank, args=(store.port, args.hidden, args.rows, results), nprocs=2, start_method="spawn")
     rows = results.get()
     save_json(args.out, f"bench_all_reduce_{args.hidden}", {"environment": environment(), "hidden": args.hidden,
                                                              "calls": CALLS, "results": rows})

@@ -6,13 +6,14 @@ not whole 32-bit words) stays NCCL's, in the same graph."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from batchgen.tp.group import RankGroup, connect_store, serve_store
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -25,12 +26,6 @@ CALLS = [(1, 4096, torch.bfloat16, True), (3, 4096, torch.bfloat16, True), (1, 4
          (40, 256, torch.float32, False), (16, 4096, torch.float16, True)]  # 40 rows: past PEER_ROWS
 REPLAYS = 25
 REPLAY_SECONDS = 60  # a replay not done by then is waiting for the other rank's words forever
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(rank: int, replay: int) -> list[torch.Tensor]:
@@ -47,14 +42,9 @@ def _finish(replay: int) -> None:
 
 
 def _rank(rank: int, port: int, out: Path) -> None:
-    import torch.distributed as dist
-
-    from batchgen.tp.group import RankGroup
-
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
-    group = RankGroup.create(store, rank, 2, device, peer_rows=PEER_ROWS)
+    group = RankGroup.create(connect_store(port, 2), rank, 2, device, peer_rows=PEER_ROWS)
     collectives = group.collectives
     assert collectives.peer is not None, "the two GPUs could not map each other's buffers"
 
@@ -90,7 +80,8 @@ def _rank(rank: int, port: int, out: Path) -> None:
 
 
 def test_mapped_buffer_all_reduce_equals_nccl_on_both_ranks(tmp_path: Path):
-    mp.start_processes(_rank, args=(_free_port(), tmp_path), nprocs=2, start_method="spawn")
+    store = serve_store(2)  # the ranks' rendezvous, served here as rank 0's engine serves its followers'
+    mp.start_processes(_rank, args=(store.port, tmp_path), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for replay in range(REPLAYS):
         for call, (rows, width, dtype, _) in enumerate(CALLS):

@@ -81,6 +81,12 @@ class DecodeRows:
         return DecodeRows(self.requests, self.computed_ends + 1, self.output_slots + 1, self.max_num_outputs,
                           self.stop_token_set)
 
+    def take(self, rows: np.ndarray) -> DecodeRows:
+        """These rows alone, in this order."""
+        requests = self.requests
+        return DecodeRows([requests[row] for row in rows.tolist()], self.computed_ends[rows], self.output_slots[rows],
+                          self.max_num_outputs[rows], self.stop_token_set)
+
 
 @dataclass
 class SchedulerOutput:
@@ -104,6 +110,11 @@ class SchedulerOutput:
     # block-table rows to write.
     same_rows_as_previous: bool = False
     grown_rows: list[int] = field(default_factory=list)
+    # Where the step's requests are the previous step's decodes, each decoding again, less those that left (finished,
+    # or ending with their pending token), in the same order: row i's row in the previous step (all of them where
+    # same_rows_as_previous). The step's inputs and sampling rows are then the previous step's, taken at these rows.
+    # None: the step was scheduled row by row.
+    previous_rows: np.ndarray | None = None
     # Scheduler.num_finished when the step was built: while it is unchanged at the step's commit, none of the step's
     # requests has finished since (None: unknown, the step was not built by the scheduler).
     num_finished_at_schedule: int | None = None
@@ -159,10 +170,12 @@ class _StepBuilder:
     prefill_samples: list[bool] = field(default_factory=list)  # the chunk reaches the request's num_tokens
     preempted: list[Request] = field(default_factory=list)
     num_cached_tokens: int = 0
-    # Set where the decodes repeat the previous step's rows (Scheduler._repeat_decodes): their arrays, made from the
-    # previous step's, and the rows given a new block.
+    # Set where the decodes repeat the previous step's rows, or some of them (Scheduler._repeat_decodes): their
+    # arrays, made from the previous step's, the rows given a new block, and each row's row in the previous step.
     repeated: DecodeRows | None = None
     grown_rows: list[int] = field(default_factory=list)
+    previous_rows: np.ndarray | None = None
+    same_rows: bool = False  # previous_rows holds every row of the previous step
 
     def add_prefill(self, request: Request, num_computed: int, num_tokens: int) -> None:
         """A chunk of num_tokens after the request's first num_computed tokens (the caller takes them from the
@@ -189,8 +202,9 @@ class _StepBuilder:
             rows=(self.decode_ends + self.prefill_ends, self.decode_slots + self.prefill_slots,
                   [True] * num_decodes + self.prefill_samples),
             decode_rows=decode_rows,
-            same_rows_as_previous=self.repeated is not None and not self.prefills,
+            same_rows_as_previous=self.same_rows and not self.prefills,
             grown_rows=self.grown_rows,
+            previous_rows=self.previous_rows if not self.prefills else None,
             num_finished_at_schedule=num_finished,
         )
 
@@ -316,16 +330,26 @@ class Scheduler:
     def commit(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
         """The step's sampled ids arrived: fills the pending slots; returns the requests that finished.
 
-        Runs for every request of every step: the decode rows, when none of them has finished since the step was
-        built, are committed by array operations over their rows (`_commit_decodes`); the other rows by a loop whose
-        checks are inlined, which offers a request's prompt blocks to the prefix cache as a chunk fills them."""
+        Runs for every request of every step: the decode rows are committed by array operations over their rows
+        (`_commit_decodes`), less those that finished since the step was built (their tokens are discarded); the
+        other rows by a loop whose checks are inlined, which offers a request's prompt blocks to the prefix cache as a
+        chunk fills them."""
         now = time.perf_counter()
         finished: list[Request] = []
         first_row = 0
         decode_rows = output.decode_rows
-        if decode_rows is not None and output.num_finished_at_schedule == self.num_finished:
+        if decode_rows is not None and output.num_finished_at_schedule is not None:
             first_row = len(decode_rows.requests)
-            self._commit_decodes(decode_rows, output.output_slots, sampled_token_ids, finished, now)
+            if output.num_finished_at_schedule == self.num_finished:
+                self._commit_decodes(decode_rows, output.output_slots, sampled_token_ids, finished, now)
+            else:
+                finished_status = RequestStatus.FINISHED
+                live = [row for row, request in enumerate(decode_rows.requests)
+                        if request.status is not finished_status]
+                if live:
+                    self._commit_decodes(decode_rows.take(np.array(live)),
+                                         list(map(output.output_slots.__getitem__, live)),
+                                         list(map(sampled_token_ids.__getitem__, live)), finished, now)
         if first_row < len(output.requests):
             self._commit_rows(output, sampled_token_ids, first_row, finished, now)
         if finished:
@@ -523,31 +547,52 @@ class Scheduler:
         step.budget -= len(decodes) - num_scheduled
 
     def _repeat_decodes(self, step: _StepBuilder) -> bool:
-        """_schedule_decodes with array operations, where the running requests are exactly the previous step's decodes
-        (most decode steps): each decodes again, its computed end and output slot one further. False, scheduling
-        nothing, where that does not hold or the step would differ from _schedule_decodes': a request whose pending
-        token ends it, or more requests starting a block than there are free blocks (the general loop preempts)."""
+        """_schedule_decodes with array operations, where the running requests are the previous step's decodes, or
+        those of them still running, in the same order (most decode steps): each decodes again, its computed end and
+        output slot one further, save those whose pending token ends them (they leave the step). False, scheduling
+        nothing, where that does not hold or the step would differ from _schedule_decodes': more requests starting a
+        block than there are free blocks (the general loop preempts)."""
         previous, running = self._previous_decodes, self.running
-        if (previous is None or len(previous.requests) != len(running)
-                or not all(map(operator.is_, previous.requests, running))):
+        if previous is None or len(running) > len(previous.requests):
             return False
         rows = previous.next_step()
-        if (rows.output_slots >= rows.max_num_outputs).any():
-            return False  # its pending token ends it, whatever the token is: it leaves the step
+        # Requests that finished since the previous step left `running`; any other change (a preemption, a request
+        # admitted) does not leave `running` the previous requests less some.
+        if len(running) == len(previous.requests):
+            if not all(map(operator.is_, previous.requests, running)):
+                return False
+            kept = None
+        else:
+            running_status = RequestStatus.RUNNING
+            kept = [row for row, request in enumerate(previous.requests) if request.status is running_status]
+            if len(kept) != len(running) or not all(map(operator.is_, map(previous.requests.__getitem__, kept),
+                                                         running)):
+                return False
+        ending = rows.output_slots >= rows.max_num_outputs  # its pending token ends it, whatever the token is
+        if kept is None and not ending.any():
+            previous_rows = np.arange(len(running))
+        else:
+            keep = np.zeros(len(previous.requests), dtype=bool)
+            keep[kept if kept is not None else slice(None)] = True
+            previous_rows = np.flatnonzero(keep & ~ending)
+            if not len(previous_rows):
+                return False
+            rows = rows.take(previous_rows)
         # The new token's position is the previous computed end. The previous step's token, one position before, fit
         # the request's blocks, so the new one needs a block only at a block's start, and then only if the
         # request's blocks end there.
-        positions, block_manager = previous.computed_ends, self.block_manager
+        positions, requests, block_manager = rows.computed_ends - 1, rows.requests, self.block_manager
         block_size = block_manager.block_size
         starting = np.flatnonzero(positions % block_size == 0).tolist()
-        grown_rows = [row for row in starting if positions[row] >= len(running[row].block_ids) * block_size]
+        grown_rows = [row for row in starting if positions[row] >= len(requests[row].block_ids) * block_size]
         if len(grown_rows) > block_manager.num_free_blocks:
             return False
-        block_manager.append_blocks([running[row] for row in grown_rows])
-        step.decodes, step.decode_ends, step.decode_slots = rows.requests, rows.computed_ends.tolist(), \
+        block_manager.append_blocks([requests[row] for row in grown_rows])
+        step.decodes, step.decode_ends, step.decode_slots = requests, rows.computed_ends.tolist(), \
             rows.output_slots.tolist()
-        step.repeated, step.grown_rows = rows, grown_rows
-        step.budget -= len(running)
+        step.repeated, step.grown_rows, step.previous_rows = rows, grown_rows, previous_rows
+        step.same_rows = len(previous_rows) == len(previous.requests)
+        step.budget -= len(requests)
         return True
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBuilder) -> bool:

@@ -176,7 +176,7 @@ class SamplingBatch:
 
 class LastPacked:
     """The previous step's batch without penalty state. A step of the same rows in the same order (most decode
-    steps) shares its parameters and only moves the positions."""
+    steps) shares its parameters and only moves the positions; a step of some of them takes their columns."""
 
     def __init__(self) -> None:
         self.params: list[SamplingParams] = []
@@ -207,6 +207,30 @@ class LastPacked:
         ints = last.ints.copy()  # the floats are never written, the ints only here, on a copy
         ints[_POSITION] = positions
         self.params, self.batch = params, replace(last, ints=ints)
+        return self.batch
+
+
+    def take(self, rows: list[int], params: list[SamplingParams], positions: Sequence[int] | np.ndarray,
+             seeds: Sequence[int] | None = None) -> SamplingBatch | None:
+        """The previous batch's rows at `rows` (indices among its rows, ascending) with these positions, when those
+        rows had these very parameters and these seeds; else None. The batch keeps the previous one's stages: a stage
+        that none of the remaining rows uses leaves their tokens as they are (as it does a graph bucket's padding
+        rows)."""
+        last = self.batch
+        if last is None or not rows or rows[-1] >= len(self.params):
+            return None
+        previous_params, previous_seeds = self.params, self.seeds
+        if not all(map(operator.is_, params, map(previous_params.__getitem__, rows))):
+            return None
+        if (seeds is None) != (previous_seeds is None) or (
+                seeds is not None and list(map(previous_seeds.__getitem__, rows)) != list(seeds)):
+            return None
+        ints = last.ints[:, rows]
+        ints[_POSITION] = positions
+        logprobs = last.logprobs
+        self.params, self.seeds = params, seeds
+        self.batch = replace(last, floats=last.floats[:, rows], ints=ints,
+                             logprobs=list(map(logprobs.__getitem__, rows)))
         return self.batch
 
 

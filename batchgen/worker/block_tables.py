@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -22,12 +23,17 @@ class BlockTables:
         self._rows = RequestRows(_Entry, range(rows))
         self._last: _LastStep | None = None
 
-    def rows(self, requests: list[Request], grown_rows: list[int] | None = None) -> np.ndarray:
+    def rows(self, requests: list[Request], grown_rows: list[int] | None = None,
+             previous_rows: np.ndarray | None = None) -> np.ndarray:
         """The table row of each request, its new blocks written first. grown_rows: where the requests are the
-        previous call's, in the same order (the scheduler says so: `SchedulerOutput.same_rows_as_previous`), the
-        rows whose requests have gained blocks since; None: found here."""
+        previous call's at `previous_rows`, in that order (the scheduler says so: `SchedulerOutput.previous_rows`),
+        the rows whose requests have gained blocks since; None: found here."""
         last = self._last
-        if grown_rows is not None and last is not None and len(requests) == len(last.requests):
+        if grown_rows is not None and last is not None and previous_rows is not None:
+            if len(previous_rows) != len(last.requests):  # some of the previous rows left
+                entries = list(map(last.entries.__getitem__, previous_rows.tolist()))
+                last = self._last = _LastStep(requests, entries, last.rows[previous_rows],
+                                              max(map(attrgetter("written"), entries)))
             if grown_rows:
                 widest = self._write([requests[row] for row in grown_rows], [last.entries[row] for row in grown_rows])
                 last.widest = max(last.widest, widest)
@@ -92,8 +98,9 @@ class BlockTables:
         return widest
 
     def release(self, requests: list[Request]) -> None:
-        if requests:
-            self._last = None  # a released row may go to another request
+        """Frees the finished requests' rows. The latest call's rows stay known: a step that repeats them leaves the
+        finished requests out (`previous_rows`), and a released row goes to another request only in a call that finds
+        its rows itself."""
         self._rows.release(requests)
 
     def _grow(self) -> range:

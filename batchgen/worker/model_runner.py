@@ -332,7 +332,7 @@ class ModelRunner:
         else:
             sample_requests = [r for r, samples in zip(step.requests, step.samples, strict=True) if samples]
             positions = [end for end, samples in zip(step.computed_ends, step.samples, strict=True) if samples]
-        sampling = self._step_sampling(sample_requests, positions, step.same_rows_as_previous)
+        sampling = self._step_sampling(sample_requests, positions, step.same_rows_as_previous, step.previous_rows)
         graphed = self.graphs is not None and _is_pure_decode(step) and sampling.fixed_shape
         graph_size = self.graphs.step_size(step.num_seqs) if graphed else None
         width = self.block_table_width if graph_size else None
@@ -400,11 +400,20 @@ class ModelRunner:
         return LaunchedStep(step.num_seqs, [], torch.empty(0, dtype=torch.int64), done, timer, prepare_ms, None,
                             False, pooled=pooled)
 
-    def _step_sampling(self, requests: list[Request], positions: list[int], same_rows: bool) -> SamplingBatch:
+    def _step_sampling(self, requests: list[Request], positions: list[int], same_rows: bool,
+                       previous_rows: np.ndarray | None = None) -> SamplingBatch:
         """positions: each request's num_tokens, the index of the token it samples (its step's computed end).
-        same_rows: the requests are the previous step's, which all sampled."""
+        same_rows: the requests are the previous step's, which all sampled; previous_rows: they are those of the
+        previous step's at these rows (`SchedulerOutput.previous_rows`)."""
         if same_rows:
             params, seeds = self._previous_params, self._previous_seeds
+        elif previous_rows is not None and previous_rows[-1] < len(self._previous_params):
+            rows = previous_rows.tolist()
+            params = list(map(self._previous_params.__getitem__, rows))
+            seeds = list(map(self._previous_seeds.__getitem__, rows))
+            self._previous_params, self._previous_seeds = params, seeds
+            if (batch := self._last_packed.take(rows, params, positions, seeds)) is not None:  # rows left the step
+                return batch
         else:
             params, seeds = [r.sampling_params for r in requests], [r.sampling_seed for r in requests]
         self._previous_params, self._previous_seeds = params, seeds

@@ -51,18 +51,23 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
     """step: as scheduled, before `Scheduler.advance` moves its requests on (its `samples` name the sampling rows).
     block_table_width: a fixed width (the CUDA-graph buffers' width) or None for the widest request's.
     pending: the previous step's sampled ids, for the step's tokens still pending.
-    previous: the previous step's inputs, from which a step of the same rows (`step.same_rows_as_previous`) moves on.
+    previous: the previous step's inputs, from which a step of its rows, or some of them (`step.previous_rows`),
+    moves on.
 
     Per-request quantities are computed in Python from the step's lists, per-token ones in as few numpy calls as
     possible: on a host whose caches the forward has just flushed, each numpy call costs microseconds."""
     requests, counts, ends = step.requests, step.num_scheduled_tokens, step.computed_ends
     num_rows = len(requests)
     # before reading tables.table: it may grow
-    rows = tables.rows(requests, step.grown_rows if step.same_rows_as_previous else None)
+    previous_rows = step.previous_rows
+    rows = tables.rows(requests, step.grown_rows if previous_rows is not None else None, previous_rows)
     block_tables = tables.table[rows, :block_table_width or tables.widest]
-    if (step.same_rows_as_previous and previous is not None and pending is not None
-            and previous.block_tables.shape == block_tables.shape):
-        return _next_decode(previous, block_tables, block_size)
+    if (previous_rows is not None and previous is not None and pending is not None
+            and previous.block_tables.shape[1] == block_tables.shape[1]):
+        if step.same_rows_as_previous and len(previous.positions) == num_rows:
+            return _next_decode(previous, block_tables, block_size, None)
+        if not step.same_rows_as_previous and previous.is_decode and previous_rows[-1] < len(previous.positions):
+            return _next_decode(previous, block_tables, block_size, previous_rows)
     seq_lens = np.array(ends, dtype=np.int64)
     # The decodes come first, each sampling; then the prefill chunks.
     num_decodes, samples = step.num_decode_tokens, step.samples
@@ -97,25 +102,37 @@ def build_step_inputs(step: SchedulerOutput, block_size: int, tables: BlockTable
     )
 
 
-def _next_decode(previous: StepInputs, block_tables: np.ndarray, block_size: int) -> StepInputs:
-    """The inputs of a decode step of the previous step's rows, each one position further. Each row's token is the
-    one the previous step sampled for it, on the device in its row of the pending tokens, whether or not the host has
-    it yet: the inputs read no request."""
-    positions = previous.positions + 1
-    num_rows = len(positions)
+def _next_decode(previous: StepInputs, block_tables: np.ndarray, block_size: int,
+                 previous_rows: np.ndarray | None) -> StepInputs:
+    """The inputs of a decode step of the previous (decode) step's rows, or of those at previous_rows (None: all of
+    them), each one position further. Each row's token is the one the previous step sampled for it, on the device in
+    its row of the pending tokens (the previous step's row: every row of a decode step samples), whether or not the
+    host has it yet: the inputs read no request."""
+    if previous_rows is None:
+        positions, seq_lens = previous.positions + 1, previous.seq_lens + 1
+        num_rows = len(positions)
+        query_start_loc, sample_rows = previous.query_start_loc, previous.sample_rows
+        sample_token_index, max_seq_len = previous.sample_token_index, previous.max_seq_len + 1
+        pending_rows = np.arange(num_rows, dtype=np.int64)
+    else:
+        positions, seq_lens = previous.positions[previous_rows] + 1, previous.seq_lens[previous_rows] + 1
+        num_rows = len(positions)
+        query_start_loc, sample_rows = np.arange(num_rows + 1, dtype=np.int32), list(range(num_rows))
+        sample_token_index, max_seq_len = np.arange(num_rows, dtype=np.int64), int(seq_lens.max())
+        pending_rows = previous_rows.astype(np.int64, copy=False)
     blocks = block_tables[np.arange(num_rows), positions // block_size]
     return StepInputs(
         input_ids=np.full(num_rows, PENDING_TOKEN, dtype=np.int64),
         positions=positions,
         slot_mapping=blocks.astype(np.int64) * block_size + positions % block_size,
-        seq_lens=previous.seq_lens + 1,
-        query_start_loc=previous.query_start_loc,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
         block_tables=block_tables,
-        sample_rows=previous.sample_rows,
-        sample_token_index=previous.sample_token_index,
+        sample_rows=sample_rows,
+        sample_token_index=sample_token_index,
         max_query_len=1,
-        max_seq_len=previous.max_seq_len + 1,
-        pending_rows=np.arange(num_rows, dtype=np.int64),
+        max_seq_len=max_seq_len,
+        pending_rows=pending_rows,
     )
 
 

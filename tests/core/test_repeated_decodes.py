@@ -1,7 +1,7 @@
-"""A decode step of the previous step's rows, scheduled from that step's arrays (`Scheduler._repeat_decodes`), is the
-step the general decode loop schedules; a step's decode rows committed from its arrays (`Scheduler._commit_decodes`)
-end as the general commit loop ends them: random workloads run through both, compared step by step and token for
-token."""
+"""A decode step of the previous step's rows, or of those still running, scheduled from that step's arrays
+(`Scheduler._repeat_decodes`), is the step the general decode loop schedules; a step's decode rows committed from its
+arrays (`Scheduler._commit_decodes`), less those finished since the step was built, end as the general commit loop ends
+them: random workloads run through both, compared step by step and token for token."""
 
 from __future__ import annotations
 
@@ -35,9 +35,16 @@ class RowByRowCommits(Scheduler):
 
 
 class CountedCommits(Scheduler):
-    """Counts the steps whose decode rows were committed from their arrays."""
+    """Counts the steps whose decode rows were committed from their arrays, and those of them committed after some of
+    their requests had finished."""
 
     array_commits = 0
+    commits_after_finishes = 0
+
+    def commit(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        if output.decode_rows is not None and output.num_finished_at_schedule not in (None, self.num_finished):
+            self.commits_after_finishes += 1
+        return super().commit(output, sampled_token_ids)
 
     def _commit_decodes(self, *args) -> None:
         self.array_commits += 1
@@ -99,6 +106,7 @@ class Run:
     finished: list[list[tuple[int, int]]]  # the requests each commit finished, in its order
     outcomes: dict[tuple[int, int], tuple]  # each request's tokens, finish reason, preemptions and cached tokens
     repeated: int  # steps that repeated the previous step's rows
+    carried: int  # steps that repeated some of them, the others having left
     scheduler: Scheduler
 
 
@@ -110,7 +118,7 @@ def run(scheduler_type: type[Scheduler], workload: Workload) -> Run:
     requests = make_requests(workload)
     rng = random.Random(workload.seed + 1)
     pending_arrivals = list(requests)
-    steps, repeated, in_flight = [], 0, None
+    steps, repeated, carried, in_flight = [], 0, 0, None
     cached_blocks: list[int] = []
     finished: list[list[tuple[int, int]]] = []
 
@@ -136,6 +144,7 @@ def run(scheduler_type: type[Scheduler], workload: Workload) -> Run:
         if output is not None:
             steps.append(step_summary(output))
             repeated += output.same_rows_as_previous
+            carried += output.previous_rows is not None and not output.same_rows_as_previous
             scheduler.advance(output)
         if workload.async_order:
             if in_flight is not None:
@@ -146,7 +155,7 @@ def run(scheduler_type: type[Scheduler], workload: Workload) -> Run:
         assert len(steps) < 5000
     outcomes = {r.key: (r.output_token_ids, r.finish_reason, r.num_preemptions, r.num_cached_tokens)
                 for r in requests}
-    return Run(steps, cached_blocks, finished, outcomes, repeated, scheduler)
+    return Run(steps, cached_blocks, finished, outcomes, repeated, carried, scheduler)
 
 
 WORKLOADS = [
@@ -168,6 +177,7 @@ WORKLOADS = [
 def test_repeated_decode_steps_equal_the_general_loop(workload):
     arrays, general = run(Scheduler, workload), run(GeneralScheduler, workload)
     assert arrays.repeated > 0 and general.repeated == 0  # the workload exercises the array path
+    assert general.carried == 0
     assert arrays.steps == general.steps
     assert arrays.cached_blocks == general.cached_blocks
     assert arrays.outcomes == general.outcomes
@@ -186,6 +196,17 @@ def test_decode_rows_committed_from_arrays_equal_the_general_loop(workload):
     assert arrays_cache.block_hashes == general_cache.block_hashes
     assert arrays_cache.ref_counts == general_cache.ref_counts
     assert list(arrays_cache._free) == list(general_cache._free)
+
+
+def test_steps_whose_rows_left_are_scheduled_from_arrays():
+    """Rows end at different steps in every workload above: their equality covers the steps that carry the rows still
+    running over from the previous step's arrays."""
+    assert all(run(Scheduler, workload).carried > 0 for workload in WORKLOADS)
+
+
+def test_decode_rows_are_committed_after_some_of_their_requests_finished():
+    """The equality above covers commits that leave out requests finished since their step was built."""
+    assert sum(run(CountedCommits, workload).scheduler.commits_after_finishes for workload in WORKLOADS) > 0
 
 
 def test_preemptions_happen_in_the_tiny_cache_workloads():
@@ -213,3 +234,28 @@ def test_a_repeated_step_grows_the_rows_whose_token_starts_a_block():
     assert second.same_rows_as_previous and second.grown_rows == [1]
     assert third.same_rows_as_previous and third.grown_rows == [0]
     assert [len(r.block_ids) for r in (short, long)] == [2, 2]
+
+
+def test_a_step_leaves_out_the_rows_that_finished_and_those_ending_with_their_pending_token():
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    scheduler = Scheduler(config, BlockManager(100, 4, False))
+    requests = [Request(i, [5] * 3, SamplingParams(max_tokens=max_tokens, ignore_eos=True), eos_token_id=EOS)
+                for i, max_tokens in enumerate((2, 9, 3, 9))]
+    for request in requests:
+        scheduler.add_request(request)
+    prefill = scheduler.schedule()
+    scheduler.advance(prefill)
+    decode = scheduler.schedule()  # async order: scheduled while the prefill's tokens are pending
+    scheduler.advance(decode)
+    scheduler.commit(prefill, [9] * 4)
+    # Request 0's pending token (its second) ends it: it leaves; the others keep their rows, in order.
+    second = scheduler.schedule()
+    assert [r.request_id for r in second.requests] == [1, 2, 3]
+    assert second.previous_rows.tolist() == [1, 2, 3] and not second.same_rows_as_previous
+    scheduler.advance(second)
+    scheduler.commit(decode, [9] * 4)  # request 0 ends on length
+    assert requests[0].is_finished
+    third = scheduler.schedule()  # request 2's pending token (its third) ends it
+    assert [r.request_id for r in third.requests] == [1, 3]
+    assert third.previous_rows.tolist() == [0, 2]
+    assert third.computed_ends == [6, 6] and third.output_slots == [3, 3]

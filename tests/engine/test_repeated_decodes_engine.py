@@ -1,5 +1,5 @@
-"""Whole generations with decode steps that repeat the previous step's rows scheduled from its arrays give exactly
-what the general loop gives, row for row and token for token."""
+"""Whole generations with decode steps that repeat the previous step's rows, or those still running, scheduled from
+its arrays give exactly what the general loop gives, row for row and token for token."""
 
 from __future__ import annotations
 
@@ -15,18 +15,19 @@ MODEL_DIR = Path(__file__).resolve().parents[2] / "jobs" / "shakespeare" / "mode
 PROMPTS_FILE = MODEL_DIR.parent / "prompts.jsonl"
 
 
-def generate(monkeypatch: pytest.MonkeyPatch, repeat: bool, **engine_options) -> tuple[list, int]:
-    """Outputs of 24 rows ending every way (length, stop id, stop string; n > 1; greedy and sampled), and the number of
-    repeated steps."""
+def generate(monkeypatch: pytest.MonkeyPatch, repeat: bool, **engine_options) -> tuple[list, int, int]:
+    """Outputs of 24 rows ending every way (length, stop id, stop string; n > 1; greedy and sampled), the number of
+    steps that repeated the previous step's rows, and of those that repeated some of them."""
     with PROMPTS_FILE.open() as f:
         prompts = [json.loads(line)["prompt"] for line in f][:24]
-    repeated = 0
+    repeated = carried = 0
     schedule = Scheduler.schedule
 
     def counted(self):
-        nonlocal repeated
+        nonlocal repeated, carried
         output = schedule(self)
         repeated += output.same_rows_as_previous
+        carried += output.previous_rows is not None and not output.same_rows_as_previous
         return output
 
     with monkeypatch.context() as patch:
@@ -44,7 +45,7 @@ def generate(monkeypatch: pytest.MonkeyPatch, repeat: bool, **engine_options) ->
         finally:
             llm.close()
     rows = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outputs]
-    return rows, repeated
+    return rows, repeated, carried
 
 
 @pytest.mark.parametrize("options", [{}, {"async_scheduling": False},
@@ -52,8 +53,8 @@ def generate(monkeypatch: pytest.MonkeyPatch, repeat: bool, **engine_options) ->
                                      {"mixed_prefill_decode": True, "max_num_batched_tokens": 16}],
                          ids=["async", "sync", "preemption", "mixed-chunked"])
 def test_repeated_decode_steps_give_the_general_loop_s_outputs(monkeypatch, options):
-    outputs, repeated = generate(monkeypatch, True, **options)
-    general, general_repeated = generate(monkeypatch, False, **options)
-    assert repeated > 0 and general_repeated == 0
+    outputs, repeated, carried = generate(monkeypatch, True, **options)
+    general, general_repeated, general_carried = generate(monkeypatch, False, **options)
+    assert repeated > 0 and carried > 0 and general_repeated == general_carried == 0
     assert outputs == general
     assert {reason for row in general for _, _, reason in row} == {"length", "stop"}

@@ -1,6 +1,6 @@
-"""A step that repeats the previous step's rows (`SchedulerOutput.same_rows_as_previous`) writes only its grown
-block-table rows and moves the previous step's inputs on; its inputs are those of the same step built without that
-signal, each row's token read from the pending tokens instead of the host."""
+"""A step that repeats the previous step's rows, or those of them still running (`SchedulerOutput.previous_rows`),
+writes only its grown block-table rows and moves the previous step's inputs on; its inputs are those of the same step
+built without that signal, each row's token read from the pending tokens instead of the host."""
 
 from __future__ import annotations
 
@@ -53,14 +53,15 @@ def test_repeated_steps_build_the_inputs_of_the_general_path(workload, width):
     pending, general_pending = (PendingTokens(workload.max_num_seqs, torch.device("cpu")) for _ in range(2))
     in_flight: SchedulerOutput | None = None
     previous_inputs = None
-    repeated = 0
+    repeated = carried = 0
     rng = random.Random(workload.seed)
     while scheduler.has_unfinished_requests() or in_flight is not None:
         step = scheduler.schedule() if scheduler.has_unfinished_requests() else None
         if step is not None and not step.is_empty:
             unsignalled = copy.copy(step)
-            unsignalled.same_rows_as_previous, unsignalled.grown_rows = False, []
+            unsignalled.same_rows_as_previous, unsignalled.grown_rows, unsignalled.previous_rows = False, [], None
             repeated += step.same_rows_as_previous
+            carried += step.previous_rows is not None and not step.same_rows_as_previous
             inputs = build_step_inputs(step, workload.block_size, tables, width, pending, previous_inputs)
             expected = build_step_inputs(unsignalled, workload.block_size, general_tables, width, general_pending)
             assert_same_inputs(inputs, expected)
@@ -84,4 +85,4 @@ def test_repeated_steps_build_the_inputs_of_the_general_path(workload, width):
             if rng.random() < 0.3:  # as the engine, which releases a step's finished rows after committing it
                 tables.release(finished)
                 general_tables.release(finished)
-    assert repeated > 0
+    assert repeated > 0 and carried > 0

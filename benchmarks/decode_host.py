@@ -4,12 +4,17 @@ top-k 40 (the job's sampling), max_num_seqs 512. The 4-layer, 128-wide model's f
 work of 512 rows, so on CPU this measures the host path of a decode step: scheduling, building the inputs,
 committing the sampled ids, stop checks and the finished rows' outputs.
 
+--max-tokens LOW HIGH draws each row's max_tokens uniformly from LOW..HIGH instead (seeded), each row with a
+parameters object of its own, as a job's rows with per-row max_tokens have (chat_mix's shape): rows then leave the
+batch at different steps, and most steps carry the previous step's rows less a few.
+
 Reports, over the decode steps that ran at least 90% of max_num_seqs rows, the median of each steps.parquet column
 (schedule_ms, prepare_ms, forward_ms, sample_ms, wait_ms, step_ms) and outside_ms: step_ms less the five, the host
 time in no timed part (commit, stop checks, outputs, releasing finished rows). host_ms = schedule + prepare +
 outside. With --profile, cProfile's top functions by own time over the engine loop.
 
-Usage: python -m benchmarks.decode_host [--rows N] [--max-num-seqs N] [--max-tokens N] [--tiny] [--profile] [--out DIR]
+Usage: python -m benchmarks.decode_host [--rows N] [--max-num-seqs N] [--max-tokens N [HIGH]] [--tiny] [--profile]
+                                        [--out DIR]
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=512)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[16],
+                        help="every row's, or LOW HIGH: each row's drawn from that range")
     parser.add_argument("--tiny", action="store_true", help="256 rows at max_num_seqs 64: a quick smoke test")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions of the engine loop")
     add_out_argument(parser)
@@ -53,8 +59,17 @@ def main() -> None:
     rows, max_num_seqs = (256, 64) if args.tiny else (args.rows, args.max_num_seqs)
     options = dict(device="cpu", cpu_threads=1, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
     engine = build_engine(load_model_config(SHAKESPEARE), **options)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_k=40)
-    requests = [(engine.detokenizer.encode(prompt), params) for prompt in text_windows(rows, (8, 32))]
+    if len(args.max_tokens) > 2:
+        parser.error("--max-tokens takes one value or a range LOW HIGH")
+    prompts = [engine.detokenizer.encode(prompt) for prompt in text_windows(rows, (8, 32))]
+    if len(args.max_tokens) == 1:
+        params = SamplingParams(max_tokens=args.max_tokens[0], temperature=0.8, top_k=40)
+        requests = [(prompt, params) for prompt in prompts]
+    else:
+        low, high = args.max_tokens
+        max_tokens = np.random.default_rng(0).integers(low, high + 1, rows).tolist()
+        requests = [(prompt, SamplingParams(max_tokens=n, temperature=0.8, top_k=40))
+                    for prompt, n in zip(prompts, max_tokens, strict=True)]
     profiler = cProfile.Profile() if args.profile else None
     if profiler is not None:
         profiler.enable()
@@ -69,8 +84,10 @@ def main() -> None:
     outside = statistics.median(r.step_ms - sum(getattr(r, name) for name in TIMED) for r in full)
     result = {"full_decode_steps": len(full), "num_seqs": statistics.median(r.num_seqs for r in full), **medians,
               "outside_ms": outside, "host_ms": medians["schedule_ms"] + medians["prepare_ms"] + outside}
-    save_json(args.out, "decode_host_tiny" if args.tiny else "decode_host",
-              {"environment": environment(), "options": options, "rows": rows, "wall_s": wall, "steps": len(records),
+    name = "decode_host" + ("_range" if len(args.max_tokens) == 2 else "") + ("_tiny" if args.tiny else "")
+    save_json(args.out, name,
+              {"environment": environment(), "options": options, "rows": rows, "max_tokens": args.max_tokens,
+               "wall_s": wall, "steps": len(records),
                "output_tokens_digest": tokens_digest(outputs), "result": result})
     if profiler is not None:
         stream = io.StringIO()

@@ -47,9 +47,12 @@ def test_many_rows_host_runs_every_row_through_the_job(tmp_path, stub):
     assert all(result["us_per_row"][part] > 0 for part in ("engine_start", "engine_loop", "schedule", "prepare"))
 
 
-def test_decode_host_tiny_splits_the_full_decode_steps_host_time(tmp_path):
-    run_benchmark("decode_host", tmp_path, "--tiny")
-    result = json.loads((tmp_path / "decode_host_tiny.json").read_text())["result"]
+@pytest.mark.parametrize("max_tokens", [[], ["4", "24"]], ids=["shared", "per-row"])
+def test_decode_host_tiny_splits_the_full_decode_steps_host_time(tmp_path, max_tokens):
+    run_benchmark("decode_host", tmp_path, "--tiny", *(["--max-tokens", *max_tokens] if max_tokens else []))
+    data = json.loads((tmp_path / f"decode_host{'_range' if max_tokens else ''}_tiny.json").read_text())
+    result = data["result"]
+    assert data["max_tokens"] == ([4, 24] if max_tokens else [16])
     assert result["full_decode_steps"] > 0 and result["num_seqs"] >= 0.9 * 64
     assert result["host_ms"] == pytest.approx(result["schedule_ms"] + result["prepare_ms"] + result["outside_ms"])
     assert result["schedule_ms"] > 0 and result["prepare_ms"] > 0

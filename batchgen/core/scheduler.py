@@ -556,27 +556,24 @@ class Scheduler:
         if previous is None or len(running) > len(previous.requests):
             return False
         rows = previous.next_step()
-        # Requests that finished since the previous step left `running`; any other change (a preemption, a request
-        # admitted) does not leave `running` the previous requests less some.
+        # Requests that finished since the previous step have left `running`, the others keeping their order; after
+        # a preemption or an admission `running` is something else, which the general loop schedules.
         if len(running) == len(previous.requests):
             if not all(map(operator.is_, previous.requests, running)):
                 return False
-            kept = None
+            still_running = np.arange(len(running))
         else:
             running_status = RequestStatus.RUNNING
             kept = [row for row, request in enumerate(previous.requests) if request.status is running_status]
             if len(kept) != len(running) or not all(map(operator.is_, map(previous.requests.__getitem__, kept),
                                                          running)):
                 return False
-        ending = rows.output_slots >= rows.max_num_outputs  # its pending token ends it, whatever the token is
-        if kept is None and not ending.any():
-            previous_rows = np.arange(len(running))
-        else:
-            keep = np.zeros(len(previous.requests), dtype=bool)
-            keep[kept if kept is not None else slice(None)] = True
-            previous_rows = np.flatnonzero(keep & ~ending)
-            if not len(previous_rows):
-                return False
+            still_running = np.array(kept, dtype=np.int64)
+        ending = rows.output_slots[still_running] >= rows.max_num_outputs[still_running]  # whatever its pending token
+        previous_rows = still_running[~ending] if ending.any() else still_running
+        if not len(previous_rows):
+            return False
+        if len(previous_rows) < len(previous.requests):
             rows = rows.take(previous_rows)
         # The new token's position is the previous computed end. The previous step's token, one position before, fit
         # the request's blocks, so the new one needs a block only at a block's start, and then only if the

@@ -209,7 +209,6 @@ class LastPacked:
         self.params, self.batch = params, replace(last, ints=ints)
         return self.batch
 
-
     def take(self, rows: list[int], params: list[SamplingParams], positions: Sequence[int] | np.ndarray,
              seeds: Sequence[int] | None = None) -> SamplingBatch | None:
         """The previous batch's rows at `rows` (indices among its rows, ascending) with these positions, when those

@@ -108,7 +108,7 @@ class EngineConfig:
     # data-parallel rank d on cuda:(d * N + r)), so that a model larger than one GPU runs
     tensor_parallel_size: int = 1
     # With tensor_parallel_size > 1 on GPUs of one host with peer access: the decode graphs' all-reduces of small
-    # tensors read the other ranks' buffers directly (one kernel) instead of NCCL's (vLLM's
+    # tensors write straight into the other ranks' mapped buffers (one kernel) instead of going through NCCL (vLLM's
     # disable_custom_all_reduce, inverted)
     custom_all_reduce: bool = True
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)

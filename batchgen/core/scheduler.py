@@ -558,10 +558,11 @@ class Scheduler:
         rows = previous.next_step()
         # Requests that finished since the previous step have left `running`, the others keeping their order; after
         # a preemption or an admission `running` is something else, which the general loop schedules.
+        ending = rows.output_slots >= rows.max_num_outputs  # its pending token ends it, whatever the token is
         if len(running) == len(previous.requests):
             if not all(map(operator.is_, previous.requests, running)):
                 return False
-            still_running = np.arange(len(running))
+            previous_rows = np.flatnonzero(~ending) if ending.any() else np.arange(len(running))
         else:
             running_status = RequestStatus.RUNNING
             kept = [row for row, request in enumerate(previous.requests) if request.status is running_status]
@@ -569,8 +570,7 @@ class Scheduler:
                                                          running)):
                 return False
             still_running = np.array(kept, dtype=np.int64)
-        ending = rows.output_slots[still_running] >= rows.max_num_outputs[still_running]  # whatever its pending token
-        previous_rows = still_running[~ending] if ending.any() else still_running
+            previous_rows = still_running[~ending[still_running]]
         if not len(previous_rows):
             return False
         if len(previous_rows) < len(previous.requests):

@@ -196,40 +196,34 @@ class LastPacked:
         return batch
 
     def repeat(self, params: list[SamplingParams], positions: Sequence[int] | np.ndarray,
-               seeds: Sequence[int] | None = None) -> SamplingBatch | None:
+               seeds: Sequence[int] | None = None, rows: list[int] | None = None) -> SamplingBatch | None:
         """The previous batch with these positions, when its rows had these very parameters and these seeds; else
-        None. Such rows use no penalty state (the previous batch had none, and that depends on the parameters
-        alone), so a caller may ask this before it gathers the rows' token histories."""
+        None. rows: the previous rows this step keeps (ascending indices among them; None: all), whose columns the
+        batch takes, with the previous batch's stages: a stage that none of the kept rows uses leaves their tokens as
+        they are (as it does a graph bucket's padding rows). Such rows use no penalty state (the previous batch had
+        none, and that depends on the parameters alone), so a caller may ask this before it gathers the rows' token
+        histories."""
         last = self.batch
-        if (last is None or len(params) != len(self.params) or seeds != self.seeds
-                or not all(map(operator.is_, params, self.params))):
+        if last is None:
             return None
-        ints = last.ints.copy()  # the floats are never written, the ints only here, on a copy
+        if rows is None:
+            kept_params, kept_seeds = self.params, self.seeds
+        elif rows and rows[-1] < len(self.params):
+            kept_params = list(map(self.params.__getitem__, rows))
+            kept_seeds = None if self.seeds is None else list(map(self.seeds.__getitem__, rows))
+        else:
+            return None
+        if (len(params) != len(kept_params) or seeds != kept_seeds
+                or not all(map(operator.is_, params, kept_params))):
+            return None
+        if rows is None:  # the floats are never written, the ints only here, on a copy
+            floats, ints, logprobs = last.floats, last.ints.copy(), last.logprobs
+        else:
+            floats, ints, logprobs = last.floats[:, rows], last.ints[:, rows], list(map(last.logprobs.__getitem__,
+                                                                                          rows))
         ints[_POSITION] = positions
-        self.params, self.batch = params, replace(last, ints=ints)
-        return self.batch
-
-    def take(self, rows: list[int], params: list[SamplingParams], positions: Sequence[int] | np.ndarray,
-             seeds: Sequence[int] | None = None) -> SamplingBatch | None:
-        """The previous batch's rows at `rows` (indices among its rows, ascending) with these positions, when those
-        rows had these very parameters and these seeds; else None. The batch keeps the previous one's stages: a stage
-        that none of the remaining rows uses leaves their tokens as they are (as it does a graph bucket's padding
-        rows)."""
-        last = self.batch
-        if last is None or not rows or rows[-1] >= len(self.params):
-            return None
-        previous_params, previous_seeds = self.params, self.seeds
-        if not all(map(operator.is_, params, map(previous_params.__getitem__, rows))):
-            return None
-        if (seeds is None) != (previous_seeds is None) or (
-                seeds is not None and list(map(previous_seeds.__getitem__, rows)) != list(seeds)):
-            return None
-        ints = last.ints[:, rows]
-        ints[_POSITION] = positions
-        logprobs = last.logprobs
         self.params, self.seeds = params, seeds
-        self.batch = replace(last, floats=last.floats[:, rows], ints=ints,
-                             logprobs=list(map(logprobs.__getitem__, rows)))
+        self.batch = replace(last, floats=floats, ints=ints, logprobs=logprobs)
         return self.batch
 
 

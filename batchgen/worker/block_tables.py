@@ -30,13 +30,12 @@ class BlockTables:
         the rows whose requests have gained blocks since; None: found here."""
         last = self._last
         if grown_rows is not None and last is not None and previous_rows is not None:
-            if len(previous_rows) != len(last.requests):  # some of the previous rows left
-                entries = list(map(last.entries.__getitem__, previous_rows.tolist()))
-                last = self._last = _LastStep(requests, entries, last.rows[previous_rows],
-                                              max(map(attrgetter("written"), entries)))
+            if len(previous_rows) != len(last.requests):  # some of the previous rows left: found when asked
+                last = self._last = _LastStep(requests, list(map(last.entries.__getitem__, previous_rows.tolist())),
+                                              last.rows[previous_rows], None)
             if grown_rows:
-                widest = self._write([requests[row] for row in grown_rows], [last.entries[row] for row in grown_rows])
-                last.widest = max(last.widest, widest)
+                entries = last.entries
+                self._write_grown(last, [requests[row] for row in grown_rows], [entries[row] for row in grown_rows])
             return last.rows
         if last is not None and len(requests) == len(last.requests) and all(map(operator.is_, requests,
                                                                                 last.requests)):
@@ -48,8 +47,7 @@ class BlockTables:
                 return last.rows
             if all(request.num_preemptions == entry.preemptions for request, entry in changed):
                 # Blocks only appended, none preempted since: only the new blocks are written.
-                changed_requests, changed_entries = zip(*changed, strict=True)
-                last.widest = max(last.widest, self._write(changed_requests, changed_entries))
+                self._write_grown(last, *zip(*changed, strict=True))
                 return last.rows
         entries = self._rows.entries(requests, self._grow)
         widest = self._write(requests, entries)
@@ -59,7 +57,16 @@ class BlockTables:
     @property
     def widest(self) -> int:
         """The most blocks any request of the latest `rows` call holds."""
-        return self._last.widest
+        last = self._last
+        if last.widest is None:  # only an eager step's table width asks: a graph's is fixed
+            last.widest = max(map(attrgetter("written"), last.entries))
+        return last.widest
+
+    def _write_grown(self, last: _LastStep, requests: Sequence[Request], entries: Sequence[_Entry]) -> None:
+        """_write for some of the latest call's requests, which have gained blocks since."""
+        widest = self._write(requests, entries)
+        if last.widest is not None:
+            last.widest = max(last.widest, widest)
 
     def _write(self, requests: Sequence[Request], entries: Sequence[_Entry]) -> int:
         """Writes the requests' blocks not yet in their rows (all of them after a preemption), in one scatter for all
@@ -123,4 +130,4 @@ class _LastStep:
     requests: list[Request]
     entries: list[_Entry]
     rows: np.ndarray
-    widest: int
+    widest: int | None  # None: not yet found (`BlockTables.widest`)

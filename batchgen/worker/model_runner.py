@@ -405,19 +405,17 @@ class ModelRunner:
         """positions: each request's num_tokens, the index of the token it samples (its step's computed end).
         same_rows: the requests are the previous step's, which all sampled; previous_rows: they are those of the
         previous step's at these rows (`SchedulerOutput.previous_rows`)."""
+        kept = None  # the previous rows this step keeps, where some left
         if same_rows:
             params, seeds = self._previous_params, self._previous_seeds
         elif previous_rows is not None and previous_rows[-1] < len(self._previous_params):
-            rows = previous_rows.tolist()
-            params = list(map(self._previous_params.__getitem__, rows))
-            seeds = list(map(self._previous_seeds.__getitem__, rows))
-            self._previous_params, self._previous_seeds = params, seeds
-            if (batch := self._last_packed.take(rows, params, positions, seeds)) is not None:  # rows left the step
-                return batch
+            kept = previous_rows.tolist()
+            params = list(map(self._previous_params.__getitem__, kept))
+            seeds = list(map(self._previous_seeds.__getitem__, kept))
         else:
             params, seeds = [r.sampling_params for r in requests], [r.sampling_seed for r in requests]
         self._previous_params, self._previous_seeds = params, seeds
-        if (batch := self._last_packed.repeat(params, positions, seeds)) is not None:  # most decode steps
+        if (batch := self._last_packed.repeat(params, positions, seeds, kept)) is not None:  # most decode steps
             return batch
         histories = token_histories(requests, params)
         if histories is not None and self.sampling_state is None:

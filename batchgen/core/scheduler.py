@@ -9,6 +9,8 @@ requests leave and waiting ones join at every step. Step composition, chosen by 
   budget left), so a long prompt is split across steps (chunked prefill). While requests are decoding, admission
   waits until it is worth a step: `admit_rows` free slots (or as many as wait) or waiting prompts that fill the
   token budget; an eager prefill step costs its launches however few rows it admits, and the decodes wait for it.
+  For the same reason such a step does not cut a row to fill the last 1/UNCUT_TAIL_SHARE of its budget: the row's
+  remainder would need a prefill step of its own next, with the few rows that fit beside it; it waits whole instead.
   Otherwise, or when the prefill step ends up empty, it is a decode step: every running request gets 1 token.
 - True (vLLM v1 style): running requests first, in admission order (a decode takes 1 token, a mid-prefill request
   a chunk of the remaining budget), then waiting requests with whatever budget remains; a step with both is "mixed".
@@ -53,6 +55,10 @@ import numpy as np
 from batchgen.config import EngineConfig
 from batchgen.core.block_manager import BlockManager
 from batchgen.core.request import PENDING_TOKEN, Request, RequestStatus, prompt_arrays
+
+# A prefill step that interrupts decodes leaves a budget below 1/UNCUT_TAIL_SHARE of max_num_batched_tokens unused
+# rather than cut a row to fill it (see the module docstring).
+UNCUT_TAIL_SHARE = 8
 
 
 @dataclass(slots=True)
@@ -295,8 +301,9 @@ class Scheduler:
             self._admit_waiting(step)
         else:
             if self._wants_prefill_step():
+                decoding = len(self.running) > len(self._prefilling)
                 self._schedule_running(step, decodes=False, prefills=True)
-                self._admit_waiting(step)
+                self._admit_waiting(step, self.config.max_num_batched_tokens // UNCUT_TAIL_SHARE if decoding else 0)
             if not step.decodes and not step.prefills:
                 self._schedule_every_running(step, prefills=False)
         self._previous_decodes = None  # set again when this step is launched
@@ -610,9 +617,10 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _admit_waiting(self, step: _StepBuilder) -> None:
+    def _admit_waiting(self, step: _StepBuilder, uncut_tail: int = 0) -> None:
         """Admits waiting requests FIFO while the budget, the free slots and the free blocks allow. A prefill step may
-        admit hundreds of short rows: the loop keeps its state in locals and inlines the per-row checks."""
+        admit hundreds of short rows: the loop keeps its state in locals and inlines the per-row checks.
+        uncut_tail: a row that would be cut to fit a budget left below this waits, whole, for a later step."""
         waiting = self.waiting
         if step.preempted or not waiting:
             return  # mixed scheduling calls this at every step
@@ -633,7 +641,11 @@ class Scheduler:
                     break  # a long queue is not scanned whole at every step
                 continue
             num_cached = len(cached_blocks) * block_size
-            num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids) - num_cached, budget)
+            num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - num_cached
+            if num_new > budget:
+                if budget < uncut_tail:
+                    break
+                num_new = budget
             if not try_allocate(request, num_new, cached_blocks):
                 break
             waiting.popleft()

@@ -635,6 +635,43 @@ def test_waiting_prompts_that_fill_the_token_budget_are_worth_a_step():
     assert output.kind == "prefill" and scheduled(output) == {8: 32}
 
 
+def test_a_prefill_step_between_decodes_leaves_the_last_eighth_of_its_budget_rather_than_cut_a_row():
+    """Cut, the third row's remainder would take a prefill step of its own next, interrupting the decodes again."""
+    scheduler = make_admitting_scheduler(min_admit_rows=3)  # budget 64: its last eighth is 8 tokens
+    add_requests(scheduler, [4] * 4, max_tokens=100)
+    run_step(scheduler)  # the first batch's prefill
+    assert run_step(scheduler)[0].kind == "decode"
+    add_requests(scheduler, [30, 30, 10, 10, 10], max_tokens=100, first_id=4)  # 4 free slots: worth a step
+    output, _ = run_step(scheduler)
+    assert output.kind == "prefill" and scheduled(output) == {4: 30, 5: 30}  # 4 tokens left: row 6 waits whole
+    assert run_step(scheduler)[0].kind == "decode"
+    assert [r.request_id for r in scheduler.waiting] == [6, 7, 8]
+    assert scheduler.waiting[0].num_computed_tokens == 0
+
+
+@pytest.mark.parametrize("decoding", [False, True])
+def test_a_row_is_cut_to_fill_the_budget_where_no_decodes_wait_or_more_than_an_eighth_is_left(decoding):
+    scheduler = make_admitting_scheduler(min_admit_rows=3)
+    first_id = 0
+    if decoding:
+        add_requests(scheduler, [4] * 4, max_tokens=100)
+        run_step(scheduler)
+        run_step(scheduler)
+        first_id = 4
+    add_requests(scheduler, [30, 20, 20], max_tokens=100, first_id=first_id)  # 14 tokens left for the third
+    output, _ = run_step(scheduler)
+    assert scheduled(output) == {first_id: 30, first_id + 1: 20, first_id + 2: 14}
+    output, _ = run_step(scheduler)  # the cut row's remainder
+    assert output.kind == "prefill" and scheduled(output) == {first_id + 2: 6}
+
+
+def test_nothing_decoding_a_row_is_cut_to_fill_even_the_last_eighth():
+    scheduler = make_admitting_scheduler(min_admit_rows=3)
+    add_requests(scheduler, [30, 30, 10], max_tokens=100)
+    output, _ = run_step(scheduler)
+    assert scheduled(output) == {0: 30, 1: 30, 2: 4}
+
+
 def test_min_admit_rows_defaults_to_an_eighth_of_max_num_seqs():
     assert EngineConfig(max_num_seqs=512).admit_rows == 64
     assert EngineConfig(max_num_seqs=4).admit_rows == 1

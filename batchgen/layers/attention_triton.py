@@ -42,6 +42,7 @@ import triton.language as tl
 from batchgen.layers import pdl
 from batchgen.layers.fp8_gemm_triton import HOPPER, gpu_limits
 from batchgen.layers.pdl import launch_options, wait_for_previous
+from batchgen.layers.triton_launch import direct
 
 _MAX_SPLITS = 16  # of each sequence's own KV range, and (cascade) of the shared prefix
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2), with log2(e) folded into the softmax scale
@@ -822,6 +823,9 @@ def _prefill_kernel(
     tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+_prefill = direct(_prefill_kernel)
+
+
 def prefill_attention(
     q: torch.Tensor,  # (T, H, D)
     k_cache: torch.Tensor,  # (NB, BS, KVH, D)
@@ -848,7 +852,7 @@ def prefill_attention(
     config = config or prefill_config(head_dim, q.dtype, group, max_seq_len, q.device)
     block_m = max(config.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
-    _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_kv_heads, batch)](
+    _prefill[(triton.cdiv(max_query_len, block_q), num_kv_heads, batch)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * _LOG2E, sliding_window or _NO_WINDOW,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),

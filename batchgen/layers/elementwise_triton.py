@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from batchgen.layers.pdl import launch_options, wait_for_previous
+from batchgen.layers.triton_launch import direct
 
 
 @triton.jit
@@ -61,9 +62,14 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_out + offs, (silu * up).to(dtype), mask=mask)
 
 
+_add_rms_norm = direct(_add_rms_norm_kernel)
+_silu_and_mul = direct(_silu_and_mul_kernel)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as (rows, features) with unit stride along the features (a copy only where it is not already)."""
-    x = x.reshape(-1, x.shape[-1])
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -83,13 +89,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     res = rows if residual is None else _rows(residual)
     if rows.shape[0] > 0:
         block = triton.next_power_of_2(dim)
-        _add_rms_norm_kernel[(rows.shape[0],)](
+        _add_rms_norm[(rows.shape[0],)](
             rows, res, weight, out, summed, eps,
             rows.stride(0), res.stride(0), out.stride(0), summed.stride(0),
             DIM=dim, BLOCK=block, HAS_RESIDUAL=residual is not None, GEMMA_STYLE=gemma_style,
             num_warps=_num_warps(block),
             **launch_options(x.device),
         )  # fmt: skip
+    if x.dim() == 2:  # a view costs a few microseconds of every launch
+        return out, (x if residual is None else summed)
     return out.view(shape), (x if residual is None else summed.view(shape))
 
 
@@ -99,8 +107,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (..., 2 * I) -> (...
     out = torch.empty(rows.shape[0], dim, dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0] > 0:
         block = min(triton.next_power_of_2(dim), 1024)
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(dim, block))](
+        _silu_and_mul[(rows.shape[0], triton.cdiv(dim, block))](
             rows, out, rows.stride(0), out.stride(0), DIM=dim, BLOCK=block, num_warps=_num_warps(block),
             **launch_options(gate_up.device),
         )  # fmt: skip
-    return out.view(*gate_up.shape[:-1], dim)
+    return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], dim)

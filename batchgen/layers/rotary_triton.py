@@ -17,6 +17,7 @@ import triton.language as tl
 
 from batchgen.layers.attention_triton import to_cache_dtype
 from batchgen.layers.pdl import launch_options, wait_for_previous
+from batchgen.layers.triton_launch import direct
 
 
 @triton.jit
@@ -135,6 +136,9 @@ def _rotate_and_store_kernel(
             tl.store(v_out + d, to_cache_dtype(v, cache_dtype), mask=v_mask)
 
 
+_rotate_and_store = direct(_rotate_and_store_kernel)
+
+
 def rotate_and_store(
     qkv: torch.Tensor,  # (T, (H + 2 * KVH) * D): q heads, then k heads, then v heads
     positions: torch.Tensor,  # (T,) int64
@@ -157,7 +161,7 @@ def rotate_and_store(
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)  # unread without QK_NORM
     half = cos.shape[1]
     passed = head_dim - 2 * half
-    _rotate_and_store_kernel[(num_tokens, 2)](
+    _rotate_and_store[(num_tokens, 2)](
         qkv, positions, cos, sin, q_weight, k_weight, q, k_cache, v_cache, slot_mapping, eps,
         qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),

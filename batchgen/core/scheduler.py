@@ -301,9 +301,9 @@ class Scheduler:
             self._admit_waiting(step)
         else:
             if self._wants_prefill_step():
-                decoding = len(self.running) > len(self._prefilling)
+                uncut_tail = self.config.max_num_batched_tokens // UNCUT_TAIL_SHARE if self._decoding() else 0
                 self._schedule_running(step, decodes=False, prefills=True)
-                self._admit_waiting(step, self.config.max_num_batched_tokens // UNCUT_TAIL_SHARE if decoding else 0)
+                self._admit_waiting(step, uncut_tail)
             if not step.decodes and not step.prefills:
                 self._schedule_every_running(step, prefills=False)
         self._previous_decodes = None  # set again when this step is launched
@@ -463,6 +463,13 @@ class Scheduler:
         cached_blocks = self.block_manager.lookup_prefix(head).block_ids
         num_new = self._admission_tokens(head, cached_blocks, self.config.max_num_batched_tokens)
         return self.block_manager.can_allocate(head, num_new, cached_blocks)
+
+    def _decoding(self) -> bool:
+        """Whether a running request will decode: one not mid-prefill whose pending token does not end it (a job of
+        max_tokens 1 never decodes)."""
+        prefilling = self._prefilling
+        return any(id(request) not in prefilling and len(request.output_token_ids) < request.max_num_outputs
+                   for request in self.running)
 
     def _admission_worth_a_step(self) -> bool:
         """Whether a prefill step that interrupts the running decodes would admit enough: admit_rows rows (or every

@@ -665,6 +665,18 @@ def test_a_row_is_cut_to_fill_the_budget_where_no_decodes_wait_or_more_than_an_e
     assert output.kind == "prefill" and scheduled(output) == {first_id + 2: 6}
 
 
+def test_rows_whose_pending_token_ends_them_do_not_count_as_decoding():
+    """max_tokens 1 (a classify job): the rows admitted at the previous step, not yet committed (async scheduling),
+    will never decode, so the next step fills its budget."""
+    scheduler = make_admitting_scheduler(min_admit_rows=3)
+    add_requests(scheduler, [30, 30, 10, 30, 26, 30], max_tokens=1)
+    first = scheduler.schedule()
+    assert scheduled(first) == {0: 30, 1: 30, 2: 4}
+    scheduler.advance(first)
+    second = scheduler.schedule()  # rows 0 and 1 are running, their pending token their last
+    assert second.kind == "prefill" and scheduled(second) == {2: 6, 3: 30, 4: 26, 5: 2}
+
+
 def test_nothing_decoding_a_row_is_cut_to_fill_even_the_last_eighth():
     scheduler = make_admitting_scheduler(min_admit_rows=3)
     add_requests(scheduler, [30, 30, 10], max_tokens=100)

@@ -100,6 +100,36 @@ def test_real_jobs_tiny_fills_every_column_and_its_floor_is_below_the_process_ti
         assert {"summary.json", "steps.parquet"} <= kept and "completions.parquet" not in kept
 
 
+def test_device_idle_tiny_gives_every_gap_between_steps_to_one_transition_and_one_host_phase(tmp_path):
+    run_benchmark("device_idle", tmp_path, "chat_mix", "--tiny", "--rows", "24")
+    result = json.loads((tmp_path / "device_idle_chat_mix_tiny.json").read_text())
+    assert not result["on_gpu"] and result["steps"] > 10
+    transitions = result["by_transition"].values()
+    assert sum(row["steps"] for row in transitions) == result["steps"] - 1
+    assert sum(row["idle_s"] for row in transitions) == pytest.approx(result["idle_s"])
+    assert sum(result["by_phase"].values()) == pytest.approx(result["idle_s"])
+    # on CPU the steps' spans follow one another: busy and idle make up the whole span
+    assert result["busy_s"] + result["idle_s"] == pytest.approx(result["span_s"])
+    assert {row["steps"] for row in result["eager"]} <= {"at least half the budget", "smaller"}
+
+
+def test_device_idle_gives_each_stretch_of_idle_time_to_the_innermost_host_phase():
+    from benchmarks.device_idle import OUTSIDE, idle_by_phase, idle_by_transition
+
+    def step(kind: str, start: float, end: float, graph: bool = False) -> list:
+        return [kind, 4, 4, start, end, end - start, start - 0.1, start, graph]
+
+    steps = [step("prefill", 0.0, 1.0), step("decode", 3.0, 4.0, graph=True), step("decode", 4.0, 5.0, True),
+             step("prefill", 6.0, 7.0)]
+    intervals = [(0.5, 3.5, "engine step"), (1.5, 2.0, "schedule"), (2.5, 3.2, "launch")]
+    assert idle_by_phase(steps, intervals) == pytest.approx({"engine step": 1.0, "schedule": 0.5, "launch": 0.5,
+                                                             OUTSIDE: 1.0})
+    transitions = idle_by_transition(steps)
+    assert list(transitions) == ["prefill -> decode (graph)", "decode -> prefill", "decode -> decode (graph)"]
+    assert transitions["prefill -> decode (graph)"]["idle_s"] == 2.0
+    assert transitions["decode -> decode (graph)"] == {"steps": 1, "idle_s": 0.0, "median_ms": 0.0, "longest_ms": 0.0}
+
+
 def test_real_jobs_floor_counts_a_padded_decode_step_with_the_steps_of_its_own_bucket():
     from benchmarks.real_jobs import workload_floor
 

@@ -2,8 +2,8 @@
 
 `kernel[grid](...)` spends tens of microseconds of host time before Triton's launcher runs: binding the arguments,
 specializing each, keying the in-memory cache, checking the globals the kernel read. An eager prefill step of a
-28-layer model launches about 140 Triton kernels, and its launches, not the device, set the pace of every prefill
-step short of a full token budget. `direct(kernel)[grid](...)` launches through Triton the first time it meets a
+28-layer model launches about 140 Triton kernels, and on a slow host its launches rather than the device set the
+step's pace. `direct(kernel)[grid](...)` launches through Triton the first time it meets a
 specialization, keeps the compiled kernel that launch returns, and from then on calls that kernel's launcher itself.
 
 The key a compiled kernel is kept under tells apart at least what Triton specializes on: each tensor's dtype and

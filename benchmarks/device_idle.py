@@ -41,23 +41,17 @@ from benchmarks.real_jobs import TINY_WORKLOADS, WORKLOADS, TextRows, job_argume
 
 OUTSIDE = "job (between engine steps)"
 SYNC_DEBUG_AFTER = 50  # steps: the first ones compile and allocate
-# The host phases timed in the job's process: (module, class or None, function, label).
-PHASES = (
-    ("batchgen.engine.llm_engine", "LLMEngine", "step", "engine step"),
-    ("batchgen.engine.llm_engine", "LLMEngine", "add_requests", "add rows"),
-    ("batchgen.engine.llm_engine", "LLMEngine", "_launch_next", "launch next step"),
-    ("batchgen.engine.llm_engine", "LLMEngine", "_apply", "apply a step's results"),
-    ("batchgen.core.scheduler", "Scheduler", "schedule", "schedule"),
-    ("batchgen.core.scheduler", "Scheduler", "advance", "advance"),
-    ("batchgen.core.scheduler", "Scheduler", "commit", "commit"),
-    ("batchgen.worker.model_runner", "ModelRunner", "launch", "launch"),
-    ("batchgen.worker.model_runner", "ModelRunner", "collect", "collect (wait for the ids)"),
-    ("batchgen.worker.model_runner", "ModelRunner", "_step_sampling", "sampling rows"),
-    ("batchgen.worker.model_runner", "ModelRunner", "_to_device", "upload inputs"),
-    ("batchgen.worker.model_runner", "ModelRunner", "_eager_forward", "eager forward launch"),
-    ("batchgen.worker.model_runner", "ModelRunner", "_sample", "sampling launch"),
-    ("batchgen.worker.model_runner", None, "build_step_inputs", "build step inputs"),
-)
+# The host phases timed in the job's process: {(module, class or None for the module's own function): {function: label}}
+PHASES = {
+    ("batchgen.engine.llm_engine", "LLMEngine"): {
+        "step": "engine step", "add_requests": "add rows", "_launch_next": "launch next step",
+        "_apply": "apply a step's results"},
+    ("batchgen.core.scheduler", "Scheduler"): {"schedule": "schedule", "advance": "advance", "commit": "commit"},
+    ("batchgen.worker.model_runner", "ModelRunner"): {
+        "launch": "launch", "collect": "collect (wait for the ids)", "_step_sampling": "sampling rows",
+        "_to_device": "upload inputs", "_eager_forward": "eager forward launch", "_sample": "sampling launch"},
+    ("batchgen.worker.model_runner", None): {"build_step_inputs": "build step inputs"},
+}
 
 
 # -- in the job's process ----------------------------------------------------------------------------------------
@@ -91,9 +85,10 @@ def install(path: str, sync_debug: bool = False) -> None:
 
         setattr(owner, name, wrapper)
 
-    for module_name, class_name, function, label in PHASES:
+    for (module_name, class_name), labels in PHASES.items():
         module = importlib.import_module(module_name)
-        timed(getattr(module, class_name) if class_name else module, function, label)
+        for function, label in labels.items():
+            timed(getattr(module, class_name) if class_name else module, function, label)
     runner_class = importlib.import_module("batchgen.worker.model_runner").ModelRunner
     launch = runner_class.launch  # the timed one
 

@@ -202,14 +202,17 @@ class ModelWorker:
     def _start_forwards(self, graphs: bool, max_rows: int | None, demand: KVDemand | None,
                         profile: bool = True) -> None:
         """The start's forwards on the device from a phase on, run once more for compile_ahead's dry run: each CUDA
-        graph's warm-up forward (graphs), the KV-sizing profile's (profile), then the warm-up steps. The graphs' come
-        first, though their phase comes later: they launch most of the start's kernels, which then compile while the
-        dry run goes on."""
+        graph's warm-up forward (graphs), the KV-sizing profile's (profile), the warm-up steps. Ordered so that the
+        dry run meets every kernel early, as each then compiles while it goes on: the start buckets' graphs first,
+        though their phase comes later (they launch nearly all of the start's kernels), then the prefill steps', then
+        the other buckets' graphs, which rarely launch one more."""
         if graphs:
-            self.runner.warm_up_graphs(max_rows)
+            self.runner.warm_up_graphs(max_rows, start_buckets=True)
         if profile:
             self.runner.profile_peak_bytes(scores_logits=self.pooler is None)
         self.runner.warm_up_step(self.pooler, self._warm_up_contexts(demand))
+        if graphs:
+            self.runner.warm_up_graphs(max_rows, start_buckets=False)
 
     def _warm_up_contexts(self, demand: KVDemand | None) -> list[int]:
         """The longer prefill steps that the warm-up adds for the attention's other launch configurations

@@ -237,14 +237,21 @@ class CudaGraphRunner:
         return [GraphKey(size, cascade=False, early=early) for size in sorted(sizes, reverse=True)
                 for early in ((False, True) if self.early_read_limit(size) else (False,))]
 
-    def warm_up_forwards(self) -> None:
-        """The warm-up forwards of every bucket's capture, deferred ones too, capturing nothing (compile_ahead's dry
-        run of them: a deferred capture then finds its kernels compiled). Smallest first: the small buckets launch
-        most of a start's distinct kernels (the decode GEMV's specializations, by rows), which the dry run hands to the
-        compile processes as it meets them, while it goes on through the larger buckets."""
+    def warm_up_keys(self, start_buckets: bool) -> list[GraphKey]:
+        """What compile_ahead's dry run warms up, smallest first: the `start_sizes` buckets (start_buckets) or the
+        others. The start sizes hold one bucket of each launch configuration that changes with the rows (the decode
+        GEMV's row tiles, the decode attention's splits), so they launch nearly every distinct kernel, which the dry
+        run hands to the compile processes as it meets them; the small buckets launch most of them."""
+        first = start_sizes(self.buckets)
+        return list(reversed(self.capture_keys(first if start_buckets else
+                                               [size for size in self.buckets if size not in first])))
+
+    def warm_up_forwards(self, start_buckets: bool) -> None:
+        """The warm-up forwards of `warm_up_keys`, capturing nothing (compile_ahead's dry run of them: a deferred
+        capture then finds its kernels compiled)."""
         from batchgen.layers import pdl
 
-        for key in reversed(self.capture_keys(self.buckets)):
+        for key in self.warm_up_keys(start_buckets):
             with pdl.early_start(key.early):
                 self._warm_up(key)
 

@@ -247,12 +247,12 @@ class ModelRunner:
         queued.record()
         self.wait_for_step(queued)
 
-    def warm_up_graphs(self, max_rows: int | None = None) -> None:
-        """capture_graphs' warm-up forwards alone, capturing nothing (compile_ahead's dry run of it). Before the KV
-        cache is allocated, over a scratch one-block cache, as profile_peak_bytes: a capture's padding rows read and
-        write no KV."""
+    def warm_up_graphs(self, max_rows: int | None, start_buckets: bool) -> None:
+        """capture_graphs' warm-up forwards alone, capturing nothing (compile_ahead's dry run of it): the start's
+        buckets or the others (`CudaGraphRunner.warm_up_forwards`). Before the KV cache is allocated, over a scratch
+        one-block cache, as profile_peak_bytes: a capture's padding rows read and write no KV."""
         with self._kv_cache_or_scratch(1), torch.inference_mode():
-            self._graph_runner(max_rows).warm_up_forwards()
+            self._graph_runner(max_rows).warm_up_forwards(start_buckets)
 
     @contextlib.contextmanager
     def _kv_cache_or_scratch(self, num_blocks: int) -> Iterator[None]:

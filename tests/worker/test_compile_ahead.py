@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import select
 import subprocess
 import sys
 import types
@@ -33,7 +34,7 @@ PLAIN = WorkerSetup({}, for_gpu=False)
 
 
 def compiled(specs: list[KernelSpec], setup: WorkerSetup = PLAIN, processes: int = 2,
-             timeout: float = 120.0) -> tuple[PoolOutcome, list]:
+             timeout: float = 10.0) -> tuple[PoolOutcome, list]:
     """The pool's outcome, and its processes (closed)."""
     pool = CompilePool(processes, setup)
     processes_started = [process for process, _ in pool.workers]
@@ -98,6 +99,27 @@ def test_specs_submitted_while_others_compile_are_all_compiled(tmp_path):
     finally:
         pool.close()
     assert sorted(path.name for path in tmp_path.iterdir()) == [str(i) for i in range(6)]
+
+
+def test_a_process_takes_its_next_queued_spec_as_it_finishes_one_while_the_engine_calls_nothing(tmp_path):
+    """The dry run hands kernels over only as it records them, at times seconds apart: between two, the pool's own
+    thread keeps its processes busy. Here the second spec, queued behind the first on the one process, is compiled
+    (written into a FIFO the test reads) while the test makes no call into the pool."""
+    fifo = tmp_path / "second"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    keeps_open = os.open(fifo, os.O_WRONLY)  # so that the FIFO reads as readable only once data comes
+    pool = CompilePool(1, PLAIN)
+    try:
+        pool.submit(fake("writes", tmp_path / "first"))
+        pool.submit(fake("writes", fifo))
+        readable, _, _ = select.select([reader], [], [], 120.0)
+        assert readable, "the queued spec was not handed to the process that finished the first"
+        assert os.read(reader, 100).split(b" ")[1] == b"None" and (tmp_path / "first").exists()
+    finally:
+        pool.close()
+        os.close(keeps_open)
+        os.close(reader)
 
 
 def test_a_process_that_fails_to_start_stops_the_pool(tmp_path):

@@ -316,11 +316,14 @@ def test_a_models_graph_warm_ups_run_dry_and_their_kernels_compile_in_processes(
     for layer in model.modules():
         if isinstance(layer, (Linear, Embedding, RMSNorm, SiluAndMul)):
             layer.use_triton("cpu")
-    engine = EngineConfig(max_num_seqs=16, max_model_len=64, max_num_batched_tokens=64, attention_backend="triton")
+    engine = EngineConfig(max_num_seqs=48, max_model_len=64, max_num_batched_tokens=64, attention_backend="triton")
     runner = ModelRunner(engine, model, torch.device("cpu"), torch.bfloat16)
     with dry_launches() as recorded:
-        runner.warm_up_graphs()
+        runner.warm_up_graphs(None, start_buckets=True)
+        from_start_buckets = set(recorded)
+        runner.warm_up_graphs(None, start_buckets=False)
     specs = list(recorded)
+    assert from_start_buckets == set(specs)  # the other buckets' warm-ups (24, 40, ...) launch nothing new
     assert {"_embedding_kernel", "_add_rms_norm_kernel", "_decode_kernel", "_greedy_chunk_kernel"} <= {
         spec.name for spec in specs}
     assert runner.kv_cache is None and kernels_on_disk(tmp_path) == []

@@ -78,3 +78,11 @@ def test_a_deferred_bucket_without_memory_for_its_graph_stays_padded():
     assert [runner.step_size(20) for _ in range(CAPTURE_AFTER_USES + 3)] == [32] * (CAPTURE_AFTER_USES + 3)
     assert 24 not in runner.buckets and 24 not in runner.sizes
     assert list(runner.deferred_seconds) == [24]  # tried once
+
+
+def test_the_dry_runs_warm_ups_take_the_start_buckets_first_then_the_others_each_smallest_first():
+    """compile_ahead's dry run meets nearly every kernel in the start buckets (one of each launch configuration that
+    changes with the rows), so it warms those up before the rest; between them every bucket warms up once."""
+    runner, _ = deferring_runner([1, 2, 4, 8, 16, 24, 32, 40], start=[])
+    assert [key.size for key in runner.warm_up_keys(start_buckets=True)] == [1, 2, 4, 8, 16, 32, 40]
+    assert [key.size for key in runner.warm_up_keys(start_buckets=False)] == [24]

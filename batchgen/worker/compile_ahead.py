@@ -350,7 +350,8 @@ class CompileAhead:
         processes = len(pool.workers)
         self.info.update(parallel_compile_kernels=outcome.compiled, parallel_compile_processes=processes,
                          parallel_compile_seconds=seconds, parallel_compile_dry_run_seconds=dry_run_seconds,
-                         parallel_compile_busy_seconds=outcome.busy_seconds)
+                         parallel_compile_busy_seconds=outcome.busy_seconds,
+                         parallel_compile_startup_wait_seconds=outcome.startup_wait_seconds)
         if outcome.longest is not None:
             self.info["parallel_compile_longest_kernel"] = {"name": outcome.longest[0], "seconds": outcome.longest[1]}
         if outcome.stopped is not None:
@@ -359,8 +360,9 @@ class CompileAhead:
             return
         failed += outcome.failed
         log.info("Compiled %d Triton kernels in %d processes in %.2f s after the start's dry run (%.2f s); %.1f s of "
-                 "compiling in all, the longest %s (%.2f s)%s", outcome.compiled, processes, seconds, dry_run_seconds,
-                 outcome.busy_seconds, *(outcome.longest or ("none", 0.0)),
+                 "compiling in all, the longest %s (%.2f s); the first kernel waited %.2f s for the processes' "
+                 "start-up%s", outcome.compiled, processes, seconds, dry_run_seconds, outcome.busy_seconds,
+                 *(outcome.longest or ("none", 0.0)), outcome.startup_wait_seconds,
                  f"; {len(failed)} failed and compile on first launch, the first: {failed[0]}" if failed else "")
 
     def close(self) -> None:

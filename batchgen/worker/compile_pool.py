@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 MAX_PROCESSES = 16
 COMPILE_TIMEOUT_SECONDS = 300.0  # a whole start's kernels on two processes take well under a minute
 ENDED = "a compile process ended"
+READY = "ready"  # a process's first message: its imports are done, it takes specs
 PRELOAD_ERRORS = (RuntimeError, AttributeError, KeyError, TypeError, ValueError, ImportError, OSError)
 
 
@@ -88,6 +89,8 @@ class PoolOutcome:
     # What the compiles cost: the processes' seconds in all, and the longest kernel's (name, seconds)
     busy_seconds: float = field(default=0.0, compare=False)
     longest: tuple[str, float] | None = field(default=None, compare=False)
+    # How long the first spec handed over waited for the processes' start-up (their imports): until the last was ready
+    startup_wait_seconds: float = field(default=0.0, compare=False)
 
 
 def _preload(spec: KernelSpec, for_gpu: bool) -> str | None:
@@ -140,14 +143,21 @@ def serve(conn: Connection, for_gpu: bool) -> None:
     if for_gpu:  # before the first spec arrives: the engine is still starting
         importlib.import_module("torch")  # the kernels' modules import it
         importlib.import_module("triton")
-    while True:
-        try:
+        # The part of every compile's cache key that hashes Triton's own files (its 400 MB library among them), once
+        # a process: now, rather than in the process's first compile.
+        with contextlib.suppress(ImportError):  # Triton 3.6 and 3.8 keep it here
+            from triton.runtime.cache import triton_key
+
+            triton_key()
+    try:
+        conn.send(READY)
+        while True:
             spec = conn.recv()
-        except EOFError:  # the engine closed the pipe, or ended
-            os._exit(0)  # nothing to flush: its compiles are in the disk cache; a torch process's teardown only costs
-        start = time.perf_counter()
-        error = _preload(spec, for_gpu)
-        conn.send((error, time.perf_counter() - start))
+            start = time.perf_counter()
+            error = _preload(spec, for_gpu)
+            conn.send((error, time.perf_counter() - start))
+    except (EOFError, ConnectionError):  # the engine closed the pipe, or ended
+        os._exit(0)  # nothing to flush: its compiles are in the disk cache; a torch process's teardown only costs
 
 
 class CompilePool:
@@ -183,6 +193,8 @@ class CompilePool:
         self._conns = [conn for _, conn in self.workers]
         self._idle: list[Connection] = list(self._conns)
         self._busy: dict[Connection, str] = {}  # a busy process's pipe: the kernel it compiles
+        self._starting = set(self._conns)  # the processes not ready yet (a spec may already wait in their pipes)
+        self._first_sent: float | None = None  # when the first spec was handed over
         self._todo: deque[KernelSpec] = deque()
         self.outcome = PoolOutcome(0, [], None)
         self._changed = threading.Condition()  # guards the above; notified as answers come in
@@ -237,6 +249,8 @@ class CompilePool:
                 conn, spec = self._idle.pop(), self._todo.popleft()
                 conn.send(spec)
                 self._busy[conn] = spec.name
+                if self._first_sent is None:
+                    self._first_sent = time.perf_counter()
         except ConnectionError:  # its process ended
             self.outcome.stopped = ENDED
 
@@ -244,12 +258,18 @@ class CompilePool:
         """The answers of the processes whose pipes are readable."""
         if self.outcome.stopped is not None or not ready:
             return
-        if not self._busy.keys() >= set(ready):  # an idle process's pipe turns readable only when it ends
-            self.outcome.stopped = ENDED
+        if not self._busy.keys() | self._starting >= set(ready):  # an idle ready process's pipe turns readable only
+            self.outcome.stopped = ENDED  # when it ends
             return
         outcome = self.outcome
         try:
             for conn in ready:
+                if conn in self._starting:  # its first message: READY
+                    conn.recv()
+                    self._starting.remove(conn)
+                    if not self._starting and self._first_sent is not None:
+                        outcome.startup_wait_seconds = time.perf_counter() - self._first_sent
+                    continue
                 error, seconds = conn.recv()
                 name = self._busy.pop(conn)
                 self._idle.append(conn)

@@ -49,6 +49,7 @@ def test_the_pool_compiles_every_spec_in_its_own_processes_with_the_engines_vari
     outcome, processes = compiled([fake("writes", tmp_path / str(i)) for i in range(5)], setup)
     assert outcome == PoolOutcome(compiled=5, failed=[], stopped=None)
     assert outcome.busy_seconds > 0 and outcome.longest[0] == "writes"  # what the compiles cost, for the log
+    assert outcome.startup_wait_seconds > 0  # handed over as the processes started, the first spec waited for them
     written = [(tmp_path / str(i)).read_text().split(" ", 1) for i in range(5)]
     assert {pid for pid, _ in written} <= {str(process.pid) for process in processes}
     assert {value for _, value in written} == {"from the engine"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
 import types
 from collections import defaultdict
@@ -39,6 +40,7 @@ from batchgen.worker.compile_pool import (  # noqa: E402
     settled_kernel,
 )
 from batchgen.worker.model_runner import ModelRunner  # noqa: E402
+from tests.helpers.common import REPO  # noqa: E402
 from tests.helpers.triton_cpu_target import cpu_target, scale, scale_kernel  # noqa: E402
 
 
@@ -120,6 +122,28 @@ def test_a_compile_process_builds_the_kernels_launcher_where_triton_compiles_lau
         assert src.fn.__name__ == "scale_kernel" and metadata.name == "scale_kernel"
     else:
         assert built == []
+
+
+def test_a_compile_process_keys_tritons_own_files_before_its_first_spec():
+    """Every compile's cache key starts with a hash of Triton's own files (its library among them): a compile process
+    computes it while it waits for its first spec (the engine is still loading), not in its first compile."""
+    script = """
+import triton.runtime.cache as cache
+from multiprocessing import Pipe
+from batchgen.worker.compile_pool import serve
+
+computed = cache.triton_key
+def triton_key():
+    print("keyed", flush=True)
+    return computed()
+cache.triton_key = triton_key
+engine_end, process_end = Pipe()
+engine_end.close()  # the engine ends before sending a spec: the process exits at its first read
+serve(process_end, for_gpu=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (done.returncode, done.stdout) == (0, "keyed\n"), done.stderr
 
 
 def test_a_compile_process_stores_a_kernel_under_the_engines_key_of_its_source(monkeypatch, tmp_path):

@@ -42,7 +42,7 @@ import triton.language as tl
 from batchgen.layers import pdl
 from batchgen.layers.fp8_gemm_triton import HOPPER, gpu_limits
 from batchgen.layers.pdl import launch_options, wait_for_previous
-from batchgen.layers.triton_launch import direct
+from batchgen.layers.triton_launch import DirectKernel
 
 _MAX_SPLITS = 16  # of each sequence's own KV range, and (cascade) of the shared prefix
 _LOG2E = 1.4426950408889634  # the kernels work in base 2 (exp2), with log2(e) folded into the softmax scale
@@ -823,7 +823,7 @@ def _prefill_kernel(
     tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-_prefill = direct(_prefill_kernel)
+_prefill = DirectKernel(_prefill_kernel)
 
 
 def prefill_attention(

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from batchgen.layers.pdl import launch_options, wait_for_previous
-from batchgen.layers.triton_launch import direct
+from batchgen.layers.triton_launch import DirectKernel
 
 
 @triton.jit
@@ -62,8 +62,8 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_out + offs, (silu * up).to(dtype), mask=mask)
 
 
-_add_rms_norm = direct(_add_rms_norm_kernel)
-_silu_and_mul = direct(_silu_and_mul_kernel)
+_add_rms_norm = DirectKernel(_add_rms_norm_kernel)
+_silu_and_mul = DirectKernel(_silu_and_mul_kernel)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from batchgen.layers.attention_triton import to_cache_dtype
 from batchgen.layers.pdl import launch_options, wait_for_previous
-from batchgen.layers.triton_launch import direct
+from batchgen.layers.triton_launch import DirectKernel
 
 
 @triton.jit
@@ -136,7 +136,7 @@ def _rotate_and_store_kernel(
             tl.store(v_out + d, to_cache_dtype(v, cache_dtype), mask=v_mask)
 
 
-_rotate_and_store = direct(_rotate_and_store_kernel)
+_rotate_and_store = DirectKernel(_rotate_and_store_kernel)
 
 
 def rotate_and_store(

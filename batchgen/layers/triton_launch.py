@@ -3,7 +3,7 @@
 `kernel[grid](...)` spends tens of microseconds of host time before Triton's launcher runs: binding the arguments,
 specializing each, keying the in-memory cache, checking the globals the kernel read. An eager prefill step of a
 28-layer model launches about 140 Triton kernels, and on a slow host its launches rather than the device set the
-step's pace. `direct(kernel)[grid](...)` launches through Triton the first time it meets a
+step's pace. `DirectKernel(kernel)[grid](...)` launches through Triton the first time it meets a
 specialization, keeps the compiled kernel that launch returns, and from then on calls that kernel's launcher itself.
 
 The key a compiled kernel is kept under tells apart at least what Triton specializes on: each tensor's dtype and
@@ -86,7 +86,3 @@ class DirectKernel:
         launched = self.kernel[grid](*args, **kwargs)
         if isinstance(launched, CompiledKernel) and not _hooked():
             self._compiled[key] = launched
-
-
-def direct(kernel: Any) -> DirectKernel:
-    return DirectKernel(kernel)

@@ -109,7 +109,6 @@ class PeerAllReduce:
 
     rank: int
     size: int
-    max_rows: int
     runtime: CudaRuntime
     own: int  # this rank's receive buffer, allocated here
     peers: list[int]  # the other ranks' receive buffers, opened here
@@ -151,20 +150,20 @@ class PeerAllReduce:
                 if failure is not None:
                     log.warning("the decode steps' all-reduces run on NCCL: %s", failure)
                 if runtime is not None:
-                    for pointer in peers:
-                        if pointer != own:
-                            runtime.close(pointer)
-                    if own is not None:
-                        runtime.free(own)
+                    _release(runtime, own, [p for p in peers if p != own])
                 return None
             log.info("tensor parallel: the decode graphs' all-reduces through mapped buffers (%.0f MiB a GPU)",
                      nbytes / 2**20)
-            return cls(rank, size, max_rows, runtime, own, [p for p in peers if p != own],
+            return cls(rank, size, runtime, own, [p for p in peers if p != own],
                        _device_tensor(own, nbytes, device).view(torch.int64),
                        torch.tensor([(p - own) // 8 for p in peers], dtype=torch.int64, device=device),
                        torch.zeros(max_rows, dtype=torch.int32, device=device),
                        torch.zeros(1, dtype=torch.int32, device=device),
                        torch.ones(1, dtype=torch.int32).pin_memory())
+
+    @property
+    def max_rows(self) -> int:
+        return self.counts.shape[0]
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         """Whether this kernel sums `tensor`: only inside a CUDA graph's capture (the same on every rank: the ranks
@@ -193,9 +192,15 @@ class PeerAllReduce:
     def close(self) -> None:
         """Rank 0, after its followers have exited: unmaps their buffers and frees its own."""
         self.runtime.use_device()
-        for pointer in self.peers:
-            self.runtime.close(pointer)
-        self.runtime.free(self.own)
+        _release(self.runtime, self.own, self.peers)
+
+
+def _release(runtime: CudaRuntime, own: int | None, others: list[int]) -> None:
+    """Unmaps the other ranks' buffers, then frees this rank's own (None: never allocated)."""
+    for pointer in others:
+        runtime.close(pointer)
+    if own is not None:
+        runtime.free(own)
 
 
 def peer_rows(engine: EngineConfig) -> int:

@@ -347,7 +347,7 @@ class CompileAhead:
         else:  # every recorded kernel went to the processes as the dry run recorded it
             outcome = pool.finish()
         seconds = time.perf_counter() - start
-        processes = len(pool.workers)
+        processes = pool.processes
         self.info.update(parallel_compile_kernels=outcome.compiled, parallel_compile_processes=processes,
                          parallel_compile_seconds=seconds, parallel_compile_dry_run_seconds=dry_run_seconds,
                          parallel_compile_busy_seconds=outcome.busy_seconds,

@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from triton.backends.compiler import GPUTarget
@@ -138,17 +139,44 @@ class TargetDriver:
         return self.target
 
 
-def serve(conn: Connection, for_gpu: bool) -> None:
-    """A compile process: compiles each spec the engine sends and answers, until the engine closes the pipe."""
+def supervise(fds: list[int], for_gpu: bool) -> None:
+    """The compile processes' parent: imports what every compile needs once, then forks one compile process for each
+    pipe and waits for them. Each process forked from it takes specs at once: 15 processes importing torch and Triton
+    side by side took seconds longer than one (the start's first kernel waited 1.6-1.8 s for them). A SIGTERM (the
+    pool's close) kills them, busy ones too; it exits once they all have."""
     if for_gpu:  # before the first spec arrives: the engine is still starting
         importlib.import_module("torch")  # the kernels' modules import it
         importlib.import_module("triton")
         # The part of every compile's cache key that hashes Triton's own files (its 400 MB library among them), once
-        # a process: now, rather than in the process's first compile.
+        # for every process.
         with contextlib.suppress(ImportError):  # Triton 3.6 and 3.8 keep it here
             from triton.runtime.cache import triton_key
 
             triton_key()
+    # Both signals wait for sigwaitinfo below: a child is killed only before this loop reaps it (its pid not reused)
+    signals = {signal.SIGTERM, signal.SIGCHLD}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    live = set()
+    for index, fd in enumerate(fds):
+        pid = os.fork()
+        if pid == 0:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+            for other in fds[index + 1:]:  # the earlier ones are closed here already
+                os.close(other)
+            serve(Connection(fd), for_gpu)
+        live.add(pid)
+        os.close(fd)
+    while live:
+        if signal.sigwaitinfo(signals).si_signo == signal.SIGTERM:
+            for pid in live:
+                os.kill(pid, signal.SIGKILL)
+        while live and (pid := os.waitpid(-1, os.WNOHANG)[0]):
+            live.discard(pid)
+    os._exit(0)
+
+
+def serve(conn: Connection, for_gpu: bool) -> NoReturn:
+    """A compile process: compiles each spec the engine sends and answers, until the engine closes the pipe."""
     try:
         conn.send(READY)
         while True:
@@ -157,13 +185,14 @@ def serve(conn: Connection, for_gpu: bool) -> None:
             error = _preload(spec, for_gpu)
             conn.send((error, time.perf_counter() - start))
     except (EOFError, ConnectionError):  # the engine closed the pipe, or ended
-        os._exit(0)  # nothing to flush: its compiles are in the disk cache; a torch process's teardown only costs
+        pass
+    os._exit(0)  # nothing to flush: its compiles are in the disk cache; a torch process's teardown only costs
 
 
 class CompilePool:
-    """Compile processes, each fed one spec at a time. Plain subprocesses (`python -m` this module), not
-    multiprocessing's: spawned children import the parent's __main__, which runs a script without a main guard
-    again.
+    """Compile processes, each fed one spec at a time, forked by one process that imports torch and Triton for them
+    (`supervise`). It is a plain subprocess (`python -m` this module), not multiprocessing's: spawned children import
+    the parent's __main__, which runs a script without a main guard again.
 
     A thread of the pool's own takes each answer as it comes and hands the process its next queued spec: the engine's
     thread hands specs over only as its dry run records them, which left a process that finished one idle until the
@@ -171,26 +200,28 @@ class CompilePool:
     """
 
     def __init__(self, processes: int, setup: WorkerSetup):
-        self.workers: list[tuple[subprocess.Popen, Connection]] = []
         self._feeder: threading.Thread | None = None
         # What the engine imports from, its own sys.path included (tests add the repository's root there); no
         # warnings, which the engine shows once and each process would repeat.
         env = {**os.environ, **setup.env, "PYTHONPATH": os.pathsep.join(path or os.getcwd() for path in sys.path),
                "PYTHONWARNINGS": "ignore"}
+        pipes = [Pipe() for _ in range(processes)]
+        self._conns = [conn for conn, _ in pipes]
+        fds = [child_conn.fileno() for _, child_conn in pipes]
+        command = [sys.executable, "-m", __name__, ",".join(map(str, fds)), str(int(setup.for_gpu))]
         try:
-            for _ in range(processes):
-                conn, child_conn = Pipe()
-                command = [sys.executable, "-m", __name__, str(child_conn.fileno()), str(int(setup.for_gpu))]
-                # A session of their own: a Ctrl-C stops the engine, whose pipes closing then ends them, rather than
-                # each of them with a traceback.
-                process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                           pass_fds=(child_conn.fileno(),))
-                child_conn.close()
-                self.workers.append((process, conn))
+            # A session of its own: a Ctrl-C stops the engine, whose pipes closing then ends the processes, rather
+            # than each of them with a traceback.
+            self.supervisor: subprocess.Popen | None = subprocess.Popen(
+                command, env=env, stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=fds)
         except OSError:
-            self.close()
+            for conn, child_conn in pipes:
+                conn.close()
+                child_conn.close()
             raise
-        self._conns = [conn for _, conn in self.workers]
+        for _, child_conn in pipes:
+            child_conn.close()
+        self.processes = processes
         self._idle: list[Connection] = list(self._conns)
         self._busy: dict[Connection, str] = {}  # a busy process's pipe: the kernel it compiles
         self._starting = set(self._conns)  # the processes not ready yet (a spec may already wait in their pipes)
@@ -292,11 +323,12 @@ class CompilePool:
             self._feeder = None
             self._waker.close()
             self._wake.close()
-        for process, conn in self.workers:
-            conn.close()
-            process.kill()
-            process.wait()
-        self.workers = []
+        if self.supervisor is not None:
+            for conn in self._conns:
+                conn.close()
+            self.supervisor.terminate()  # it kills the processes it forked and waits for them
+            self.supervisor.wait()
+            self.supervisor = None
 
 
 # -- whether and how many --------------------------------------------------------------------------------------
@@ -396,5 +428,5 @@ def take_started() -> CompilePool | None:
     return pool
 
 
-if __name__ == "__main__":  # a compile process: python -m batchgen.worker.compile_pool FD FOR_GPU
-    serve(Connection(int(sys.argv[1])), sys.argv[2] == "1")
+if __name__ == "__main__":  # the compile processes: python -m batchgen.worker.compile_pool FD,FD,... FOR_GPU
+    supervise([int(fd) for fd in sys.argv[1].split(",")], sys.argv[2] == "1")

@@ -26,7 +26,10 @@ class Crashes:
 
 
 class Hangs:
+    """Never finishes: writes which process it hangs in, then sleeps."""
+
     def preload(self, data: str) -> None:
+        Path(data).write_text(str(os.getpid()))
         time.sleep(600)
 
 

@@ -34,26 +34,31 @@ PLAIN = WorkerSetup({}, for_gpu=False)
 
 
 def compiled(specs: list[KernelSpec], setup: WorkerSetup = PLAIN, processes: int = 2,
-             timeout: float = 10.0) -> tuple[PoolOutcome, list]:
-    """The pool's outcome, and its processes (closed)."""
+             timeout: float = 10.0) -> tuple[PoolOutcome, subprocess.Popen]:
+    """The pool's outcome, and the process that forked its processes (closed: it exits only once they all have)."""
     pool = CompilePool(processes, setup)
-    processes_started = [process for process, _ in pool.workers]
+    supervisor = pool.supervisor
     try:
-        return pool.compile(specs, timeout), processes_started
+        return pool.compile(specs, timeout), supervisor
     finally:
         pool.close()
 
 
+def gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists()
+
+
 def test_the_pool_compiles_every_spec_in_its_own_processes_with_the_engines_variables(tmp_path):
     setup = WorkerSetup({"BATCHGEN_TEST_VALUE": "from the engine"}, for_gpu=False)
-    outcome, processes = compiled([fake("writes", tmp_path / str(i)) for i in range(5)], setup)
+    outcome, supervisor = compiled([fake("writes", tmp_path / str(i)) for i in range(5)], setup)
     assert outcome == PoolOutcome(compiled=5, failed=[], stopped=None)
     assert outcome.busy_seconds > 0 and outcome.longest[0] == "writes"  # what the compiles cost, for the log
     assert outcome.startup_wait_seconds > 0  # handed over as the processes started, the first spec waited for them
     written = [(tmp_path / str(i)).read_text().split(" ", 1) for i in range(5)]
-    assert {pid for pid, _ in written} <= {str(process.pid) for process in processes}
+    pids = {int(pid) for pid, _ in written}
+    assert len(pids) <= 2 and not pids & {os.getpid(), supervisor.pid}  # in the processes forked for the pool
     assert {value for _, value in written} == {"from the engine"}
-    assert all(process.poll() is not None for process in processes)
+    assert supervisor.poll() is not None and all(map(gone, pids))
 
 
 def test_a_spec_that_fails_to_compile_is_reported_and_the_others_compile(tmp_path):
@@ -65,17 +70,17 @@ def test_a_spec_that_fails_to_compile_is_reported_and_the_others_compile(tmp_pat
 
 
 def test_a_process_that_crashes_stops_the_pool_and_none_is_left(tmp_path):
-    outcome, processes = compiled([fake("crashes", tmp_path / "a")] + [fake("writes", tmp_path / str(i))
-                                                                       for i in range(4)], processes=1)
+    outcome, supervisor = compiled([fake("crashes", tmp_path / "a")] + [fake("writes", tmp_path / str(i))
+                                                                        for i in range(4)], processes=1)
     assert outcome.stopped == "a compile process ended"
     assert not (tmp_path / "0").exists()
-    assert all(process.poll() is not None for process in processes)
+    assert supervisor.poll() is not None
 
 
 def test_a_pool_not_done_by_its_deadline_stops_and_its_processes_are_killed(tmp_path):
-    outcome, processes = compiled([fake("hangs", tmp_path / "a")], processes=1, timeout=1.0)
+    outcome, supervisor = compiled([fake("hangs", tmp_path / "a")], processes=1, timeout=1.0)
     assert outcome == PoolOutcome(compiled=0, failed=[], stopped="not done after 1 s")
-    assert processes[0].poll() is not None
+    assert supervisor.poll() is not None and gone(int((tmp_path / "a").read_text()))  # the busy one killed too
 
 
 def test_specs_submitted_one_at_a_time_never_wait_for_a_compile(tmp_path):
@@ -223,11 +228,11 @@ def test_the_job_starts_no_compile_process_without_triton(monkeypatch):
 def test_an_engine_that_does_not_compile_ahead_ends_the_processes_started_for_it(monkeypatch):
     """A start that turns out not to compile ahead (here: on CPU) must not leave them running."""
     pool = CompilePool(1, PLAIN)
-    processes = [process for process, _ in pool.workers]
+    supervisor = pool.supervisor
     monkeypatch.setattr(compile_pool, "_started", pool)
     ahead = CompileAhead.begin(EngineConfig(), torch.device("cpu"), 1)
-    assert ahead.pool is None and pool.workers == [] and compile_pool.take_started() is None
-    assert all(process.poll() is not None for process in processes)
+    assert ahead.pool is None and pool.supervisor is None and compile_pool.take_started() is None
+    assert supervisor.poll() is not None
 
 
 @pytest.mark.gpu

@@ -124,22 +124,24 @@ def test_a_compile_process_builds_the_kernels_launcher_where_triton_compiles_lau
         assert built == []
 
 
-def test_a_compile_process_keys_tritons_own_files_before_its_first_spec():
-    """Every compile's cache key starts with a hash of Triton's own files (its library among them): a compile process
-    computes it while it waits for its first spec (the engine is still loading), not in its first compile."""
+def test_the_compile_processes_parent_keys_tritons_own_files_once_before_it_forks_them():
+    """Every compile's cache key starts with a hash of Triton's own files (its library among them): the processes'
+    parent computes it once, while the engine still loads, and the processes it forks inherit it. Here the engine
+    ends before sending a spec: both processes exit at their first message, and so does their parent."""
     script = """
 import triton.runtime.cache as cache
 from multiprocessing import Pipe
-from batchgen.worker.compile_pool import serve
+from batchgen.worker.compile_pool import supervise
 
 computed = cache.triton_key
 def triton_key():
     print("keyed", flush=True)
     return computed()
 cache.triton_key = triton_key
-engine_end, process_end = Pipe()
-engine_end.close()  # the engine ends before sending a spec: the process exits at its first read
-serve(process_end, for_gpu=True)
+pipes = [Pipe() for _ in range(2)]
+for engine_end, _ in pipes:
+    engine_end.close()
+supervise([process_end.fileno() for _, process_end in pipes], for_gpu=True)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -164,7 +166,7 @@ def test_a_compile_process_stores_a_kernel_under_the_engines_key_of_its_source(m
 class RecordingPool:
     """A pool that compiles nothing: what was submitted, and when."""
 
-    workers = [1, 2]
+    processes = 2
 
     def __init__(self) -> None:
         self.events: list = []
@@ -277,7 +279,7 @@ def test_the_processes_start_with_the_engine_only_on_a_fresh_machine(tmp_path, m
     ahead = CompileAhead.begin(EngineConfig(), torch.device("cuda"), 1)
     try:
         assert ahead.setup.env["TRITON_CACHE_DIR"] == str(tmp_path / "triton") and ahead.setup.for_gpu
-        assert (ahead.pool is not None and len(ahead.pool.workers) == 2) if fresh else ahead.pool is None
+        assert (ahead.pool is not None and ahead.pool.processes == 2) if fresh else ahead.pool is None
     finally:
         ahead.close()
     assert ahead.pool is None
@@ -289,7 +291,7 @@ def test_processes_the_job_started_on_a_fresh_machine_are_the_engines(monkeypatc
         monkeypatch.setattr(module, "compile_processes", lambda: 2)
     compile_pool.start_ahead(EngineConfig())
     started = compile_pool._started
-    assert started is not None and len(started.workers) == 2
+    assert started is not None and started.processes == 2
     ahead = CompileAhead.begin(EngineConfig(), torch.device("cuda"), 1)
     try:
         assert ahead.pool is started and compile_pool.take_started() is None

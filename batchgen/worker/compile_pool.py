@@ -1,7 +1,7 @@
-"""The compile processes: plain subprocesses that compile Triton kernels into its disk cache, one spec at a time, for
-an engine start's compile ahead (batchgen/worker/compile_ahead.py). On a fresh machine the job starts them as it
-begins (`start_ahead`), so that their own imports of torch and Triton (seconds each) run while it reads its input and
-loads the model, and they are ready when the start's dry run records its first kernel.
+"""The compile processes: subprocesses that compile Triton kernels into its disk cache, one spec at a time, for an
+engine start's compile ahead (batchgen/worker/compile_ahead.py), forked by one parent that imports torch and Triton
+for all of them. On a fresh machine the job starts them as it begins (`start_ahead`), so that those imports (seconds)
+run while it reads its input and loads the model.
 """
 
 from __future__ import annotations
@@ -404,10 +404,10 @@ _started: CompilePool | None = None  # for this process's engine, which takes it
 
 def start_ahead(engine: EngineConfig) -> None:
     """Starts the compile processes now, as the job begins on a CUDA GPU, where its engine will compile ahead on a
-    Triton cache without kernels (a fresh machine): their imports of torch and Triton then run while the job reads
-    its input and loads the model. The engine takes them (`take_started`), or closes them if it does not compile
-    ahead after all. Not before this process has imported torch: processes importing it beside this one slow its own
-    import (benchmarks/RESULTS.md)."""
+    Triton cache without kernels (a fresh machine): their parent's imports of torch and Triton then run while the job
+    reads its input and loads the model. The engine takes them (`take_started`), or closes them if it does not compile
+    ahead after all. Not before this process has imported torch: fifteen processes importing it beside this one
+    slowed its own import (benchmarks/RESULTS.md, 2026-11-28); one has not been measured there."""
     global _started
     if _started is not None:  # a multirun's previous job did not start its engine
         _started.close()

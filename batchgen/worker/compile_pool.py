@@ -141,9 +141,9 @@ class TargetDriver:
 
 def supervise(fds: list[int], for_gpu: bool) -> None:
     """The compile processes' parent: imports what every compile needs once, then forks one compile process for each
-    pipe and waits for them. Each process forked from it takes specs at once: 15 processes importing torch and Triton
-    side by side took seconds longer than one (the start's first kernel waited 1.6-1.8 s for them). A SIGTERM (the
-    pool's close) kills them, busy ones too; it exits once they all have."""
+    pipe and waits for them. Each process forked from it takes specs at once, where fifteen processes importing torch
+    and Triton side by side were ready well into the start's dry run (benchmarks/RESULTS.md). A SIGTERM (the pool's
+    close) kills them, busy ones too; it exits once they all have."""
     if for_gpu:  # before the first spec arrives: the engine is still starting
         importlib.import_module("torch")  # the kernels' modules import it
         importlib.import_module("triton")
@@ -156,7 +156,7 @@ def supervise(fds: list[int], for_gpu: bool) -> None:
     # Both signals wait for sigwaitinfo below: a child is killed only before this loop reaps it (its pid not reused)
     signals = {signal.SIGTERM, signal.SIGCHLD}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    live = set()
+    live: set[int] = set()
     for index, fd in enumerate(fds):
         pid = os.fork()
         if pid == 0:
@@ -195,12 +195,11 @@ class CompilePool:
     the parent's __main__, which runs a script without a main guard again.
 
     A thread of the pool's own takes each answer as it comes and hands the process its next queued spec: the engine's
-    thread hands specs over only as its dry run records them, which left a process that finished one idle until the
-    next kernel was recorded (43 of a start's 48 kernels within its first 0.4 s, the rest seconds later).
+    thread hands specs over only as its dry run records them (most of them in its first moments, the rest seconds
+    apart), which left a process that finished one idle until the next was recorded.
     """
 
     def __init__(self, processes: int, setup: WorkerSetup):
-        self._feeder: threading.Thread | None = None
         # What the engine imports from, its own sys.path included (tests add the repository's root there); no
         # warnings, which the engine shows once and each process would repeat.
         env = {**os.environ, **setup.env, "PYTHONPATH": os.pathsep.join(path or os.getcwd() for path in sys.path),
@@ -230,7 +229,8 @@ class CompilePool:
         self.outcome = PoolOutcome(0, [], None)
         self._changed = threading.Condition()  # guards the above; notified as answers come in
         self._wake, self._waker = Pipe(duplex=False)  # what ends the feeder's wait when the pool closes
-        self._feeder = threading.Thread(target=self._feed, name="batchgen-compile-feeder", daemon=True)
+        self._feeder: threading.Thread | None = threading.Thread(target=self._feed, name="batchgen-compile-feeder",
+                                                                 daemon=True)
         self._feeder.start()
 
     def submit(self, spec: KernelSpec) -> None:
@@ -289,8 +289,9 @@ class CompilePool:
         """The answers of the processes whose pipes are readable."""
         if self.outcome.stopped is not None or not ready:
             return
-        if not self._busy.keys() | self._starting >= set(ready):  # an idle ready process's pipe turns readable only
-            self.outcome.stopped = ENDED  # when it ends
+        # A process neither starting nor busy has nothing to say: its pipe turns readable only when it ends
+        if not set(ready) <= self._busy.keys() | self._starting:
+            self.outcome.stopped = ENDED
             return
         outcome = self.outcome
         try:

@@ -34,7 +34,7 @@ PLAIN = WorkerSetup({}, for_gpu=False)
 
 
 def compiled(specs: list[KernelSpec], setup: WorkerSetup = PLAIN, processes: int = 2,
-             timeout: float = 10.0) -> tuple[PoolOutcome, subprocess.Popen]:
+             timeout: float = 120.0) -> tuple[PoolOutcome, subprocess.Popen]:
     """The pool's outcome, and the process that forked its processes (closed: it exits only once they all have)."""
     pool = CompilePool(processes, setup)
     supervisor = pool.supervisor

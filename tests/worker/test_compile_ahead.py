@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from batchgen.config import EngineConfig
+from batchgen.engine.model_worker import ModelWorker
 from batchgen.worker import compile_ahead, compile_pool
 from batchgen.worker.compile_ahead import CompileAhead, MissingKernel
 from batchgen.worker.compile_pool import CompilePool, KernelSpec, PoolOutcome, WorkerSetup
@@ -132,6 +133,22 @@ def test_a_process_that_fails_to_start_stops_the_pool(tmp_path):
     no_python = WorkerSetup({"PYTHONIOENCODING": "no-such-encoding"}, for_gpu=False)  # Python cannot start
     outcome, _ = compiled([fake("writes", tmp_path / "a")], no_python)
     assert outcome.stopped == "a compile process ended" and not (tmp_path / "a").exists()
+
+
+def test_the_dry_run_warms_the_start_buckets_then_runs_the_prefill_steps_then_warms_the_other_buckets():
+    """The start's forwards as compile_ahead's dry run runs them: every kernel is met early, so that each compiles
+    while the dry run goes on (the start buckets launch nearly all of them, the other buckets rarely one more)."""
+    calls = []
+    runner = types.SimpleNamespace(
+        warm_up_graphs=lambda max_rows, start_buckets: calls.append(("graphs", max_rows, start_buckets)),
+        profile_peak_bytes=lambda scores_logits: calls.append(("profile", scores_logits)),
+        warm_up_step=lambda pooler, contexts: calls.append(("prefill", contexts)))
+    worker = types.SimpleNamespace(runner=runner, pooler=None, _warm_up_contexts=lambda demand: [3072])
+    ModelWorker._start_forwards(worker, graphs=True, max_rows=64, demand=None)
+    assert calls == [("graphs", 64, True), ("profile", True), ("prefill", [3072]), ("graphs", 64, False)]
+    calls.clear()
+    ModelWorker._start_forwards(worker, graphs=False, max_rows=None, demand=None, profile=False)
+    assert calls == [("prefill", [3072])]  # a job without decode steps, after the KV-sizing phase
 
 
 @pytest.mark.parametrize("config, device, tensor_parallel_size", [

@@ -220,7 +220,6 @@ class CompilePool:
             raise
         for _, child_conn in pipes:
             child_conn.close()
-        self.processes = processes
         self._idle: list[Connection] = list(self._conns)
         self._busy: dict[Connection, str] = {}  # a busy process's pipe: the kernel it compiles
         self._starting = set(self._conns)  # the processes not ready yet (a spec may already wait in their pipes)
@@ -232,6 +231,10 @@ class CompilePool:
         self._feeder: threading.Thread | None = threading.Thread(target=self._feed, name="batchgen-compile-feeder",
                                                                  daemon=True)
         self._feeder.start()
+
+    @property
+    def processes(self) -> int:
+        return len(self._conns)
 
     def submit(self, spec: KernelSpec) -> None:
         """Queues a spec and hands queued specs to idle processes; never waits. After a process ended, nothing is

@@ -21,7 +21,8 @@ from batchgen.io.errors import RowError
 from batchgen.io.overrides import OVERRIDE_FIELDS, parse_overrides
 from batchgen.io.prompt_rows import PromptRow
 
-BLOCK_BYTES = 1 << 20  # lines read by one Arrow call: few calls, a bounded table
+BLOCK_BYTES = 16 << 20  # lines read by one Arrow call: few calls, a bounded table
+PARSE_BLOCK_BYTES = 1 << 20  # what one of Arrow's threads parses of a call's lines
 # Arrow types whose Python values are json's own, type included (Arrow reads a number with a fraction or an exponent,
 # or an integer beyond int64, as a double, and a string shaped like a date as a timestamp: such columns go line by
 # line).
@@ -51,7 +52,7 @@ def columnar_rows(lines: list[bytes], first_index: int, cfg: DataConfig,
         return None
     data = b"".join(lines)
     try:  # Arrow refuses what json refuses, and more (duplicate keys, lone surrogates): those go line by line
-        table = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
+        table = _parsed(data)
         if table.num_rows != num_rows:
             return None
         # A column of nulls only is as absent: json's null is parse_row's absent field.
@@ -73,6 +74,15 @@ def columnar_rows(lines: list[bytes], first_index: int, cfg: DataConfig,
     return [PromptRow(index, row_id, prompt, row_token_ids, row_overrides)
             for index, row_id, prompt, row_token_ids, row_overrides
             in zip(range(first_index, first_index + num_rows), ids, prompts, prompt_token_ids, overrides, strict=True)]
+
+
+def _parsed(data: bytes) -> pa.Table:
+    """The lines as one table, parsed a block at a time on Arrow's threads; as one block where a line is longer than a
+    block (Arrow refuses an object across its blocks' boundaries)."""
+    try:
+        return pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=PARSE_BLOCK_BYTES))
+    except pa.ArrowInvalid:
+        return pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
 
 
 def _without_messages(line: bytes, cfg: DataConfig) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.config import DataConfig
-from batchgen.io import readers
+from batchgen.io import jsonl_columns, readers
 from batchgen.io.jsonl_columns import columnar_rows
 from batchgen.io.readers import InputError, read_prompts
 from batchgen.io.sources import jsonl_blocks
@@ -113,6 +113,20 @@ def test_token_id_rows_are_read_by_columns(tmp_path: Path) -> None:
     rows = columnar_rows(lines, 0, DataConfig(path=str(path)), read_overrides=True)
     assert [(row.id, row.prompt, row.prompt_token_ids, row.overrides) for row in rows or ()] == [
         ("0", None, [1, 2], {"max_tokens": 4}), ("1", None, [0], {})]
+
+
+def test_lines_parsed_in_many_arrow_blocks_read_by_columns_as_line_by_line(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jsonl_columns, "PARSE_BLOCK_BYTES", 256)
+    lines = [b'{"id": "r%d", "prompt_token_ids": [%d, 2]%s}' % (n, n, b', "max_tokens": 3' if n >= 30 else b"")
+             for n in range(60)]  # a field that only later blocks hold
+    lines[40] = b'{"id": "long", "prompt_token_ids": [%s]}' % b", ".join([b"7"] * 200)  # longer than a block
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    [(_, block)] = jsonl_blocks(path, 1 << 20)
+    rows = columnar_rows(block, 0, DataConfig(path=str(path), id_field="id"), read_overrides=True)
+    assert rows is not None and len(rows) == 60 and rows[40].prompt_token_ids == [7] * 200
+    assert same_values([asdict(row) for row in rows], read(path, True, monkeypatch, id_field="id"))
 
 
 def test_a_block_of_chat_messages_goes_line_by_line(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import sys
@@ -19,6 +20,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from hydra.errors import OverrideParseException
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
@@ -36,6 +38,7 @@ from batchgen.job.exits import (
     describe_os_error,
     end_process,
     is_environment_fault,
+    job_ends_process,
     remove_unstarted_run_dir,
 )
 from batchgen.job.stop_signals import JobStopped, resume_command
@@ -125,7 +128,9 @@ def _main(cfg: DictConfig) -> float | None:
         # interpreter's end, where nanobind lists Triton's objects as leaked.
         if gc.get_freeze_count() == 0:
             gc.freeze()
-        summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))
+        single_run = HydraConfig.get().mode == RunMode.RUN
+        with job_ends_process() if single_run else contextlib.nullcontext():
+            summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))
     except (ConfigError, InputError, DirectoryInUse) as exc:
         log.error("%s", exc)
         remove_unstarted_run_dir(run_dir)

@@ -531,20 +531,24 @@ class LLMEngine:
             return classification_fields(pooled, getattr(self.hf_config, "id2label", None))
         return {"embedding": pooled}
 
-    def close(self) -> None:
+    def close(self, free_memory: bool = True) -> None:
         """Release the model, KV cache and graphs so that the next run of a multirun sweep starts clean. After a
         tensor-parallel follower died, nothing waits for the device: an NCCL collective aborted for it may never end
-        there (a synchronize here then waited forever)."""
+        there (a synchronize here then waited forever). free_memory=False, for a process that ends next: the graphs,
+        the compile processes and the followers stop, and the memory is left to the process's end (a full garbage
+        collection walks every row the job still holds)."""
         self.runner.close()
         self._in_flight = None  # a stopped job may leave a launched step holding device tensors
         follower_died = self.followers is not None and self.followers.died()
         self._close_followers()
-        gc.collect()
+        if free_memory:
+            gc.collect()
         if follower_died and self.device.type == "cuda":
             log.warning("A tensor-parallel follower died: %s may still run the collective aborted for it; start the "
                         "next engine in a new process", self.device)
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            # cuBLAS keeps a workspace per handle and stream in the caching allocator, which empty_cache() skips.
-            torch._C._cuda_clearCublasWorkspaces()
-            torch.cuda.empty_cache()
+            if free_memory:
+                # cuBLAS keeps a workspace per handle and stream in the caching allocator, which empty_cache() skips.
+                torch._C._cuda_clearCublasWorkspaces()
+                torch.cuda.empty_cache()

@@ -1,5 +1,5 @@
 """Exit codes, what the environment's faults look like to the user, the cleanup of a run directory whose job never
-started, and the end of a process without the interpreter's teardown."""
+started, and the end of a process without the interpreter's teardown (and of its last job without freeing memory)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import errno
 import os
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
@@ -70,3 +72,23 @@ def end_process(status: int = EXIT_OK) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+_job_ends_process = False
+
+
+@contextmanager
+def job_ends_process() -> Iterator[None]:
+    """Within it, the job that runs is its process's last (the command line's single run; not a multirun, whose jobs
+    share the process): the job's engine leaves its memory to the process's end instead of freeing it for a next
+    engine (LLMEngine.close)."""
+    global _job_ends_process
+    _job_ends_process = True
+    try:
+        yield
+    finally:
+        _job_ends_process = False
+
+
+def process_ends_with_job() -> bool:
+    return _job_ends_process

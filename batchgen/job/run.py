@@ -33,7 +33,7 @@ from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.schema import COMPLETIONS_SCHEMA
 from batchgen.io.shard_split import ShardSplit
 from batchgen.io.writers import CompletionWriter, import_pandas_in_background, write_kernels
-from batchgen.job.exits import is_environment_fault
+from batchgen.job.exits import is_environment_fault, process_ends_with_job
 from batchgen.job.process_clock import take_startup
 from batchgen.job.progress import Progress
 from batchgen.job.resume_check import check_resume
@@ -301,7 +301,7 @@ class Job:
             if engine is not None:
                 if profiler is not None:
                     write_kernels(self.run_dir / KERNELS_FILE, profiler.rows, self.outputs.metadata)
-                engine.close()
+                engine.close(free_memory=not process_ends_with_job())
         if signals.received is not None:
             self.outputs.flush()
             raise JobStopped(signals.received, self._rows_done(), len(self.rows))

@@ -131,6 +131,27 @@ def test_a_finished_job_runs_the_exit_handlers_and_skips_the_teardown(tmp_path):
     assert "Time to the final files" in log_text, log_text[-2000:]
 
 
+@pytest.mark.parametrize("multirun", [False, True], ids=["single_run", "multirun"])
+def test_only_a_multiruns_jobs_free_their_engines_memory(tmp_path, multirun):
+    """A single run's process ends after its job: the engine's close leaves the memory (a full garbage collection, the
+    device's cached blocks) to the process's end. A multirun's next job needs it freed."""
+    sweep = ["-m", "engine.seed=1,2", f"hydra.sweep.dir={tmp_path}"] if multirun else [f"hydra.run.dir={tmp_path}"]
+    probe = ("import sys\n"
+             f"sys.argv = ['batchgen', *{sweep!r}, 'job=shakespeare', 'preset=smoke_test', 'data.limit=2', "
+             "'engine.device=cpu', 'job.progress=false']\n"
+             "from batchgen.engine.llm_engine import LLMEngine\n"
+             "close = LLMEngine.close\n"
+             "def reported_close(self, free_memory=True):\n"
+             "    print('engine closed, memory freed:', free_memory)\n"
+             "    close(self, free_memory)\n"
+             "LLMEngine.close = reported_close\n"
+             "from batchgen.__main__ import main; main()")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    closes = [line for line in result.stdout.splitlines() if line.startswith("engine closed")]
+    assert closes == [f"engine closed, memory freed: {multirun}"] * (2 if multirun else 1), result.stdout[-3000:]
+
+
 @pytest.mark.gpu
 def test_a_gpu_multirun_exits_without_nanobind_leak_reports(tmp_path):
     """Two graph-mode jobs in one process compile and capture Triton kernels; at exit nothing of Triton is left

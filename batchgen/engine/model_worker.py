@@ -29,7 +29,7 @@ from batchgen.worker.cuda_graph import CAPTURE_AFTER_USES
 from batchgen.worker.host_threads import intra_op_threads
 from batchgen.worker.model_runner import BitmaskProvider, ModelRunner
 from batchgen.worker.pooling import Pooler
-from batchgen.worker.triton_start import wait_for_triton_driver
+from batchgen.worker.triton_start import wait_for_triton_start
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class ModelWorker:
         compile_ahead = CompileAhead.begin(engine_config, device, tp.size)
         start = time.perf_counter()
         model = load_model(model_config, hf_config, self.dtype, device, task, tp)
-        wait_for_triton_driver()  # started as the job began: the first kernel comes next
+        wait_for_triton_start()  # started as the job began: the first kernel comes next
         if not model.cuda_graphs and not engine_config.enforce_eager:
             engine_config = replace(engine_config, enforce_eager=True)
             if device.type == "cuda":

@@ -49,6 +49,7 @@ from batchgen.report.run_brief import brief_table
 from batchgen.report.summary_fields import read_figures
 from batchgen.runners.errors import MergeError, RankFailedError
 from batchgen.tp.errors import FollowerExited
+from batchgen.worker.compile_pool import start_ahead_of_torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "conf"
@@ -117,6 +118,7 @@ def _main(cfg: DictConfig) -> float | None:
     try:
         config = to_config(cfg)
         process_clock.mark("config")
+        start_ahead_of_torch(config)  # on a fresh GPU machine: the compile processes' imports beside this one's
         from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
 
         process_clock.mark("engine_imports")

@@ -13,7 +13,7 @@ from batchgen.io.atomic import DirectoryLock
 from batchgen.runners.data_parallel import run_data_parallel
 from batchgen.runners.local import run_local
 from batchgen.runners.ranks import Rank, run_rank
-from batchgen.worker.compile_pool import start_ahead
+from batchgen.worker.compile_pool import close_started, start_ahead
 from batchgen.worker.triton_start import start_triton_in_background
 
 
@@ -33,6 +33,8 @@ def launch(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str
     if runs_on_cuda(config):
         start_triton_in_background()  # first: its imports of Triton, before any thread's
         start_ahead(config.engine)  # on a fresh machine: compile processes that start up while the input is read
+    else:
+        close_started()  # the command line's, started ahead of torch for a GPU that torch does not find
     if (rank := Rank.from_env()) is not None:
         return run_rank(config, run_dir, rank)
     return run_local(config, run_dir)

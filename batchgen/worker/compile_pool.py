@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 if TYPE_CHECKING:
     from triton.backends.compiler import GPUTarget
 
-    from batchgen.config import EngineConfig
+    from batchgen.config import Config, EngineConfig
 
 MAX_PROCESSES = 16
 COMPILE_TIMEOUT_SECONDS = 300.0  # a whole start's kernels on two processes take well under a minute
@@ -410,19 +410,41 @@ def start_ahead(engine: EngineConfig) -> None:
     """Starts the compile processes now, as the job begins on a CUDA GPU, where its engine will compile ahead on a
     Triton cache without kernels (a fresh machine): their parent's imports of torch and Triton then run while the job
     reads its input and loads the model. The engine takes them (`take_started`), or closes them if it does not compile
-    ahead after all. Not before this process has imported torch: fifteen processes importing it beside this one
-    slowed its own import (benchmarks/RESULTS.md, 2026-11-28); one has not been measured there."""
+    ahead after all. Processes started and not taken yet are kept (the command line's, started before its import of
+    torch: `start_ahead_of_torch`)."""
     global _started
-    if _started is not None:  # a multirun's previous job did not start its engine
-        _started.close()
-        _started = None
-    if not compiles_ahead(engine, engine.tensor_parallel_size) or importlib.util.find_spec("triton") is None:
+    wanted = compiles_ahead(engine, engine.tensor_parallel_size) and importlib.util.find_spec("triton") is not None
+    if _started is not None and wanted:
+        return
+    close_started()  # a multirun's previous job did not start its engine, or this job's engine will not take them
+    if not wanted:
         return
     processes = compile_processes()
     if processes < 2 or missing_triton_api() is not None or not cache_holds_no_kernel():
         return
     with contextlib.suppress(OSError):  # then the engine starts them as it loads
         _started = CompilePool(processes, worker_setup())
+
+
+def start_ahead_of_torch(config: Config) -> None:
+    """start_ahead for the command line, before it imports torch, where its job will likely run an engine on an
+    NVIDIA GPU: the config says so, and the driver's device node is there (torch, which would tell, is not imported
+    yet). The processes' parent then imports torch and Triton beside this process's own import of torch, not after
+    it. launch() closes them where no CUDA GPU runs the engine after all."""
+    engine = config.engine
+    if (config.runner.name == "ray" or engine.data_parallel_size > 1 or engine.device == "cpu"
+            or os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1")
+            or not os.path.exists("/dev/nvidiactl")):
+        return
+    start_ahead(engine)
+
+
+def close_started() -> None:
+    """Closes the processes start_ahead started, if no engine took them."""
+    global _started
+    if _started is not None:
+        _started.close()
+        _started = None
 
 
 def take_started() -> CompilePool | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.config import EngineConfig
+from batchgen.config import Config, EngineConfig, RunnerConfig
 from batchgen.engine.model_worker import ModelWorker
 from batchgen.worker import compile_ahead, compile_pool
 from batchgen.worker.compile_ahead import CompileAhead, MissingKernel
@@ -250,6 +250,40 @@ def test_an_engine_that_does_not_compile_ahead_ends_the_processes_started_for_it
     ahead = CompileAhead.begin(EngineConfig(), torch.device("cpu"), 1)
     assert ahead.pool is None and pool.supervisor is None and compile_pool.take_started() is None
     assert supervisor.poll() is not None
+
+
+@pytest.mark.parametrize(("config", "env", "starts"), [
+    (Config(), {}, True),
+    (Config(engine=EngineConfig(device="cpu")), {}, False),
+    (Config(engine=EngineConfig(data_parallel_size=2)), {}, False),  # the parent runs no engine; each rank its own
+    (Config(runner=RunnerConfig(name="ray")), {}, False),
+    (Config(), {"CUDA_VISIBLE_DEVICES": ""}, False),
+], ids=["gpu", "cpu", "data_parallel_parent", "ray", "no_visible_gpu"])
+def test_the_command_line_starts_compile_processes_ahead_of_torch_only_for_a_local_gpu_engine(monkeypatch, config,
+                                                                                              env, starts):
+    monkeypatch.setattr(compile_pool.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    asked = []
+    monkeypatch.setattr(compile_pool, "start_ahead", asked.append)
+    compile_pool.start_ahead_of_torch(config)
+    assert asked == ([config.engine] if starts else [])
+
+
+def test_processes_started_ahead_are_kept_for_the_job_and_closed_where_torch_finds_no_gpu(monkeypatch, tmp_path):
+    """The command line's processes, started before torch could tell whether the engine runs on a GPU: the job's own
+    start_ahead keeps them; launch() closes them where the engine runs on CPU after all."""
+    from batchgen.runners import launch
+
+    pool = CompilePool(1, PLAIN)
+    supervisor = pool.supervisor
+    monkeypatch.setattr(compile_pool, "_started", pool)
+    monkeypatch.setattr(compile_pool.importlib.util, "find_spec", lambda name: object())  # Triton "is there"
+    compile_pool.start_ahead(EngineConfig())
+    assert compile_pool._started is pool and supervisor.poll() is None
+    monkeypatch.setattr(launch, "run_local", lambda config, run_dir: {})
+    launch.launch(Config(engine=EngineConfig(device="cpu")), tmp_path, [])
+    assert compile_pool.take_started() is None and pool.supervisor is None and supervisor.wait(timeout=60) is not None
 
 
 @pytest.mark.gpu

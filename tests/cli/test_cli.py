@@ -19,9 +19,18 @@ from batchgen.config import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 
 
+# The shipped job on two rows, on CPU: what the probes below run through the command line.
+SMOKE_JOB = ["job=shakespeare", "preset=smoke_test", "data.limit=2", "engine.device=cpu", "job.progress=false"]
+
+
 def batchgen(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "batchgen", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300)
+
+
+def run_probe(probe: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -c PROBE` from the repository's root."""
+    return subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def test_the_readme_test_command_collects_every_test():
@@ -51,7 +60,7 @@ def test_version_is_batchgens_and_imports_no_torch():
     probe = ("import sys; sys.argv = ['batchgen', '--version']\n"
              "from batchgen.__main__ import main; main()\n"
              "print('torch' in sys.modules, 'hydra' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = run_probe(probe, timeout=60)
     assert result.stdout.splitlines()[-1] == "False False", result.stdout + result.stderr
 
 
@@ -78,7 +87,7 @@ def test_job_starts_with_the_imported_modules_frozen_out_of_garbage_collection(t
              "import gc, batchgen.runners.launch as launch\n"
              "launch.launch = lambda *args: print('frozen objects:', gc.get_freeze_count()) or sys.exit(0)\n"
              "from batchgen.__main__ import main; main()")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = run_probe(probe, timeout=120)
     frozen = [line for line in result.stdout.splitlines() if line.startswith("frozen objects:")]
     assert frozen and int(frozen[0].split(":")[1]) > 100_000, result.stdout + result.stderr
 
@@ -88,8 +97,7 @@ def test_a_multiruns_next_job_leaves_what_the_previous_job_imported_collectable(
     SystemExit (a failed job), whose interpreter tears down: frozen out of garbage collection, Triton's import-time
     objects outlived the interpreter, and nanobind listed them as leaked."""
     probe = ("import os, sys, types\n"
-             f"sys.argv = ['batchgen', '-m', 'job=shakespeare', 'preset=smoke_test', 'data.limit=2', "
-             f"'engine.device=cpu', 'job.progress=false', 'engine.seed=1,2', 'hydra.sweep.dir={tmp_path}']\n"
+             f"sys.argv = ['batchgen', '-m', *{SMOKE_JOB!r}, 'engine.seed=1,2', 'hydra.sweep.dir={tmp_path}']\n"
              "import batchgen.runners.launch as launch\n"
              "class Collected:\n"
              "    def __del__(self, write=os.write):\n"
@@ -103,7 +111,7 @@ def test_a_multiruns_next_job_leaves_what_the_previous_job_imported_collectable(
              "    return run_job(*args)\n"
              "launch.launch = launch_importing_a_module\n"
              "from batchgen.cli.main import main; main()")  # returns, then the interpreter ends as SystemExit would
-    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_probe(probe)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "1" / "completions.parquet").exists()
     assert result.stderr.splitlines()[-1:] == ["collected at exit"], result.stderr[-3000:]
@@ -113,8 +121,7 @@ def test_a_finished_job_runs_the_exit_handlers_and_skips_the_teardown(tmp_path):
     """After its jobs finish, the command runs the exit handlers (the log's flush among them) and ends without the
     interpreter's teardown: nothing is finalized, nothing after main() runs, the exit status is 0."""
     probe = ("import atexit, os, sys\n"
-             f"sys.argv = ['batchgen', 'job=shakespeare', 'preset=smoke_test', 'data.limit=2', 'engine.device=cpu', "
-             f"'job.progress=false', 'hydra.run.dir={tmp_path}']\n"
+             f"sys.argv = ['batchgen', *{SMOKE_JOB!r}, 'hydra.run.dir={tmp_path}']\n"
              "class Finalized:\n"
              "    def __del__(self, write=os.write):\n"
              "        write(2, b'finalized\\n')\n"
@@ -122,7 +129,7 @@ def test_a_finished_job_runs_the_exit_handlers_and_skips_the_teardown(tmp_path):
              "atexit.register(print, 'exit handler ran')  # buffered: printed only if stdout is flushed after it\n"
              "from batchgen.__main__ import main; main()\n"
              "print('after main')")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_probe(probe)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines()[-1] == "exit handler ran", result.stdout[-3000:]
     assert "after main" not in result.stdout and "finalized" not in result.stderr, result.stderr[-3000:]
@@ -137,8 +144,7 @@ def test_only_a_multiruns_jobs_free_their_engines_memory(tmp_path, multirun):
     device's cached blocks) to the process's end. A multirun's next job needs it freed."""
     sweep = ["-m", "engine.seed=1,2", f"hydra.sweep.dir={tmp_path}"] if multirun else [f"hydra.run.dir={tmp_path}"]
     probe = ("import sys\n"
-             f"sys.argv = ['batchgen', *{sweep!r}, 'job=shakespeare', 'preset=smoke_test', 'data.limit=2', "
-             "'engine.device=cpu', 'job.progress=false']\n"
+             f"sys.argv = ['batchgen', *{sweep!r}, *{SMOKE_JOB!r}]\n"
              "from batchgen.engine.llm_engine import LLMEngine\n"
              "close = LLMEngine.close\n"
              "def reported_close(self, free_memory=True):\n"
@@ -146,7 +152,7 @@ def test_only_a_multiruns_jobs_free_their_engines_memory(tmp_path, multirun):
              "    close(self, free_memory)\n"
              "LLMEngine.close = reported_close\n"
              "from batchgen.__main__ import main; main()")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_probe(probe)
     assert result.returncode == 0, result.stderr[-3000:]
     closes = [line for line in result.stdout.splitlines() if line.startswith("engine closed")]
     assert closes == [f"engine closed, memory freed: {multirun}"] * (2 if multirun else 1), result.stdout[-3000:]

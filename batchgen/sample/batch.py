@@ -135,6 +135,11 @@ class SamplingBatch:
         return self.floats.shape[1]
 
     @property
+    def greedy_rows(self) -> np.ndarray | None:
+        """Per row, whether it is greedy (temperature 0: it takes the argmax); None when every row is."""
+        return self.floats[0] == 0 if self.features.random else None
+
+    @property
     def fixed_shape(self) -> bool:
         """Whether the stages' shapes are the batch's alone, as a graph needs: bad-word candidates vary in number."""
         return self.bad_words is None

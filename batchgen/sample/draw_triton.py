@@ -129,19 +129,22 @@ def seeded_draw(logits: torch.Tensor, temperatures: torch.Tensor, inv_temperatur
     return token_ids
 
 
-_GREEDY_CHUNKS = 64  # programs per row: torch.argmax reads a large vocabulary's row too slowly for a decode step
+_GREEDY_BLOCK = 2048  # logits a program reads: one row alone still keeps dozens of SMs reading
 
 
 @triton.jit
-def _greedy_chunk_kernel(logits_ptr, stride, ranks_ptr, values_ptr, indices_ptr, VOCAB: tl.constexpr,
-                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program per (row, chunk of CHUNK logits): the chunk's torch.argmax candidate."""
+def _greedy_chunk_kernel(logits_ptr, stride, wanted_ptr, ranks_ptr, values_ptr, indices_ptr, VOCAB: tl.constexpr,
+                         BLOCK: tl.constexpr, WANTED: tl.constexpr, PDL: tl.constexpr):
+    """One program per (row, block of BLOCK logits): the block's torch.argmax candidate; nothing for a row that is
+    not wanted (WANTED: wanted_ptr holds a flag per row)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, BLOCK)
-    mask = (cols < VOCAB) & (tl.arange(0, BLOCK) < CHUNK)
     wait_for_previous(PDL)
-    logits = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    if WANTED:
+        if tl.load(wanted_ptr + row) == 0:
+            return
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    logits = tl.load(logits_ptr + row * stride + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
     top_rank, top_value, winner = _argmax(logits, cols)
     at = row * tl.num_programs(1) + chunk
     tl.store(ranks_ptr + at, top_rank)
@@ -152,34 +155,48 @@ def _greedy_chunk_kernel(logits_ptr, stride, ranks_ptr, values_ptr, indices_ptr,
 # pending_rows is the bucket size or max_num_seqs: specialized, it would compile once for 1, once for multiples of 16
 # and once for the rest.
 @triton.jit(do_not_specialize=["pending_rows"])
-def _greedy_merge_kernel(ranks_ptr, values_ptr, indices_ptr, out_ptr, pending_ids_ptr, pending_rows,
-                         CHUNKS: tl.constexpr, PDL: tl.constexpr):
-    """One program per row: the best of its chunks' candidates (the earlier chunk on a tie), into out and, for rows
-    below pending_rows, into pending_ids."""
+def _greedy_merge_kernel(ranks_ptr, values_ptr, indices_ptr, wanted_ptr, out_ptr, pending_ids_ptr, pending_rows,
+                         chunks, CHUNKS: tl.constexpr, WANTED: tl.constexpr, PDL: tl.constexpr):
+    """One program per row: the best of its blocks' candidates (the earlier block on a tie), into out and, for rows
+    below pending_rows, into pending_ids; nothing for a row that is not wanted."""
     row = tl.program_id(0)
-    at = row * CHUNKS + tl.arange(0, CHUNKS)
+    offsets = tl.arange(0, CHUNKS)
+    mask = offsets < chunks
+    at = row * chunks + offsets
     wait_for_previous(PDL)
-    _, _, winner = _best(tl.load(ranks_ptr + at), tl.load(values_ptr + at), tl.load(indices_ptr + at))
+    if WANTED:
+        if tl.load(wanted_ptr + row) == 0:
+            return
+    _, _, winner = _best(tl.load(ranks_ptr + at, mask=mask, other=-1),
+                         tl.load(values_ptr + at, mask=mask, other=float("-inf")),
+                         tl.load(indices_ptr + at, mask=mask, other=2**31 - 1))
     tl.store(out_ptr + row, winner.to(tl.int64))
     if row < pending_rows:
         tl.store(pending_ids_ptr + row, winner.to(tl.int64))
 
 
-def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor, wanted: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """logits (B, V) -> (B,) int64 token ids, torch.argmax's (NaN first, then the first largest value); also written
-    into pending_ids's first min(B, len(pending_ids)) rows. Each row is read by _GREEDY_CHUNKS programs."""
+    into pending_ids's first min(B, len(pending_ids)) rows. Each row is read in blocks of _GREEDY_BLOCK logits, one
+    program each. wanted: (B,) flags, nonzero for the rows whose argmax is wanted (a decode graph's greedy rows: the
+    others draw, and the sampler writes their ids); the other rows are not read, and their ids are not written.
+    None: every row's."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    chunk = triton.cdiv(vocab, _GREEDY_CHUNKS)
-    ranks = torch.empty(rows, _GREEDY_CHUNKS, dtype=torch.int32, device=logits.device)
-    values = torch.empty(rows, _GREEDY_CHUNKS, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(rows, _GREEDY_CHUNKS, dtype=torch.int32, device=logits.device)
+    block = min(_GREEDY_BLOCK, triton.next_power_of_2(vocab))
+    chunks = triton.cdiv(vocab, block)
+    ranks = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    flags = out if wanted is None else wanted  # read only under WANTED
     options = launch_options(logits.device)
-    _greedy_chunk_kernel[(rows, _GREEDY_CHUNKS)](logits, logits.stride(0), ranks, values, indices, VOCAB=vocab,
-                                                 CHUNK=chunk, BLOCK=triton.next_power_of_2(chunk), num_warps=4,
-                                                 **options)
-    _greedy_merge_kernel[(rows,)](ranks, values, indices, out, pending_ids, min(rows, len(pending_ids)),
-                                  CHUNKS=_GREEDY_CHUNKS, num_warps=1, **options)
+    _greedy_chunk_kernel[(rows, chunks)](logits, logits.stride(0), flags, ranks, values, indices, VOCAB=vocab,
+                                         BLOCK=block, WANTED=wanted is not None, num_warps=4 if block >= 1024 else 1,
+                                         **options)
+    _greedy_merge_kernel[(rows,)](ranks, values, indices, flags, out, pending_ids, min(rows, len(pending_ids)),
+                                  chunks, CHUNKS=triton.next_power_of_2(chunks), WANTED=wanted is not None,
+                                  num_warps=1, **options)
     return out

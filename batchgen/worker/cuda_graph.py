@@ -59,6 +59,7 @@ class BucketInputs(NamedTuple):
     slot_mapping: torch.Tensor
     seq_lens: torch.Tensor
     pending_rows: torch.Tensor
+    argmax_rows: torch.Tensor  # 1 where the row takes the graph's argmax (a greedy row), else 0
     block_tables: torch.Tensor
 
 
@@ -66,10 +67,10 @@ class GraphCaptureBuffers:
     """Static device inputs in one byte buffer, which each step fills with one host-to-device copy (a second copy
     for the block tables made small steps measurably slower).
 
-    A bucket of `size` rows lays its inputs out from the buffer's start: five int64 rows (ids, positions, slots,
-    context lengths, pending rows), each starting 64-byte aligned (Triton specializes on alignment), then the
-    (size, width) int32 block tables. Its graphs read those views; buckets' layouts overlap, and only the one being
-    replayed is staged.
+    A bucket of `size` rows lays its inputs out from the buffer's start: six int64 rows (ids, positions, slots,
+    context lengths, pending rows, argmax rows), each starting 64-byte aligned (Triton specializes on alignment),
+    then the (size, width) int32 block tables. Its graphs read those views; buckets' layouts overlap, and only the
+    one being replayed is staged.
     """
 
     def __init__(self, max_size: int, block_table_width: int, block_size: int, device: torch.device,
@@ -86,7 +87,7 @@ class GraphCaptureBuffers:
 
     def views(self, size: int) -> BucketInputs:
         """`size`'s layout over the device buffer."""
-        rows = self.bytes[:_rows_nbytes(size)].view(torch.int64).view(5, _row_stride(size))[:, :size]
+        rows = self.bytes[:_rows_nbytes(size)].view(torch.int64).view(_ROWS, _row_stride(size))[:, :size]
         tables = self.bytes[_rows_nbytes(size):self._nbytes(size)].view(torch.int32)
         return BucketInputs(*rows, tables.view(size, self.block_table_width))
 
@@ -113,28 +114,33 @@ class GraphCaptureBuffers:
             split_arrivals=self.split_arrivals,
         )
 
-    def load(self, inputs: StepInputs, size: int) -> None:
+    def load(self, inputs: StepInputs, size: int, argmax_rows: np.ndarray | None = None) -> None:
         """Stage the step in host memory in `size`'s layout (`staging.staging_buffer`), padded to `size` rows, then
-        copy it to the device in one copy, without a sync.
+        copy it to the device in one copy, without a sync. argmax_rows: per row, whether it takes the graph's argmax
+        (None: every row).
 
         Padding rows get token 0 at position 0, slot -1 (no KV write), context length 0 (no KV read), no pending
-        token and a block table of zeros.
+        token, no argmax and a block table of zeros.
         """
         n = inputs.num_tokens
         nbytes = self._nbytes(size)
         host = staging_buffer(nbytes, self.pinned)
         staged = host.numpy()  # numpy views: a torch view costs the host microseconds each
-        rows = staged[:_rows_nbytes(size)].view(np.int64).reshape(5, _row_stride(size))
-        rows[:, n:size] = ((0,), (0,), (-1,), (0,), (-1,))
+        rows = staged[:_rows_nbytes(size)].view(np.int64).reshape(_ROWS, _row_stride(size))
+        rows[:, n:size] = ((0,), (0,), (-1,), (0,), (-1,), (0,))
         rows[0, :n] = inputs.input_ids
         rows[1, :n] = inputs.positions
         rows[2, :n] = inputs.slot_mapping
         rows[3, :n] = inputs.seq_lens
         rows[4, :n] = -1 if inputs.pending_rows is None else inputs.pending_rows
+        rows[5, :n] = 1 if argmax_rows is None else argmax_rows
         tables = staged[_rows_nbytes(size):nbytes].view(np.int32).reshape(size, self.block_table_width)
         tables[:n] = inputs.block_tables
         tables[n:] = 0
         self.bytes[:nbytes].copy_(host, non_blocking=True)
+
+
+_ROWS = len(BucketInputs._fields) - 1  # the int64 rows, before the block tables
 
 
 def _row_stride(size: int) -> int:
@@ -142,14 +148,15 @@ def _row_stride(size: int) -> int:
 
 
 def _rows_nbytes(size: int) -> int:
-    """The bytes of a bucket's five int64 rows, after which its block tables start."""
-    return 5 * _row_stride(size) * 8
+    """The bytes of a bucket's int64 rows, after which its block tables start."""
+    return _ROWS * _row_stride(size) * 8
 
 
 class GraphOutputs(NamedTuple):
     logits: torch.Tensor  # (size, vocab)
-    # (size,) int64: each row's argmax, also written into the pending tokens: the whole sampling of a greedy step,
-    # in the graph (eagerly after it, torch's argmax and its copies are launches of their own)
+    # (size,) int64: the argmax of each row that takes it (BucketInputs.argmax_rows), also written into the pending
+    # tokens: the whole sampling of a greedy step, in the graph (eagerly after it, torch's argmax and its copies are
+    # launches of their own). Rows that draw are left to the sampler, which writes their pending tokens.
     greedy_ids: torch.Tensor
 
 
@@ -198,7 +205,7 @@ class CudaGraphRunner:
         input_ids = self.pending.input_ids(inputs.input_ids, inputs.pending_rows)
         hidden = self.model(input_ids, inputs.positions, self.buffers.metadata(size, cascade))
         logits = self.model.compute_logits(hidden)
-        return GraphOutputs(logits, greedy_argmax(logits, sampled_into))
+        return GraphOutputs(logits, greedy_argmax(logits, sampled_into, inputs.argmax_rows))
 
     def early_read_limit(self, size: int) -> int:
         """The longest context that every layer's decode attention at this bucket reads before its PDL wait; 0 for
@@ -331,11 +338,13 @@ class CudaGraphRunner:
     def padded_size(self, n: int) -> int | None:
         return padded_size(self.sizes, n)
 
-    def replay(self, inputs: StepInputs, size: int, cascade: bool = False) -> GraphOutputs:
+    def replay(self, inputs: StepInputs, size: int, cascade: bool = False,
+               argmax_rows: np.ndarray | None = None) -> GraphOutputs:
         """The graph's whole static outputs, of which the first n rows are those of the pure-decode step's n <= size
         requests (the sampler graphs read the whole logits buffer). cascade: the rows share a KV prefix, so the
-        bucket's cascade variant runs (captured now if this is its first use)."""
+        bucket's cascade variant runs (captured now if this is its first use). argmax_rows: the rows whose argmax the
+        graph computes (the greedy ones); None: every row's."""
         key = self._key(inputs, size, cascade)
-        self.buffers.load(inputs, size)
+        self.buffers.load(inputs, size, argmax_rows)
         self.graphs[key].replay()
         return self.outputs[key]

@@ -346,7 +346,7 @@ class ModelRunner:
         if graph_size:
             prepare_ms = (time.perf_counter() - start) * 1000
             timer.mark()
-            outputs = self.graphs.replay(inputs, graph_size, cascade)
+            outputs = self.graphs.replay(inputs, graph_size, cascade, sampling.greedy_rows)
             logits = outputs.logits[:inputs.num_tokens]
             cascade = cascade and self.graphs.cascade  # off for good where a cascade capture ran out of memory
             timer.mark()

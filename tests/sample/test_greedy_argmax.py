@@ -38,3 +38,19 @@ def test_greedy_argmax_matches_torch(rows: int, vocab: int, dtype: torch.dtype) 
     assert expected[rows + 2] == vocab // 2 and expected[rows + 1] == vocab // 3  # torch's rules, as documented
     assert torch.equal(ids.cpu(), expected)
     assert torch.equal(pending_ids.cpu(), expected[: rows + 2])  # only the rows pending_ids has
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(6, 151_936), (5, 100)], ids=str)
+def test_greedy_argmax_of_wanted_rows_only(rows: int, vocab: int) -> None:
+    """A decode graph's rows that draw are not read: only the wanted rows get their argmax and pending id."""
+    gen = torch.Generator().manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab, generator=gen).to(DEVICE)
+    wanted = torch.tensor([1, 0] * (rows // 2) + [1] * (rows % 2), dtype=torch.int64, device=DEVICE)
+    pending_ids = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+
+    ids = greedy_argmax(logits, pending_ids, wanted)
+
+    expected = logits.cpu().argmax(dim=-1)
+    chosen = wanted.cpu().bool()
+    assert torch.equal(ids.cpu()[chosen], expected[chosen])
+    assert torch.equal(pending_ids.cpu(), torch.where(chosen, expected, -1))

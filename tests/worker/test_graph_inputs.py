@@ -31,14 +31,16 @@ def test_each_bucket_reads_its_step_and_padding_rows() -> None:
     buffers = GraphCaptureBuffers(24, WIDTH, block_size=16, device=torch.device("cpu"))
     for n, size in [(3, 8), (1, 1), (13, 16), (2, 2), (24, 24)]:  # layouts of different buckets overlap
         inputs = _decode_inputs(n, seed=n)
-        buffers.load(inputs, size)
+        greedy = np.arange(n) % 3 == 0 if n > 2 else None  # None: every row greedy
+        buffers.load(inputs, size, greedy)
         views = buffers.views(size)
         assert all(view.shape[0] == size for view in views)
         assert views.block_tables.shape == (size, WIDTH) and views.block_tables.dtype == torch.int32
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "pending_rows", "block_tables"):
             assert np.array_equal(getattr(views, name)[:n].numpy(), getattr(inputs, name)), name
+        assert views.argmax_rows[:n].tolist() == ([1] * n if greedy is None else greedy.astype(int).tolist())
         padding = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "seq_lens": 0, "pending_rows": -1,
-                   "block_tables": 0}
+                   "argmax_rows": 0, "block_tables": 0}
         for name, value in padding.items():
             assert (getattr(views, name)[n:] == value).all(), name
         # 64-byte aligned in every bucket, so no bucket compiles its own variant of a Triton kernel
@@ -60,3 +62,4 @@ def test_clear_leaves_padding_rows_only() -> None:
     views = buffers.views(8)
     assert (views.slot_mapping == -1).all() and (views.pending_rows == -1).all()
     assert (views.seq_lens == 0).all() and (views.block_tables == 0).all() and (views.input_ids == 0).all()
+    assert (views.argmax_rows == 0).all()

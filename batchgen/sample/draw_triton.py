@@ -158,7 +158,8 @@ def _greedy_chunk_kernel(logits_ptr, stride, wanted_ptr, ranks_ptr, values_ptr, 
 def _greedy_merge_kernel(ranks_ptr, values_ptr, indices_ptr, wanted_ptr, out_ptr, pending_ids_ptr, pending_rows,
                          chunks, CHUNKS: tl.constexpr, WANTED: tl.constexpr, PDL: tl.constexpr):
     """One program per row: the best of its blocks' candidates (the earlier block on a tie), into out and, for rows
-    below pending_rows, into pending_ids; nothing for a row that is not wanted."""
+    below pending_rows, into pending_ids; for a row that is not wanted, id 0 into out (a valid id for whatever reads
+    it as greedy: a sampler's padding rows) and nothing into pending_ids."""
     row = tl.program_id(0)
     offsets = tl.arange(0, CHUNKS)
     mask = offsets < chunks
@@ -166,6 +167,7 @@ def _greedy_merge_kernel(ranks_ptr, values_ptr, indices_ptr, wanted_ptr, out_ptr
     wait_for_previous(PDL)
     if WANTED:
         if tl.load(wanted_ptr + row) == 0:
+            tl.store(out_ptr + row, tl.zeros((), dtype=tl.int64))
             return
     _, _, winner = _best(tl.load(ranks_ptr + at, mask=mask, other=-1),
                          tl.load(values_ptr + at, mask=mask, other=float("-inf")),
@@ -180,8 +182,8 @@ def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor, wanted: torch
     """logits (B, V) -> (B,) int64 token ids, torch.argmax's (NaN first, then the first largest value); also written
     into pending_ids's first min(B, len(pending_ids)) rows. Each row is read in blocks of _GREEDY_BLOCK logits, one
     program each. wanted: (B,) flags, nonzero for the rows whose argmax is wanted (a decode graph's greedy rows: the
-    others draw, and the sampler writes their ids); the other rows are not read, and their ids are not written.
-    None: every row's."""
+    others draw, and the sampler writes their ids); the other rows' logits are not read, their id is 0 and their
+    pending id is left as it was. None: every row's."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:

@@ -156,7 +156,7 @@ class GraphOutputs(NamedTuple):
     logits: torch.Tensor  # (size, vocab)
     # (size,) int64: the argmax of each row that takes it (BucketInputs.argmax_rows), also written into the pending
     # tokens: the whole sampling of a greedy step, in the graph (eagerly after it, torch's argmax and its copies are
-    # launches of their own). Rows that draw are left to the sampler, which writes their pending tokens.
+    # launches of their own). Rows that draw hold 0: the sampler writes their ids and pending tokens.
     greedy_ids: torch.Tensor
 
 

@@ -22,7 +22,7 @@ pytestmark = TRITON_MARKS
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 151_936), (3, 50_257), (5, 100), (2, 64)], ids=str)
 def test_greedy_argmax_matches_torch(rows: int, vocab: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows * vocab)
-    # Few distinct values, so every row has ties for its maximum (some across the 64 chunks of a row).
+    # Few distinct values, so every row has ties for its maximum (some across the blocks of a row).
     logits = torch.randint(-50, 50, (rows + 4, vocab), generator=gen).to(dtype)
     logits[rows] = float("-inf")  # a row of masked logits: index 0
     logits[rows + 1, vocab // 3] = float("inf")

@@ -1,4 +1,4 @@
-"""The decode graphs' greedy argmax (Triton, `sampler_triton.greedy_argmax`) against torch.argmax: the first
+"""The decode graphs' greedy argmax (Triton, `draw_triton.greedy_argmax`) against torch.argmax: the first
 largest value, and the first NaN where a row has one.
 
 Runs on CUDA; without a GPU, `TRITON_INTERPRET=1 pytest tests/sample/test_greedy_argmax.py` runs it through Triton's CPU

@@ -496,7 +496,7 @@ class LLMEngine:
                 tpot = (request.finish_time - first_token_time) * 1000 / (len(token_ids) - 1)
         return RequestOutput(
             request_id=request.request_id, prompt=prompt, prompt_token_ids=request.prompt_token_ids,
-            text=text, token_ids=token_ids, finish_reason=request.finish_reason,
+            prompt_array=request.prompt_array, text=text, token_ids=token_ids, finish_reason=request.finish_reason,
             error=request.error, ttft_ms=ttft, tpot_ms=tpot, latency_ms=latency,
             num_preemptions=request.num_preemptions, sample_index=request.sample_index,
             num_cached_tokens=request.num_cached_tokens,

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass
 class RequestOutput:
@@ -23,6 +25,9 @@ class RequestOutput:
     num_preemptions: int = 0
     sample_index: int = 0  # which of the prompt's n samples this is
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # The engine's int64 copy of prompt_token_ids (a view of the array its step inputs slice): the completions
+    # writer builds its column from these arrays, much faster than from a Python list a row.
+    prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)
     # LLM.generate: the prompt's n samples in sample order (vLLM's RequestOutput.outputs), this one first.
     outputs: list[RequestOutput] = field(default_factory=list, repr=False, compare=False)
     # With sampling.logprobs / prompt_logprobs: per token {token_id, text, logprob, rank, top: [{token_id, text,

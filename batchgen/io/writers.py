@@ -62,19 +62,38 @@ def _part_number(part: Path) -> int:
 
 def records_table(rows: list[tuple[Any, ...]], schema: pa.Schema) -> pa.Table:
     """pa.Table.from_pylist of rows given as tuples of their values in the schema's order, where a value of a nested
-    field (a list) may also be a one-row Array of its field's type. Built a column at a time: only the nested columns
-    are searched for Arrays, and a column without values (another task's) is built as nulls."""
+    field (a list) may also be a one-row Array of its field's type, or a 1-D numpy array. Built a column at a time: only
+    the nested columns are searched for Arrays, and a column without values (another task's) is built as nulls."""
     columns = []
     for field, values in zip(schema, zip(*rows, strict=True), strict=True):
         field_type = field.type  # each access to a Field's attribute builds a new object
-        if values.count(None) == len(values):
-            columns.append(pa.nulls(len(values), field_type))
-        elif pa.types.is_nested(field_type) and any(issubclass(kind, pa.Array) for kind in set(map(type, values))):
+        kinds = set(map(type, values)) if pa.types.is_nested(field_type) else set()
+        if any(issubclass(kind, pa.Array) for kind in kinds):
             columns.append(pa.chunked_array([value if isinstance(value, pa.Array) else pa.array([value], field_type)
                                              for value in values], type=field_type))
+        elif kinds == {np.ndarray} or kinds == {np.ndarray, type(None)}:  # (count(None) would compare each array)
+            columns.append(list_of_arrays(values, field_type))
+        elif np.ndarray not in kinds and values.count(None) == len(values):
+            columns.append(pa.nulls(len(values), field_type))
         else:
             columns.append(pa.array(values, type=field_type))
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def list_of_arrays(values: tuple[np.ndarray | None, ...], list_type: pa.ListType) -> pa.ListArray:
+    """pa.array(values, list_type) of 1-D numpy arrays (None for a null list) as one concatenation and its offsets:
+    a few times faster than pyarrow's conversion of each value, which a job's 4,096-row part of 1,000-token
+    prompts spends tenths of a second in. The values are cast safely (an id past the element type raises)."""
+    present = [value for value in values if value is not None]
+    lengths = np.fromiter((0 if value is None else len(value) for value in values), np.int64, len(values))
+    offsets = np.zeros(len(values) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] > np.iinfo(np.int32).max:  # more ids than a list's int32 offsets hold: pyarrow's conversion
+        return pa.array(values, type=list_type)
+    flat = np.concatenate(present) if present else np.empty(0, np.int64)
+    nulls = pa.array([value is None for value in values]) if len(present) < len(values) else None
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type=list_type.value_type),
+                                    type=list_type, mask=nulls)
 
 
 def dictionary_columns(schema: pa.Schema) -> list[str]:

@@ -66,7 +66,8 @@ def completion_values(row: PromptRow, output: RequestOutput | None = None) -> tu
     if output is None:
         return (row.index, row.id, row.text, None, None, None, None, None, "error", row.error, *_ERROR_ROW_TAIL)
     prompt_token_ids, token_ids = output.prompt_token_ids, output.token_ids
-    return (row.index, row.id, row.text, output.text, prompt_token_ids, token_ids, len(prompt_token_ids),
+    prompt_ids_value = prompt_token_ids if output.prompt_array is None else output.prompt_array  # see records_table
+    return (row.index, row.id, row.text, output.text, prompt_ids_value, token_ids, len(prompt_token_ids),
             len(token_ids), output.finish_reason, output.error, output.ttft_ms, output.tpot_ms, output.latency_ms,
             output.sample_index, output.num_cached_tokens, output.logprobs,
             prompt_logprobs_value(output.prompt_logprobs), *_task_values(output))

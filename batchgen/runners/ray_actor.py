@@ -52,7 +52,8 @@ class EngineActor:
 
 
 def output_record(output: RequestOutput) -> dict[str, Any]:
-    """The output's fields as JSON values, its prompt logprobs as a list of entries."""
+    """The output's fields as JSON values, its prompt logprobs as a list of entries (its prompt's ids once: as the
+    list)."""
     entries = output.prompt_logprobs
-    return {**asdict(replace(output, prompt_logprobs=None)),
+    return {**asdict(replace(output, prompt_logprobs=None, prompt_array=None)),
             "prompt_logprobs": None if entries is None else list(entries)}

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -500,6 +501,29 @@ def test_a_part_holds_the_rows_from_pylist_would_build(tmp_path: Path) -> None:
 
     records[3]["output_token_ids"] = [7, 8]
     assert table.equals(pa.Table.from_pylist(records, schema=table.schema))
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_token_ids_given_as_numpy_arrays_write_what_lists_write(tmp_path: Path, mixed: bool) -> None:
+    """A list column whose values are int64 numpy arrays (the engine's prompt arrays; views of one array, an empty
+    one, an error row's None) is the column their lists make; beside a list value (mixed) too."""
+    prompts = np.arange(10, 20, dtype=np.int64)
+    records = [{**completion(0), "prompt_token_ids": prompts[:4]}, error_completion(1),
+               {**completion(2), "prompt_token_ids": prompts[4:4]},
+               {**completion(3), "prompt_token_ids": [9, 9] if mixed else prompts[4:]}]
+    as_lists = [{**record, "prompt_token_ids": list(map(int, record["prompt_token_ids"]))}
+                if "prompt_token_ids" in record else record for record in records]
+    expected = writers.records_table([tuple(map(record.get, COMPLETIONS_SCHEMA.names)) for record in as_lists],
+                                     COMPLETIONS_SCHEMA)
+    written = writers.records_table([tuple(map(record.get, COMPLETIONS_SCHEMA.names)) for record in records],
+                                    COMPLETIONS_SCHEMA)
+    assert written.equals(expected)
+    last = as_lists[3]["prompt_token_ids"]
+    assert written.column("prompt_token_ids").to_pylist() == [[10, 11, 12, 13], None, [], last]
+
+    too_large = {**completion(4), "prompt_token_ids": np.array([2**31], dtype=np.int64)}
+    with pytest.raises(pa.ArrowInvalid, match="not in range"):
+        writers.records_table([tuple(map(too_large.get, COMPLETIONS_SCHEMA.names))], COMPLETIONS_SCHEMA)
 
 
 def test_a_record_changed_after_its_write_is_written_as_it_was(tmp_path: Path) -> None:

@@ -129,27 +129,33 @@ def seeded_draw(logits: torch.Tensor, temperatures: torch.Tensor, inv_temperatur
     return token_ids
 
 
-_GREEDY_BLOCK = 2048  # logits a program reads: one row alone still keeps dozens of SMs reading
+_GREEDY_BLOCK = 2048  # logits a block: one row alone still keeps dozens of SMs reading
+# Programs a launch takes per SM (of four warps; twice what an SM holds at once): a launch of more rows gives each
+# row fewer programs, each looping over its row's blocks. With a program a block, a sampled decode step at 512 rows
+# of Qwen3's vocabulary launched 38,000 programs only to find their row drawing; fewer programs a row read all rows
+# slower (benchmarks/RESULTS.md, 2026-11-28, thirteenth session).
+_GREEDY_PROGRAMS_PER_SM = 32
 
 
 @triton.jit
 def _greedy_chunk_kernel(logits_ptr, stride, wanted_ptr, ranks_ptr, values_ptr, indices_ptr, VOCAB: tl.constexpr,
                          BLOCK: tl.constexpr, WANTED: tl.constexpr, PDL: tl.constexpr):
-    """One program per (row, block of BLOCK logits): the block's torch.argmax candidate; nothing for a row that is
-    not wanted (WANTED: wanted_ptr holds a flag per row)."""
+    """Programs (row, i) of a grid (rows, P): the torch.argmax candidate of each of the row's blocks of BLOCK logits
+    i, i + P, ...; nothing for a row that is not wanted (WANTED: wanted_ptr holds a flag per row)."""
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
+    chunks = (VOCAB + BLOCK - 1) // BLOCK
     wait_for_previous(PDL)
     if WANTED:
         if tl.load(wanted_ptr + row) == 0:
             return
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    logits = tl.load(logits_ptr + row * stride + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
-    top_rank, top_value, winner = _argmax(logits, cols)
-    at = row * tl.num_programs(1) + chunk
-    tl.store(ranks_ptr + at, top_rank)
-    tl.store(values_ptr + at, top_value)
-    tl.store(indices_ptr + at, winner)
+    for chunk in range(tl.program_id(1), chunks, tl.num_programs(1)):
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        logits = tl.load(logits_ptr + row * stride + cols, mask=cols < VOCAB, other=float("-inf"))
+        top_rank, top_value, winner = _argmax(logits.to(tl.float32), cols)
+        at = row * chunks + chunk
+        tl.store(ranks_ptr + at, top_rank)
+        tl.store(values_ptr + at, top_value)
+        tl.store(indices_ptr + at, winner)
 
 
 # pending_rows is the bucket size or max_num_seqs: specialized, it would compile once for 1, once for multiples of 16
@@ -177,13 +183,14 @@ def _greedy_merge_kernel(ranks_ptr, values_ptr, indices_ptr, wanted_ptr, out_ptr
         tl.store(pending_ids_ptr + row, winner.to(tl.int64))
 
 
-def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor, wanted: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor, wanted: torch.Tensor | None = None, *,
+                  programs: int | None = None) -> torch.Tensor:
     """logits (B, V) -> (B,) int64 token ids, torch.argmax's (NaN first, then the first largest value); also written
-    into pending_ids's first min(B, len(pending_ids)) rows. Each row is read in blocks of _GREEDY_BLOCK logits, one
-    program each. wanted: (B,) flags, nonzero for the rows whose argmax is wanted (a decode graph's greedy rows: the
-    others draw, and the sampler writes their ids); the other rows' logits are not read, their id is 0 and their
-    pending id is left as it was. None: every row's."""
+    into pending_ids's first min(B, len(pending_ids)) rows. Each row is read in blocks of _GREEDY_BLOCK logits by
+    `programs` // B programs (at least one, at most one a block; default programs: as many as the GPU holds at
+    once). wanted: (B,) flags, nonzero for the rows whose argmax is wanted (a decode graph's greedy rows: the others
+    draw, and the sampler writes their ids); the other rows' logits are not read, their id is 0 and their pending id
+    is left as it was. None: every row's."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -195,9 +202,13 @@ def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor, wanted: torch
     indices = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     flags = out if wanted is None else wanted  # read only under WANTED
     options = launch_options(logits.device)
-    _greedy_chunk_kernel[(rows, chunks)](logits, logits.stride(0), flags, ranks, values, indices, VOCAB=vocab,
-                                         BLOCK=block, WANTED=wanted is not None, num_warps=4 if block >= 1024 else 1,
-                                         **options)
+    if programs is None:
+        programs = (_GREEDY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(logits.device).multi_processor_count
+                    if logits.is_cuda else rows * chunks)  # Triton's CPU interpreter: a program a block
+    per_row = max(1, min(chunks, programs // rows))
+    _greedy_chunk_kernel[(rows, per_row)](logits, logits.stride(0), flags, ranks, values, indices, VOCAB=vocab,
+                                          BLOCK=block, WANTED=wanted is not None,
+                                          num_warps=4 if block >= 1024 else 1, **options)
     _greedy_merge_kernel[(rows,)](ranks, values, indices, flags, out, pending_ids, min(rows, len(pending_ids)),
                                   chunks, CHUNKS=triton.next_power_of_2(chunks), WANTED=wanted is not None,
                                   num_warps=1, **options)

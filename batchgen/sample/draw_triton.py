@@ -13,6 +13,9 @@ same tokens.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -64,6 +67,46 @@ def _argmax(values, cols):
     return _best(rank, tl.where(rank == 1, 0.0, values), cols)
 
 
+@triton.jit
+def _row_winner(ranks_ptr, values_ptr, indices_ptr, row, chunks, CHUNKS: tl.constexpr):
+    """The index of the best of a row's `chunks` block candidates (ranks, values, indices as the block kernels
+    write them, row-major), the earlier block on a tie; CHUNKS: a power of two of at least chunks."""
+    offsets = tl.arange(0, CHUNKS)
+    mask = offsets < chunks
+    at = row * chunks + offsets
+    _, _, winner = _best(tl.load(ranks_ptr + at, mask=mask, other=-1),
+                         tl.load(values_ptr + at, mask=mask, other=float("-inf")),
+                         tl.load(indices_ptr + at, mask=mask, other=2**31 - 1))
+    return winner.to(tl.int64)
+
+
+class _Blocks(NamedTuple):
+    """How a launch splits each row of logits (B, V) into blocks, and where its block kernel writes each block's
+    torch.argmax candidate for the merge kernel: `buffers`, the (B, chunks) ranks (NaN 1, else 0), values and
+    indices."""
+
+    block: int  # logits a block
+    chunks: int  # blocks a row
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, block: int) -> _Blocks:
+        """Blocks of at most `block` logits (a power of two)."""
+        rows, vocab = logits.shape
+        block = min(block, triton.next_power_of_2(vocab))
+        chunks = triton.cdiv(vocab, block)
+        empty = functools.partial(torch.empty, rows, chunks, device=logits.device)
+        return cls(block, chunks, (empty(dtype=torch.int32), empty(dtype=torch.float32), empty(dtype=torch.int32)))
+
+    @property
+    def num_warps(self) -> int:  # of a block kernel's program
+        return 4 if self.block >= 1024 else 1
+
+    @property
+    def pow2_chunks(self) -> int:  # the merge kernel's CHUNKS
+        return triton.next_power_of_2(self.chunks)
+
+
 _DRAW_BLOCK = 2048  # logits a program draws from: a row is split so that a batch keeps every SM busy
 
 
@@ -94,15 +137,10 @@ def _draw_merge_kernel(ranks_ptr, values_ptr, indices_ptr, temperatures_ptr, gre
     """One program per row: the best of its blocks' candidates (the earlier block on a tie), or the row's greedy id
     where its temperature is 0."""
     row = tl.program_id(0)
-    offsets = tl.arange(0, CHUNKS)
-    mask = offsets < chunks
-    at = row * chunks + offsets
     wait_for_previous(PDL)
-    ranks = tl.load(ranks_ptr + at, mask=mask, other=-1)
-    values = tl.load(values_ptr + at, mask=mask, other=float("-inf"))
-    _, _, winner = _best(ranks, values, tl.load(indices_ptr + at, mask=mask, other=2**31 - 1))
+    winner = _row_winner(ranks_ptr, values_ptr, indices_ptr, row, chunks, CHUNKS)
     greedy = tl.load(temperatures_ptr + row) == 0
-    tl.store(out_ptr + row, tl.where(greedy, tl.load(greedy_ids_ptr + row), winner.to(tl.int64)))
+    tl.store(out_ptr + row, tl.where(greedy, tl.load(greedy_ids_ptr + row), winner))
 
 
 def seeded_draw(logits: torch.Tensor, temperatures: torch.Tensor, inv_temperatures: torch.Tensor, seeds: torch.Tensor,
@@ -112,20 +150,16 @@ def seeded_draw(logits: torch.Tensor, temperatures: torch.Tensor, inv_temperatur
     (B,) int64 (what greedy rows take). scale=False where the logits are already divided by the temperatures.
     -> (B,) int64 token ids."""
     rows, vocab = logits.shape
-    block = min(_DRAW_BLOCK, triton.next_power_of_2(vocab))
-    chunks = triton.cdiv(vocab, block)
-    ranks = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     token_ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return token_ids
+    blocks = _Blocks.of(logits, _DRAW_BLOCK)
     options = launch_options(logits.device)
-    _draw_chunk_kernel[(rows, chunks)](logits, logits.stride(0), inv_temperatures, seeds, positions, ranks, values,
-                                       indices, VOCAB=vocab, SCALE=scale, SALT=_SALT, BLOCK=block,
-                                       num_warps=4 if block >= 1024 else 1, enable_fp_fusion=False, **options)
-    _draw_merge_kernel[(rows,)](ranks, values, indices, temperatures, greedy_ids, token_ids, chunks,
-                                CHUNKS=triton.next_power_of_2(chunks), num_warps=1, **options)
+    _draw_chunk_kernel[(rows, blocks.chunks)](logits, logits.stride(0), inv_temperatures, seeds, positions,
+                                              *blocks.buffers, VOCAB=vocab, SCALE=scale, SALT=_SALT, BLOCK=blocks.block,
+                                              num_warps=blocks.num_warps, enable_fp_fusion=False, **options)
+    _draw_merge_kernel[(rows,)](*blocks.buffers, temperatures, greedy_ids, token_ids, blocks.chunks,
+                                CHUNKS=blocks.pow2_chunks, num_warps=1, **options)
     return token_ids
 
 
@@ -167,20 +201,15 @@ def _greedy_merge_kernel(ranks_ptr, values_ptr, indices_ptr, wanted_ptr, out_ptr
     below pending_rows, into pending_ids; for a row that is not wanted, id 0 into out (a valid id for whatever reads
     it as greedy: a sampler's padding rows) and nothing into pending_ids."""
     row = tl.program_id(0)
-    offsets = tl.arange(0, CHUNKS)
-    mask = offsets < chunks
-    at = row * chunks + offsets
     wait_for_previous(PDL)
     if WANTED:
         if tl.load(wanted_ptr + row) == 0:
             tl.store(out_ptr + row, tl.zeros((), dtype=tl.int64))
             return
-    _, _, winner = _best(tl.load(ranks_ptr + at, mask=mask, other=-1),
-                         tl.load(values_ptr + at, mask=mask, other=float("-inf")),
-                         tl.load(indices_ptr + at, mask=mask, other=2**31 - 1))
-    tl.store(out_ptr + row, winner.to(tl.int64))
+    winner = _row_winner(ranks_ptr, values_ptr, indices_ptr, row, chunks, CHUNKS)
+    tl.store(out_ptr + row, winner)
     if row < pending_rows:
-        tl.store(pending_ids_ptr + row, winner.to(tl.int64))
+        tl.store(pending_ids_ptr + row, winner)
 
 
 def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor, wanted: torch.Tensor | None = None, *,
@@ -195,21 +224,16 @@ def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor, wanted: torch
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    block = min(_GREEDY_BLOCK, triton.next_power_of_2(vocab))
-    chunks = triton.cdiv(vocab, block)
-    ranks = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    blocks = _Blocks.of(logits, _GREEDY_BLOCK)
     flags = out if wanted is None else wanted  # read only under WANTED
     options = launch_options(logits.device)
     if programs is None:
         programs = (_GREEDY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(logits.device).multi_processor_count
-                    if logits.is_cuda else rows * chunks)  # Triton's CPU interpreter: a program a block
-    per_row = max(1, min(chunks, programs // rows))
-    _greedy_chunk_kernel[(rows, per_row)](logits, logits.stride(0), flags, ranks, values, indices, VOCAB=vocab,
-                                          BLOCK=block, WANTED=wanted is not None,
-                                          num_warps=4 if block >= 1024 else 1, **options)
-    _greedy_merge_kernel[(rows,)](ranks, values, indices, flags, out, pending_ids, min(rows, len(pending_ids)),
-                                  chunks, CHUNKS=triton.next_power_of_2(chunks), WANTED=wanted is not None,
-                                  num_warps=1, **options)
+                    if logits.is_cuda else rows * blocks.chunks)  # Triton's CPU interpreter: a program a block
+    per_row = max(1, min(blocks.chunks, programs // rows))
+    _greedy_chunk_kernel[(rows, per_row)](logits, logits.stride(0), flags, *blocks.buffers, VOCAB=vocab,
+                                          BLOCK=blocks.block, WANTED=wanted is not None, num_warps=blocks.num_warps,
+                                          **options)
+    _greedy_merge_kernel[(rows,)](*blocks.buffers, flags, out, pending_ids, min(rows, len(pending_ids)), blocks.chunks,
+                                  CHUNKS=blocks.pow2_chunks, WANTED=wanted is not None, num_warps=1, **options)
     return out

@@ -81,9 +81,9 @@ def records_table(rows: list[tuple[Any, ...]], schema: pa.Schema) -> pa.Table:
 
 
 def list_of_arrays(values: tuple[np.ndarray | None, ...], list_type: pa.ListType) -> pa.ListArray:
-    """pa.array(values, list_type) of 1-D numpy arrays (None for a null list) as one concatenation and its offsets:
-    a few times faster than pyarrow's conversion of each value, which a job's 4,096-row part of 1,000-token
-    prompts spends tenths of a second in. The values are cast safely (an id past the element type raises)."""
+    """pa.array(values, list_type) of 1-D numpy arrays (None for a null list) as one concatenation and its offsets,
+    several times faster than pyarrow's conversion of each value (benchmarks/RESULTS.md, 2026-11-28, thirteenth
+    session). The values are cast safely (an id past the element type raises)."""
     present = [value for value in values if value is not None]
     lengths = np.fromiter((0 if value is None else len(value) for value in values), np.int64, len(values))
     offsets = np.zeros(len(values) + 1, np.int64)

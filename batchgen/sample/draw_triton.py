@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchgen.layers.fp8_gemm_triton import gpu_limits
 from batchgen.layers.pdl import launch_options, wait_for_previous
 
 _SALT = 0x9E3779B9
@@ -216,10 +217,10 @@ def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor, wanted: torch
                   programs: int | None = None) -> torch.Tensor:
     """logits (B, V) -> (B,) int64 token ids, torch.argmax's (NaN first, then the first largest value); also written
     into pending_ids's first min(B, len(pending_ids)) rows. Each row is read in blocks of _GREEDY_BLOCK logits by
-    `programs` // B programs (at least one, at most one a block; default programs: as many as the GPU holds at
-    once). wanted: (B,) flags, nonzero for the rows whose argmax is wanted (a decode graph's greedy rows: the others
-    draw, and the sampler writes their ids); the other rows' logits are not read, their id is 0 and their pending id
-    is left as it was. None: every row's."""
+    `programs` // B programs (at least one, at most one a block; default: _GREEDY_PROGRAMS_PER_SM for each of the
+    GPU's SMs, an H100's off CUDA, as `gpu_limits` gives). wanted: (B,) flags, nonzero for the rows whose argmax is
+    wanted (a decode graph's greedy rows: the others draw, and the sampler writes their ids); the other rows' logits
+    are not read, their id is 0 and their pending id is left as it was. None: every row's."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -228,8 +229,7 @@ def greedy_argmax(logits: torch.Tensor, pending_ids: torch.Tensor, wanted: torch
     flags = out if wanted is None else wanted  # read only under WANTED
     options = launch_options(logits.device)
     if programs is None:
-        programs = (_GREEDY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(logits.device).multi_processor_count
-                    if logits.is_cuda else rows * blocks.chunks)  # Triton's CPU interpreter: a program a block
+        programs = _GREEDY_PROGRAMS_PER_SM * gpu_limits(logits.device).sm_count
     per_row = max(1, min(blocks.chunks, programs // rows))
     _greedy_chunk_kernel[(rows, per_row)](logits, logits.stride(0), flags, *blocks.buffers, VOCAB=vocab,
                                           BLOCK=blocks.block, WANTED=wanted is not None, num_warps=blocks.num_warps,

@@ -18,7 +18,7 @@ from tests.helpers.triton_support import DEVICE, TRITON_MARKS  # noqa: E402
 pytestmark = TRITON_MARKS
 
 
-# programs: None launches as many as the GPU holds (one a block under the interpreter); a few share a launch's blocks
+# programs: None launches the default (one a block for these small batches); a few share a launch's blocks
 # (a decode graph's large batches), each taking several, some of them of different rows.
 @pytest.mark.parametrize("programs", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

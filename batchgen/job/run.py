@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict
-from itertools import pairwise
+from itertools import islice, pairwise
 from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -141,7 +141,9 @@ class Job:
     def _read_shard(self, rows: Iterable[PromptRow]) -> list[PromptRow]:
         """This run's rows: all of them, or its shard's (data.num_shards), keeping no other row. Sets
         num_input_rows and split_digest, which the shard marker records, and `params`: each own row's sampling
-        parameters, computed once (a row whose overrides are invalid becomes an error row instead)."""
+        parameters, computed once (a row whose overrides are invalid becomes an error row instead). Weighing rows
+        by their work (data.shard_by=work) tokenizes every row of the input: a chunk of rows at a time, in one batched
+        call, so that a shard's read costs about what the whole job's tokenizing does."""
         data = self.config.data
         split = ShardSplit(data.num_shards, data.shard_by)
         weigh = data.num_shards > 1 and data.shard_by == "work"
@@ -149,15 +151,19 @@ class Job:
         self.params: dict[int, SamplingParams] = {}
         self._params_of = RowParams(self.config.sampling)
         self.num_input_rows = 0
-        for row in rows:
-            self.num_input_rows += 1
-            params = self._row_params(row) if weigh else None
-            if split.shard_of(row.index, self._estimated_work(row, params) if weigh else 0) == data.shard_index:
-                own.append(row)
-                if not weigh:
-                    params = self._row_params(row)
-                if params is not None:
-                    self.params[row.index] = params
+        rows = iter(rows)
+        while chunk := list(islice(rows, TOKENIZE_CHUNK_ROWS)):
+            self.num_input_rows += len(chunk)
+            if weigh:
+                self._tokenize([row for row in chunk if row.error is None])
+            for row in chunk:
+                params = self._row_params(row) if weigh else None
+                if split.shard_of(row.index, self._estimated_work(row, params) if weigh else 0) == data.shard_index:
+                    own.append(row)
+                    if not weigh:
+                        params = self._row_params(row)
+                    if params is not None:
+                        self.params[row.index] = params
         self.split_digest = split.digest
         return own
 

@@ -87,6 +87,32 @@ def test_a_job_keeps_only_its_shard_of_the_rows(tmp_path, shard_by):
         assert abs(works[0] - works[1]) <= 64 + len("ROMEO 29:")
 
 
+def test_the_work_split_weighs_rows_a_tokenizer_batch_at_a_time_as_one_at_a_time(tmp_path, monkeypatch):
+    """Rows are tokenized for their weight a chunk at a time; the split must be the one each row's own encode gives,
+    across chunk boundaries, with error rows (no prompt, an invalid override) weighing nothing."""
+    import batchgen.job.run as job_run
+
+    monkeypatch.setattr(job_run, "TOKENIZE_CHUNK_ROWS", 4)
+    lines = [{"id": index, "prompt": "ROMEO " * (1 + index % 5) + str(index), "max_tokens": 1 + 7 * (index % 3)}
+             for index in range(23)]
+    lines[5] = {"id": 5}  # no prompt: an error row
+    lines[9]["max_tokens"] = -1  # an invalid override: an error row
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    jobs = [job_run.Job(composed("job=shakespeare", f"data.path={prompts}", "data.num_shards=3",
+                                 f"data.shard_index={i}", "data.on_error=skip", "engine.device=cpu"),
+                        tmp_path / str(i)) for i in range(3)]
+    encode = jobs[0].detokenizer.encode
+    works = [0 if index in (5, 9) else len(encode(line["prompt"])) + line["max_tokens"]
+             for index, line in enumerate(lines)]
+    expected, digest = assignment(3, "work", works)
+    assert [[row.index for row in job.rows] for job in jobs] == [
+        [index for index, shard in enumerate(expected) if shard == i] for i in range(3)]
+    assert all(job.split_digest == digest and job.num_input_rows == 23 for job in jobs)
+    errors = {row.index: row.error for job in jobs for row in job.rows if row.error is not None}
+    assert sorted(errors) == [5, 9] and "max_tokens" in errors[9]
+
+
 def fake_shard(root: Path, num_shards: int, index: int, rows: list[int], num_input_rows: int,
                times: tuple[float, float] = (100.0, 110.0), finished: bool = True, digest: str = "d",
                results: bool = False, unrun_errors: tuple[int, ...] = ()) -> Path:

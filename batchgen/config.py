@@ -104,6 +104,10 @@ class EngineConfig:
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs (after penalties, temperature, filters)
     data_parallel_size: int = 1  # N > 1: start N processes, one shard each on its own GPU (cuda:rank) or CPU
+    # With data parallelism on GPUs: this many ranks share each GPU (rank r on cuda:(r // ranks_per_gpu)), each with
+    # gpu_memory_utilization / ranks_per_gpu of it. For a small model whose job is bound by one process's Python (many
+    # short rows), as several engines keep one GPU busier than one can
+    ranks_per_gpu: int = 1
     # N > 1: split the model over N ranks (processes this one starts, each with its shard on its own GPU, rank r of
     # data-parallel rank d on cuda:(d * N + r)), so that a model larger than one GPU runs
     tensor_parallel_size: int = 1
@@ -254,6 +258,9 @@ def validate_engine(engine: EngineConfig) -> None:
     _positive("engine.cpu_threads", engine.cpu_threads, optional=True)
     _positive("engine.data_parallel_size", engine.data_parallel_size)
     _positive("engine.tensor_parallel_size", engine.tensor_parallel_size)
+    _positive("engine.ranks_per_gpu", engine.ranks_per_gpu)
+    _require(engine.ranks_per_gpu == 1 or engine.tensor_parallel_size == 1, "engine.ranks_per_gpu",
+             engine.ranks_per_gpu, "ranks share a GPU only without tensor parallelism (engine.tensor_parallel_size=1)")
     _positive("engine.min_admit_rows", engine.min_admit_rows, optional=True)
     bs = engine.block_size
     _require(isinstance(bs, int) and bs > 0 and bs & (bs - 1) == 0, "engine.block_size", bs,

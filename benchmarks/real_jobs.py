@@ -6,6 +6,8 @@ Workloads (names select them; default: all, in this order):
 - classify: 4,000 rows of 1,000 prompt tokens, max_tokens 1.
 - many_rows: 200,000 Shakespeare rows (`job=shakespeare`: the character-level GPT-2 and its tokenizer, so rows are
   text), windows of 8-32 characters of the play text, max_tokens 16, max_num_seqs 512.
+- many_rows_shared: many_rows on three data-parallel ranks that share the GPU (engine.ranks_per_gpu=3): the job's
+  host work a row split over three processes.
 - scoring: 64 rows of 4,000 prompt tokens, max_tokens 0, sampling.prompt_logprobs=1, engine.max_model_len=8192.
 - cold_start: the chat mix on its first 1,000 rows with empty Triton and Inductor caches (TRITON_CACHE_DIR and
   TORCHINDUCTOR_CACHE_DIR point at new directories, as `main_job --fresh-caches` does): a fresh machine. Its result
@@ -34,6 +36,13 @@ Each workload reports, from the process's wall clock and the run's summary.json 
   schedule_ms / prepare_ms are host work). An event span includes any gap in which the device waited for the host to
   launch the next kernel, so a launch-bound eager step counts as busy for its whole span: this share is an upper
   bound on the device's real occupancy. On CPU the columns are host time.
+- device_util: where nvidia-smi runs (not --tiny), the mean of its utilization.gpu (the share of each sample period
+  in which a kernel ran) sampled every 100 ms over the engine loop, on the GPUs that ran a kernel then: the device's
+  occupancy without the job's own timing. Ranks sharing a GPU (engine.ranks_per_gpu) time their steps with events
+  that may include the other ranks' kernels, so device_busy can overstate it there; device_util cannot.
+- A run split over data-parallel ranks (engine.data_parallel_size) reports its merged summary: the phases are the
+  ranks' means, engine_loop_s runs from the first rank's loop start to the last one's end, device_busy is every
+  rank's device time over it (so up to the number of GPUs), and unaccounted_s is left out.
 - prefill_s, decode_s, mixed_s: the step_ms of the steps of each kind.
 - floor_s: what the job's device work takes at the speeds this run measured, with the host and the scheduling policy
   free: its prefill tokens (those of mixed steps included, decode tokens of mixed steps too, since they run in the
@@ -70,6 +79,7 @@ import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +131,8 @@ WORKLOADS = {w.name: w for w in (
     Workload("chat_mix", CHAT_MIX, ("sampling.temperature=0.6", "engine.max_num_seqs=512")),
     Workload("classify", TokenRows(4_000, (1_000, 1_000), (1, 1)), ()),
     Workload("many_rows", TextRows(200_000, (8, 32), 16), ("engine.max_num_seqs=512",)),
+    Workload("many_rows_shared", TextRows(200_000, (8, 32), 16),
+             ("engine.max_num_seqs=512", "engine.data_parallel_size=3", "engine.ranks_per_gpu=3")),
     Workload("scoring", TokenRows(64, (4_000, 4_000), (0, 0)),
              ("sampling.prompt_logprobs=1", "engine.max_model_len=8192")),
     Workload("cold_start", replace(CHAT_MIX, rows=1_000), ("sampling.temperature=0.6", "engine.max_num_seqs=512"),
@@ -133,6 +145,8 @@ TINY_WORKLOADS = {w.name: w for w in (
                                          "engine.max_num_batched_tokens=512")),
     Workload("classify", TokenRows(64, (200, 200), (1, 1)), ("engine.max_num_batched_tokens=1024",)),
     Workload("many_rows", TextRows(1_500, (8, 32), 16), ("engine.max_num_seqs=512",)),
+    Workload("many_rows_shared", TextRows(1_500, (8, 32), 16),
+             ("engine.max_num_seqs=512", "engine.data_parallel_size=2")),
     Workload("scoring", TokenRows(4, (700, 1_200), (0, 0)),
              ("sampling.prompt_logprobs=1", "engine.max_model_len=2048", "engine.max_num_batched_tokens=256")),
     Workload("cold_start", replace(TINY_CHAT_MIX, rows=32),
@@ -210,7 +224,8 @@ def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float
         env.update(PYTHONPYCACHEPREFIX=str(pycache), PYTHONDONTWRITEBYTECODE="")  # empty: unset, as pip install has it
         result["bytecode_warm"] = pycache.is_dir() and any(pycache.iterdir())
     try:
-        run = run_process(job_arguments(workload, input_path, run_dir, tiny, extra), env, timeout=timeout)
+        with UtilizationSampler(enabled=not tiny) as utilization:
+            run = run_process(job_arguments(workload, input_path, run_dir, tiny, extra), env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {**result, "failed": f"timed out after {timeout:g} s"}
     if run.returncode != 0:
@@ -224,11 +239,55 @@ def run_workload(workload: Workload, directory: Path, tiny: bool, timeout: float
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text())
     steps = pq.read_table(run_dir / "steps.parquet").to_pylist()
+    generation = summary["generation"]
     figures = {**result, **job_figures(run.seconds, summary, steps),
+               "device_util": utilization.mean_over(generation["started_at"], generation["finished_at"]),
                "after_summary_s": run.ended_at - summary_path.stat().st_mtime}
     if workload.fresh_caches:
         figures["triton_compiles"] = triton_compiles(directory / "triton_cache")
     return figures
+
+
+class UtilizationSampler:
+    """nvidia-smi's utilization.gpu of every GPU, every 100 ms while the block runs (nothing where nvidia-smi is not
+    installed or `enabled` is false); the samples carry nvidia-smi's own timestamps, as its piped output is
+    buffered."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=timestamp,index,utilization.gpu", "--format=csv,noheader,nounits", "-lms",
+             "100"]
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and shutil.which("nvidia-smi") is not None
+        self.samples: list[tuple[float, int, int]] = []  # (seconds since the epoch, GPU, percent)
+
+    def __enter__(self) -> UtilizationSampler:
+        if self.enabled:
+            self._process = subprocess.Popen(self.QUERY, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if not self.enabled:
+            return
+        self._process.terminate()
+        self.samples = parse_utilization(self._process.communicate()[0])
+
+    def mean_over(self, start: float, end: float) -> float | None:
+        """The mean utilization (0 to 1) between two times.time() values, over the GPUs that ran a kernel then."""
+        within = [(gpu, percent) for stamp, gpu, percent in self.samples if start <= stamp <= end]
+        used = {gpu for gpu, percent in within if percent > 0}
+        values = [percent for gpu, percent in within if gpu in used]
+        return statistics.fmean(values) / 100 if values else None
+
+
+def parse_utilization(output: str) -> list[tuple[float, int, int]]:
+    """(seconds since the epoch, GPU, percent) of each line of the query's output; a line cut by the end is left out."""
+    samples = []
+    for line in output.splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) == 3 and fields[2].isdigit():
+            stamp = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()  # local time, as time.time()
+            samples.append((stamp, int(fields[1]), int(fields[2])))
+    return samples
 
 
 def triton_compiles(cache: Path) -> dict[str, int]:
@@ -243,9 +302,10 @@ def triton_compiles(cache: Path) -> dict[str, int]:
 
 def job_figures(process_s: float, summary: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
     attempt = summary["this_attempt"]
-    times = attempt["time_seconds"]
     engine = summary["engine"]
-    loop_s = times["steps"] + times["outside_steps"]
+    ranks = summary.get("num_shards", 1)
+    times = {phase: seconds / ranks for phase, seconds in attempt["time_seconds"].items()}
+    loop_s = summary["generation"]["seconds"] if ranks > 1 else times["steps"] + times["outside_steps"]
     device_s = sum(step["forward_ms"] + step["sample_ms"] for step in steps) / 1000
     seconds_by_kind: dict[str, float] = defaultdict(float)
     steps_by_kind: dict[str, int] = defaultdict(int)
@@ -255,7 +315,8 @@ def job_figures(process_s: float, summary: dict[str, Any], steps: list[dict[str,
     floor = workload_floor(steps, engine["max_num_batched_tokens"])
     return {
         "process_s": process_s,
-        "unaccounted_s": process_s - sum(times.values()),
+        "unaccounted_s": process_s - sum(times.values()) if ranks == 1 else None,
+        "ranks": ranks,
         "output_tokens": attempt["output_tokens"],
         "prompt_tokens": attempt["prompt_tokens"],
         "output_tok_s": attempt["output_tokens"] / process_s,
@@ -330,8 +391,8 @@ def decode_batch(step: dict[str, Any]) -> tuple[bool, int]:
 
 
 TABLE = ("workload", "process_s", "output_tok_s", "prompt_tok_s", "startup_s", "open_outputs_s", "engine_start_s",
-         "engine_loop_s", "loop_gc_s", "finish_s", "unaccounted_s", "after_summary_s", "device_busy", "prefill_s",
-         "decode_s", "mixed_s", "floor_s", "floor_ratio", "failed")
+         "engine_loop_s", "loop_gc_s", "finish_s", "unaccounted_s", "after_summary_s", "device_busy", "device_util",
+         "prefill_s", "decode_s", "mixed_s", "floor_s", "floor_ratio", "failed")
 
 
 def main() -> None:

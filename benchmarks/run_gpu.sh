@@ -70,6 +70,7 @@ step bench_sampling 150 "$PY" -m benchmarks.bench_sampling
 step real_jobs_chat_mix 240 "$PY" -m benchmarks.real_jobs chat_mix --timeout 220
 step real_jobs_classify 120 "$PY" -m benchmarks.real_jobs classify --timeout 100
 step real_jobs_many_rows 200 "$PY" -m benchmarks.real_jobs many_rows --timeout 180
+step real_jobs_many_rows_shared 200 "$PY" -m benchmarks.real_jobs many_rows_shared --timeout 180
 step real_jobs_scoring 120 "$PY" -m benchmarks.real_jobs scoring --timeout 100
 step real_jobs_cold_start 180 "$PY" -m benchmarks.real_jobs cold_start --timeout 160
 # Qwen3-30B-A3B's shape (a mixture of experts, 57 GiB of bf16 weights: one 80 GB GPU); each engine loads it anew.

@@ -97,6 +97,12 @@ def choose_num_blocks(budget_blocks: int, budget_reason: str, limit: KVBlockChoi
     return KVBlockChoice(limit.num_blocks, f"{limit.reason} (the memory budget allows {budget_blocks})")
 
 
+def kv_budget_bytes(total_bytes: int, utilization: float, ranks_per_gpu: int, peak_bytes: int) -> int:
+    """What one engine may give its KV cache on a GPU: its share of `utilization` of the GPU (engine.ranks_per_gpu
+    engines split it evenly) less its own peak of model and activations, the one peak it can measure."""
+    return int(total_bytes * utilization / ranks_per_gpu) - peak_bytes
+
+
 def logprobs_slice_rows(vocab_size: int, bytes_per_logit: int) -> int:
     """How many rows of logits a step scores at once for prompt (or sampled) logprobs."""
     return max(1, LOGPROBS_SLICE_BYTES // (vocab_size * bytes_per_logit))

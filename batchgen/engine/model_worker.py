@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from batchgen.config import EngineConfig, ModelConfig
-from batchgen.core.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit
+from batchgen.core.kv_sizing import KVBlockChoice, KVDemand, choose_num_blocks, job_block_limit, kv_budget_bytes
 from batchgen.core.request import Request
 from batchgen.layers import attention_torch
 from batchgen.layers.compiled import compile_small_layers
@@ -192,12 +192,13 @@ class ModelWorker:
         # After the profile: a job's demand may still be coming (its prompts tokenized meanwhile).
         limit = job_block_limit(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, demand)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        available = int(total * cfg.gpu_memory_utilization) - peak
+        available = kv_budget_bytes(total, cfg.gpu_memory_utilization, cfg.ranks_per_gpu, peak)
+        budget = f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}" + (
+            f" over engine.ranks_per_gpu={cfg.ranks_per_gpu}" if cfg.ranks_per_gpu > 1 else "")
         if available < block_bytes:
-            raise ValueError(f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}: no memory left for the "
-                             f"KV cache (model and activations peak at {peak / 2**30:.2f} GiB of {total / 2**30:.1f})")
-        return choose_num_blocks(available // block_bytes,
-                                 f"engine.gpu_memory_utilization={cfg.gpu_memory_utilization}", limit)
+            raise ValueError(f"{budget}: no memory left for the KV cache (model and activations peak at "
+                             f"{peak / 2**30:.2f} GiB of {total / 2**30:.1f})")
+        return choose_num_blocks(available // block_bytes, budget, limit)
 
     def _start_forwards(self, graphs: bool, max_rows: int | None, demand: KVDemand | None,
                         profile: bool = True) -> None:

@@ -47,6 +47,7 @@ OUTPUT_NEUTRAL_KEYS = (
     "engine.enable_prefix_caching",
     "engine.cascade_attention",
     "engine.data_parallel_size",
+    "engine.ranks_per_gpu",
     "engine.tensor_parallel_size",  # the same model split over GPUs: sums in another order, as another kernel's
     "engine.custom_all_reduce",  # the ranks' partial sums added in another order
     "runner.*",

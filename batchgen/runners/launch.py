@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,8 @@ from batchgen.runners.local import run_local
 from batchgen.runners.ranks import Rank, run_rank
 from batchgen.worker.compile_pool import close_started, start_ahead
 from batchgen.worker.triton_start import start_triton_in_background
+
+log = logging.getLogger(__name__)
 
 
 def launch(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str, Any]:
@@ -45,14 +49,22 @@ def runs_on_cuda(config: Config) -> bool:
 
 
 def check_gpus(config: Config) -> None:
-    """On CUDA each rank takes a GPU: data-parallel ranks (engine.data_parallel_size, or torchrun's on this host)
-    times tensor-parallel ranks of each."""
+    """On CUDA each rank takes a GPU, or a share of one (engine.ranks_per_gpu): data-parallel ranks
+    (engine.data_parallel_size, or torchrun's on this host) times tensor-parallel ranks of each."""
     engine = config.engine
     if not runs_on_cuda(config):
         return
     data_parallel = engine.data_parallel_size if engine.data_parallel_size > 1 else int(
         os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    needed, present = data_parallel * engine.tensor_parallel_size, torch.cuda.device_count()
+    if engine.ranks_per_gpu > data_parallel:
+        raise ConfigError(f"engine.ranks_per_gpu={engine.ranks_per_gpu}: more than the {data_parallel} data-parallel "
+                          f"rank(s) (engine.data_parallel_size) that would share a GPU")
+    needed = math.ceil(data_parallel / engine.ranks_per_gpu) * engine.tensor_parallel_size
+    present = torch.cuda.device_count()
+    shared = f" at {engine.ranks_per_gpu} a GPU" if engine.ranks_per_gpu > 1 else ""
     if needed > present:
         raise ConfigError(f"engine.data_parallel_size={data_parallel} x engine.tensor_parallel_size="
-                          f"{engine.tensor_parallel_size} needs {needed} GPUs; this machine has {present}")
+                          f"{engine.tensor_parallel_size}{shared} needs {needed} GPUs; this machine has {present}")
+    if shared and engine.data_parallel_size > 1:  # said once, by the parent of the ranks
+        log.info("%d data-parallel ranks%s on %d GPU(s), each with 1/%d of engine.gpu_memory_utilization",
+                 data_parallel, shared, needed, engine.ranks_per_gpu)

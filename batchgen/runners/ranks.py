@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from batchgen.config import Config
+from batchgen.config import Config, EngineConfig
 from batchgen.runners.local import run_local
 from batchgen.runners.merge import merge_shards
 from batchgen.runners.start_barrier import START_BARRIER_ENV, FileStartBarrier, GlooStartBarrier, StartBarrier
@@ -47,6 +47,12 @@ def rank_config(config: Config, rank: Rank) -> Config:
     return replace(config, data=replace(config.data, num_shards=rank.world_size, shard_index=rank.rank))
 
 
+def rank_device(local_rank: int, engine: EngineConfig) -> int:
+    """The GPU of a data-parallel rank: engine.ranks_per_gpu consecutive ranks share one; each rank's tensor-parallel
+    ranks take the GPUs after its own."""
+    return local_rank // engine.ranks_per_gpu * engine.tensor_parallel_size
+
+
 def _agreed_run_dir(run_dir: Path) -> Path:
     chosen = [str(run_dir)]
     dist.broadcast_object_list(chosen, src=0)
@@ -63,8 +69,7 @@ def run_rank(config: Config, run_dir: Path, rank: Rank) -> dict[str, Any]:
     """Returns rank 0's merged summary under torchrun, else this rank's shard summary."""
     config = rank_config(config, rank)
     if config.engine.device != "cpu" and torch.cuda.is_available():
-        # Each data-parallel rank's tensor-parallel ranks take the GPUs after its own.
-        torch.cuda.set_device(rank.local_rank * config.engine.tensor_parallel_size)
+        torch.cuda.set_device(rank_device(rank.local_rank, config.engine))
     if os.environ.get(PARENT_MERGES_ENV) == "1":
         barrier = FileStartBarrier(Path(os.environ[START_BARRIER_ENV]), rank.rank, rank.world_size)
         return run_shard(config, run_dir, barrier)

@@ -80,6 +80,7 @@ def test_real_jobs_tiny_fills_every_column_and_its_floor_is_below_the_process_ti
     columns = [cell.strip() for cell in header.strip("|").split("|")]
     cells = dict(zip(columns, (cell.strip() for cell in row.strip("|").split("|")), strict=True))
     assert cells.pop("failed") == "-" and cells.pop("workload") == "classify"
+    assert cells.pop("device_util") == "-"  # nvidia-smi's, not sampled with --tiny
     assert all(value not in ("", "-") for value in cells.values()), cells
     classify, scoring = json.loads((tmp_path / "real_jobs_tiny_classify_scoring.json").read_text())["results"]
     # The first job wrote the bytecode of what it imported (batchgen's own included); the second one read it.
@@ -128,6 +129,34 @@ def test_device_idle_gives_each_stretch_of_idle_time_to_the_innermost_host_phase
     assert list(transitions) == ["prefill -> decode (graph)", "decode -> prefill", "decode -> decode (graph)"]
     assert transitions["prefill -> decode (graph)"]["idle_s"] == 2.0
     assert transitions["decode -> decode (graph)"] == {"steps": 1, "idle_s": 0.0, "median_ms": 0.0, "longest_ms": 0.0}
+
+
+def test_real_jobs_reports_data_parallel_ranks_from_their_merged_summary(tmp_path):
+    completed = subprocess.run([sys.executable, "-m", "benchmarks.real_jobs", "--tiny", "many_rows_shared", "--rows",
+                                "48", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    (result,) = json.loads((tmp_path / "real_jobs_tiny_many_rows_shared.json").read_text())["results"]
+    assert result["ranks"] == 2 and result["unaccounted_s"] is None and result["output_tokens"] == 48 * 16
+    # The loop spans both ranks' loops; each phase is a rank's mean, inside the process's time.
+    assert 0 < result["engine_loop_s"] < result["process_s"] and 0 < result["startup_s"] < result["process_s"]
+    assert 0 < result["device_busy"] <= 2
+
+
+def test_utilization_samples_are_averaged_over_a_span_on_the_gpus_that_ran():
+    from benchmarks.real_jobs import UtilizationSampler, parse_utilization
+
+    output = ("2026/11/28 10:00:00.000, 0, 0\n2026/11/28 10:00:00.000, 1, 0\n"
+              "2026/11/28 10:00:00.100, 0, 40\n2026/11/28 10:00:00.100, 1, 0\n"
+              "2026/11/28 10:00:00.200, 0, 80\n2026/11/28 10:00:00.200, 1, 0\n2026/11/28 10:00:00.3")
+    samples = parse_utilization(output)
+    assert len(samples) == 6 and samples[2][1:] == (0, 40)
+    assert samples[2][0] - samples[0][0] == pytest.approx(0.1)
+    sampler = UtilizationSampler(enabled=False)
+    sampler.samples = samples
+    start = samples[0][0]
+    assert sampler.mean_over(start, start + 0.25) == pytest.approx(0.4)  # GPU 0's three samples; GPU 1 idle
+    assert sampler.mean_over(start + 0.05, start + 0.25) == pytest.approx(0.6)
+    assert sampler.mean_over(start + 1, start + 2) is None
 
 
 def test_real_jobs_floor_counts_a_padded_decode_step_with_the_steps_of_its_own_bucket():

@@ -60,6 +60,13 @@ def store_kv(
         _as_copyable(flat_cache).index_copy_(0, target, _as_copyable(torch.where(row_valid, rows, fallback)))
 
 
+def _eager_fused(q: torch.Tensor, softcap: float | None) -> bool:
+    """Whether attention runs through torch's fused kernel (_attend_fused): on CPU, where steps are eager and the
+    masked products (_attend) cost several passes over the gathered K and V (their permuted copies, the masked
+    fill). CUDA (the reference for the Triton kernels, captured in graphs) and soft caps keep the masked products."""
+    return softcap is None and q.device.type == "cpu"
+
+
 def _attend(
     q: torch.Tensor,  # (B, L, KVH, G, D)
     k: torch.Tensor,  # (B, N, KVH, D)
@@ -79,6 +86,33 @@ def _attend(
     # Slots never written (uninitialized cache memory) may hold NaN, and 0 * NaN is NaN: zero the unread values.
     v = v.float().masked_fill(~allowed.any(dim=1)[:, :, None, None], 0.0)
     return torch.einsum("bkgln,bnkd->blkgd", probs, v)
+
+
+def _attend_fused(
+    q: torch.Tensor,  # (B, L, KVH, G, D)
+    k: torch.Tensor,  # (B, N, KVH, D): every position written (an unwritten slot's NaN would reach the output)
+    v: torch.Tensor,  # (B, N, KVH, D): as k
+    allowed: torch.Tensor,  # (B, L, N) bool
+    scale: float,
+) -> torch.Tensor:  # (B, L, KVH, G, D) float32; rows with nothing allowed are zeros
+    """_attend by torch's scaled_dot_product_attention (query head h reads KV head h // G)."""
+    batch, length, num_kv_heads, group, head_dim = q.shape
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().reshape(batch, length, num_kv_heads * group, head_dim).transpose(1, 2),
+        k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=allowed[:, None], scale=scale,
+        enable_gqa=True)  # (B, H, L, D)
+    out = out.transpose(1, 2).reshape(batch, length, num_kv_heads, group, head_dim)
+    # A row with nothing allowed (a padding row) read only its first slot, which may be unwritten.
+    return out.masked_fill(~allowed.any(dim=-1)[:, :, None, None, None], 0.0)
+
+
+def _written_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
+                   block_size: int) -> torch.Tensor:  # (B, N) int64
+    """The cache slot of each row's positions; a position past seq_len (a block's unwritten tail, the table's unused
+    columns) takes the row's first slot instead, which is written, so a gather of these slots holds no
+    uninitialized value."""
+    slots = block_tables.long()[:, positions // block_size] * block_size + positions % block_size
+    return torch.where(positions[None, :] < seq_lens[:, None], slots, slots[:, :1])
 
 
 def decode_attention(
@@ -101,16 +135,22 @@ def decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_positions = block_tables.shape[1] * block_size
-    blocks = block_tables.reshape(-1).long()  # index_select gathers several times faster than fancy indexing on CPU
-    k = k_cache.index_select(0, blocks).view(num_seqs, max_positions, num_kv_heads, head_dim)  # (B, M * BS, KVH, D)
-    v = v_cache.index_select(0, blocks).view(num_seqs, max_positions, num_kv_heads, head_dim)
     positions = torch.arange(max_positions, device=q.device)
     allowed = positions[None, :] < seq_lens[:, None]  # (B, M * BS)
     if sliding_window is not None:
         allowed &= positions[None, :] >= seq_lens[:, None] - sliding_window
     allowed = allowed[:, None, :]  # (B, 1, M * BS)
     grouped_q = q.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, 1, KVH, G, D)
-    out = _attend(grouped_q, k, v, allowed, scale, softcap)
+    gathered = (num_seqs, max_positions, num_kv_heads, head_dim)
+    if _eager_fused(q, softcap):
+        slots = _written_slots(block_tables, seq_lens, positions, block_size).view(-1)
+        k, v = (cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(gathered)
+                for cache in (k_cache, v_cache))
+        out = _attend_fused(grouped_q, k, v, allowed, scale)
+    else:
+        blocks = block_tables.reshape(-1).long()  # index_select gathers several times faster than fancy indexing
+        k, v = (cache.index_select(0, blocks).view(gathered) for cache in (k_cache, v_cache))
+        out = _attend(grouped_q, k, v, allowed, scale, softcap)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
@@ -165,6 +205,9 @@ def prefill_attention(
         if sliding_window is not None:
             allowed &= key_positions[None, :] > query_positions[:, None] - sliding_window
         grouped_q = q[start:end].view(1, query_len, num_kv_heads, group, head_dim)
-        attended = _attend(grouped_q, k[None], v[None], allowed[None], scale, softcap)  # (1, L, KVH, G, D)
+        if _eager_fused(q, softcap):  # k and v hold positions 0..seq_len - 1, all written
+            attended = _attend_fused(grouped_q, k[None], v[None], allowed[None], scale)  # (1, L, KVH, G, D)
+        else:
+            attended = _attend(grouped_q, k[None], v[None], allowed[None], scale, softcap)
         out[start:end] = attended.reshape(query_len, num_heads, head_dim).to(q.dtype)
     return out

@@ -123,8 +123,10 @@ def test_decode_matches_dense_attention_and_zeroes_padding_rows(
     written = len(seq_lens_real) * num_kv_heads * HEAD_DIM  # padding rows must not write
     assert int(layout.k_cache.isnan().sum()) == unwritten_before - written
 
-    block_tables = torch.cat([layout.block_tables, torch.zeros(num_padding, layout.block_tables.shape[1],
-                                                               dtype=torch.int32)])
+    # Padding rows' tables point at a spare block: never written, NaN, read by no one.
+    spare = min(set(range(layout.k_cache.shape[0])) - {block for table in layout.tables for block in table})
+    block_tables = torch.cat([layout.block_tables, torch.full((num_padding, layout.block_tables.shape[1]), spare,
+                                                              dtype=torch.int32)])
     seq_lens = torch.tensor(seq_lens_real + [0] * num_padding, dtype=torch.int32)
     q = torch.randn(len(seq_lens), num_heads, HEAD_DIM)
     scale = HEAD_DIM**-0.5

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import logging
 import sys
 import tempfile
@@ -119,17 +118,8 @@ def _main(cfg: DictConfig) -> float | None:
         config = to_config(cfg)
         process_clock.mark("config")
         start_ahead_of_torch(config)  # on a fresh GPU machine: the compile processes' imports beside this one's
-        from batchgen.runners.launch import launch  # torch and the engine load only once the config is valid
+        from batchgen.runners.launch import launch  # the engine's modules load only once the config is valid
 
-        process_clock.mark("engine_imports")
-
-        # The imported modules' objects (mostly torch's) live as long as the process: left out of every later
-        # collection, a full one (the engine's close, Python's own) takes microseconds instead of 0.2 s. Frozen
-        # objects are never collected, not even at exit, so only before a process's first job: in a multirun, a
-        # freeze before the next job would keep what the previous one imported (Triton) alive past the
-        # interpreter's end, where nanobind lists Triton's objects as leaked.
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
         single_run = HydraConfig.get().mode == RunMode.RUN
         with job_ends_process() if single_run else contextlib.nullcontext():
             summary = launch(config, run_dir, list(HydraConfig.get().overrides.task))

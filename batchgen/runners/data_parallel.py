@@ -20,9 +20,9 @@ from typing import Any
 
 from batchgen.config import Config
 from batchgen.runners.errors import RankFailedError
+from batchgen.runners.gpus import check_gpus
 from batchgen.runners.merge import merge_shards
-from batchgen.runners.ranks import PARENT_MERGES_ENV
-from batchgen.runners.start_barrier import START_BARRIER_ENV, arrival_file
+from batchgen.runners.start_barrier import PARENT_MERGES_ENV, START_BARRIER_ENV, arrival_file
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ def run_data_parallel(config: Config, run_dir: Path, task_overrides: list[str]) 
                 for rank in range(world_size)]
     watchers = [arrive_when_exited(child, start_barrier, rank) for rank, child in enumerate(children)]
     try:
+        check_gpus(config)  # torch's import here while the ranks import theirs; they leave the check to this process
         codes = [child.wait() for child in children]
     except BaseException:
         for child in children:

@@ -18,12 +18,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from batchgen.config import Config, EngineConfig
+from batchgen.config import Config
+from batchgen.runners.gpus import rank_device
 from batchgen.runners.local import run_local
 from batchgen.runners.merge import merge_shards
-from batchgen.runners.start_barrier import START_BARRIER_ENV, FileStartBarrier, GlooStartBarrier, StartBarrier
+from batchgen.runners.start_barrier import (
+    PARENT_MERGES_ENV,
+    START_BARRIER_ENV,
+    FileStartBarrier,
+    GlooStartBarrier,
+    StartBarrier,
+)
 
-PARENT_MERGES_ENV = "BATCHGEN_PARENT_MERGES"  # set by the data_parallel_size spawner for its children
 # Ranks wait for the slowest one at the end; a shard of a large job can take many hours.
 RANK_WAIT = timedelta(hours=48)
 
@@ -45,12 +51,6 @@ class Rank:
 
 def rank_config(config: Config, rank: Rank) -> Config:
     return replace(config, data=replace(config.data, num_shards=rank.world_size, shard_index=rank.rank))
-
-
-def rank_device(local_rank: int, engine: EngineConfig) -> int:
-    """The GPU of a data-parallel rank: engine.ranks_per_gpu consecutive ranks share one; each rank's tensor-parallel
-    ranks take the GPUs after its own."""
-    return local_rank // engine.ranks_per_gpu * engine.tensor_parallel_size
 
 
 def _agreed_run_dir(run_dir: Path) -> Path:

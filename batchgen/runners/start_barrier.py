@@ -16,9 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch.distributed as dist
-
 START_BARRIER_ENV = "BATCHGEN_START_BARRIER"  # the directory of the spawner's file barrier
+PARENT_MERGES_ENV = "BATCHGEN_PARENT_MERGES"  # set by the data_parallel_size spawner for its children
 POLL_SECONDS = 0.05
 
 
@@ -43,6 +42,8 @@ class StartBarrier:
 
 class GlooStartBarrier(StartBarrier):
     def _wait(self) -> None:
+        import torch.distributed as dist  # here: the data-parallel parent imports this module, never torch
+
         dist.barrier()
 
 

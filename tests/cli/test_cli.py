@@ -84,8 +84,8 @@ def test_console_script_and_python_m_run_the_same_function():
 def test_job_starts_with_the_imported_modules_frozen_out_of_garbage_collection(tmp_path):
     """A full collection over torch's objects takes about 0.2 s, at the engine's close and in Python's own passes."""
     probe = (f"import sys; sys.argv = ['batchgen', 'job=shakespeare', 'hydra.run.dir={tmp_path}']\n"
-             "import gc, batchgen.runners.launch as launch\n"
-             "launch.launch = lambda *args: print('frozen objects:', gc.get_freeze_count()) or sys.exit(0)\n"
+             "import gc, batchgen.runners.local as local\n"  # the job itself: called after the engine's imports
+             "local.run_local = lambda *args: print('frozen objects:', gc.get_freeze_count()) or sys.exit(0)\n"
              "from batchgen.__main__ import main; main()")
     result = run_probe(probe, timeout=120)
     frozen = [line for line in result.stdout.splitlines() if line.startswith("frozen objects:")]
@@ -98,18 +98,18 @@ def test_a_multiruns_next_job_leaves_what_the_previous_job_imported_collectable(
     objects outlived the interpreter, and nanobind listed them as leaked."""
     probe = ("import os, sys, types\n"
              f"sys.argv = ['batchgen', '-m', *{SMOKE_JOB!r}, 'engine.seed=1,2', 'hydra.sweep.dir={tmp_path}']\n"
-             "import batchgen.runners.launch as launch\n"
+             "import batchgen.runners.local as local\n"
              "class Collected:\n"
              "    def __del__(self, write=os.write):\n"
              "        write(2, b'collected at exit\\n')\n"
-             "run_job = launch.launch\n"
-             "def launch_importing_a_module(*args):\n"
+             "run_job = local.run_local\n"
+             "def job_importing_a_module(*args):\n"
              "    if 'imported_by_the_job' not in sys.modules:  # like triton, first imported by the first job\n"
              "        module = sys.modules['imported_by_the_job'] = types.ModuleType('imported_by_the_job')\n"
              "        module.cycle = [Collected()]\n"
              "        module.cycle.append(module.cycle)\n"
              "    return run_job(*args)\n"
-             "launch.launch = launch_importing_a_module\n"
+             "local.run_local = job_importing_a_module\n"
              "from batchgen.cli.main import main; main()")  # returns, then the interpreter ends as SystemExit would
     result = run_probe(probe)
     assert result.returncode == 0, result.stderr[-3000:]

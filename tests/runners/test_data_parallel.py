@@ -16,11 +16,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen.config import ConfigError
 from batchgen.job.run import run_job
 from batchgen.runners.data_parallel import arrive_when_exited
-from batchgen.runners.ranks import PARENT_MERGES_ENV, run_shard
+from batchgen.runners.ranks import run_shard
 from batchgen.runners.shards import MARKER_FILE, shard_dir_name
-from batchgen.runners.start_barrier import FileStartBarrier, StartBarrier, arrival_file
+from batchgen.runners.start_barrier import PARENT_MERGES_ENV, FileStartBarrier, StartBarrier, arrival_file
 from tests.cli.test_config import composed
 from tests.runners.test_shards import key_paths
 
@@ -85,6 +86,31 @@ def test_data_parallel_size_2_equals_a_single_process(tmp_path, reference, sampl
     # One schema for every summary: each rank's is a local run's.
     assert key_paths(ranks[0]) <= key_paths(merged)
     assert merged["job"]["error_rows"] == 0 and merged["this_attempt"]["rows"] == merged["rows"] == 24
+
+
+def test_the_parent_checks_the_gpus_while_its_ranks_start_and_stops_them_when_the_check_fails(tmp_path, monkeypatch):
+    import batchgen.runners.data_parallel as data_parallel
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+        # A rank still starting up; were it never stopped, the test would fail when it ends.
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env))
+        return started[-1]
+
+    def missing_gpus(config) -> None:
+        assert len(started) == 2 and all(child.poll() is None for child in started)  # the ranks started first
+        raise ConfigError("engine.data_parallel_size=2 x engine.tensor_parallel_size=1 needs 2 GPUs; this machine "
+                          "has 1")
+
+    monkeypatch.setattr(data_parallel.subprocess, "Popen", popen)
+    monkeypatch.setattr(data_parallel, "check_gpus", missing_gpus)
+    config = composed("job=shakespeare", "engine.data_parallel_size=2", "engine.device=cpu")
+    with pytest.raises(ConfigError, match="needs 2 GPUs"):
+        data_parallel.run_data_parallel(config, tmp_path, [])
+    assert all(child.poll() is not None for child in started)  # stopped and reaped
+    assert not (tmp_path / data_parallel.START_BARRIER_DIR).exists()
 
 
 class CountingBarrier(StartBarrier):

@@ -10,8 +10,7 @@ import torch
 
 from batchgen.config import ConfigError
 from batchgen.core.kv_sizing import kv_budget_bytes
-from batchgen.runners.launch import check_gpus
-from batchgen.runners.ranks import rank_device
+from batchgen.runners.gpus import check_gpus, rank_device
 from tests.cli.test_config import composed
 from tests.runners.test_data_parallel import JOB, batchgen, comparable
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.config import ConfigError
-from batchgen.runners.launch import check_gpus
+from batchgen.runners.gpus import check_gpus
 from tests.cli.test_config import composed
 from tests.helpers.common import wait_for_parts
 from tests.runners.test_data_parallel import JOB, batchgen, comparable

@@ -103,7 +103,7 @@ class EngineConfig:
     cascade_attention: bool = True
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"  # raw_logprobs | processed_logprobs (after penalties, temperature, filters)
-    data_parallel_size: int = 1  # N > 1: start N processes, one shard each on its own GPU (cuda:rank) or CPU
+    data_parallel_size: int = 1  # N > 1: start N processes, one shard each on its own GPU (cuda:rank) or the CPU
     # With data parallelism on GPUs: this many ranks share each GPU (rank r on cuda:(r // ranks_per_gpu)), each with
     # gpu_memory_utilization / ranks_per_gpu of it. For a small model whose job is bound by one process's Python (many
     # short rows), as several engines keep one GPU busier than one can

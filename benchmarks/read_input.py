@@ -90,7 +90,8 @@ def main() -> None:
     parser.add_argument("--sort", default="tottime", help="the profile's sort key (default: %(default)s)")
     add_out_argument(parser)
     args = parser.parse_args()
-    import batchgen.runners.launch  # noqa: F401  (what the CLI imports before the job: torch and the engine)
+    import batchgen.runners.local  # noqa: F401  (what launch imports before a job: torch and the engine)
+    import batchgen.runners.ranks  # noqa: F401
 
     gc.freeze()
     args.dir.mkdir(parents=True, exist_ok=True)

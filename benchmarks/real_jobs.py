@@ -272,7 +272,7 @@ class UtilizationSampler:
         self.samples = parse_utilization(self._process.communicate()[0])
 
     def mean_over(self, start: float, end: float) -> float | None:
-        """The mean utilization (0 to 1) between two times.time() values, over the GPUs that ran a kernel then."""
+        """The mean utilization (0 to 1) between two time.time() values, over the GPUs that ran a kernel then."""
         within = [(gpu, percent) for stamp, gpu, percent in self.samples if start <= stamp <= end]
         used = {gpu for gpu, percent in within if percent > 0}
         values = [percent for gpu, percent in within if gpu in used]

@@ -1,5 +1,6 @@
-"""One data-parallel rank: shard RANK of WORLD_SIZE on cuda:LOCAL_RANK (cuda:LOCAL_RANK * engine.tensor_parallel_size
-with tensor parallelism) or the CPU, as torchrun starts them.
+"""One data-parallel rank: shard RANK of WORLD_SIZE on its GPU (gpus.rank_device: cuda:LOCAL_RANK, shared with
+engine.ranks_per_gpu, cuda:LOCAL_RANK * engine.tensor_parallel_size with tensor parallelism) or the CPU, as torchrun
+starts them.
 
 Under torchrun the ranks agree on one run directory (Hydra picks one per process from the clock, so rank 0's
 wins, broadcast over a gloo group), each runs its shard, and rank 0 merges once all have passed a barrier.

@@ -281,7 +281,7 @@ def test_processes_started_ahead_are_kept_for_the_job_and_closed_where_torch_fin
     monkeypatch.setattr(compile_pool.importlib.util, "find_spec", lambda name: object())  # Triton "is there"
     compile_pool.start_ahead(EngineConfig())
     assert compile_pool._started is pool and supervisor.poll() is None
-    monkeypatch.setattr(launch, "run_local", lambda config, run_dir: {})
+    monkeypatch.setattr("batchgen.runners.local.run_local", lambda config, run_dir: {})  # launch's job, at call time
     launch.launch(Config(engine=EngineConfig(device="cpu")), tmp_path, [])
     assert compile_pool.take_started() is None and pool.supervisor is None and supervisor.wait(timeout=60) is not None
 

@@ -127,11 +127,12 @@ class Workload:
 
 
 CHAT_MIX = TokenRows(20_000, (50, 400), (20, 200))
+MANY_ROWS = TextRows(200_000, (8, 32), 16)
 WORKLOADS = {w.name: w for w in (
     Workload("chat_mix", CHAT_MIX, ("sampling.temperature=0.6", "engine.max_num_seqs=512")),
     Workload("classify", TokenRows(4_000, (1_000, 1_000), (1, 1)), ()),
-    Workload("many_rows", TextRows(200_000, (8, 32), 16), ("engine.max_num_seqs=512",)),
-    Workload("many_rows_shared", TextRows(200_000, (8, 32), 16),
+    Workload("many_rows", MANY_ROWS, ("engine.max_num_seqs=512",)),
+    Workload("many_rows_shared", MANY_ROWS,
              ("engine.max_num_seqs=512", "engine.data_parallel_size=3", "engine.ranks_per_gpu=3")),
     Workload("scoring", TokenRows(64, (4_000, 4_000), (0, 0)),
              ("sampling.prompt_logprobs=1", "engine.max_model_len=8192")),
@@ -140,13 +141,13 @@ WORKLOADS = {w.name: w for w in (
 )}
 # The same shapes scaled down for a CPU and a two-layer Qwen3: a smaller token budget keeps full prefill chunks.
 TINY_CHAT_MIX = TokenRows(64, (10, 80), (4, 24))
+TINY_MANY_ROWS = replace(MANY_ROWS, rows=1_500)
 TINY_WORKLOADS = {w.name: w for w in (
     Workload("chat_mix", TINY_CHAT_MIX, ("sampling.temperature=0.6", "engine.max_num_seqs=32",
                                          "engine.max_num_batched_tokens=512")),
     Workload("classify", TokenRows(64, (200, 200), (1, 1)), ("engine.max_num_batched_tokens=1024",)),
-    Workload("many_rows", TextRows(1_500, (8, 32), 16), ("engine.max_num_seqs=512",)),
-    Workload("many_rows_shared", TextRows(1_500, (8, 32), 16),
-             ("engine.max_num_seqs=512", "engine.data_parallel_size=2")),
+    Workload("many_rows", TINY_MANY_ROWS, ("engine.max_num_seqs=512",)),
+    Workload("many_rows_shared", TINY_MANY_ROWS, ("engine.max_num_seqs=512", "engine.data_parallel_size=2")),
     Workload("scoring", TokenRows(4, (700, 1_200), (0, 0)),
              ("sampling.prompt_logprobs=1", "engine.max_model_len=2048", "engine.max_num_batched_tokens=256")),
     Workload("cold_start", replace(TINY_CHAT_MIX, rows=32),

@@ -189,6 +189,7 @@ def prefill_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     out = torch.zeros_like(q)
+    fused = _eager_fused(q, softcap)  # k and v below hold positions 0..seq_len - 1, all written
     starts = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[b], starts[b + 1]
@@ -205,7 +206,7 @@ def prefill_attention(
         if sliding_window is not None:
             allowed &= key_positions[None, :] > query_positions[:, None] - sliding_window
         grouped_q = q[start:end].view(1, query_len, num_kv_heads, group, head_dim)
-        if _eager_fused(q, softcap):  # k and v hold positions 0..seq_len - 1, all written
+        if fused:
             attended = _attend_fused(grouped_q, k[None], v[None], allowed[None], scale)  # (1, L, KVH, G, D)
         else:
             attended = _attend(grouped_q, k[None], v[None], allowed[None], scale, softcap)

@@ -35,7 +35,8 @@ from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.outputs import RequestOutput
 from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.writers import CompletionWriter
-from batchgen.job.run import TOKENIZE_CHUNK_ROWS, Job, completion_values
+from batchgen.job.row_work import TOKENIZE_CHUNK_ROWS
+from batchgen.job.run import Job, completion_values
 from batchgen.sample.params import SamplingParams, row_params
 from benchmarks.common import add_out_argument, environment, load_model_config, markdown_table, save_json
 from benchmarks.real_jobs import TINY_WORKLOADS, WORKLOADS, TokenRows, write_text_rows, write_token_rows

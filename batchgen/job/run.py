@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict
-from itertools import islice, pairwise
+from itertools import pairwise
 from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +20,6 @@ import pyarrow as pa
 from batchgen.config import Config, ConfigError
 from batchgen.core.kv_sizing import KVDemand
 from batchgen.engine.collector import rare_collections
-from batchgen.engine.continuation import PREFILL_ONLY, encode_pair
 from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.logprob_entries import PromptLogprobEntries
 from batchgen.engine.outputs import RequestOutput
@@ -31,16 +30,16 @@ from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
 from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.schema import COMPLETIONS_SCHEMA
-from batchgen.io.shard_split import ShardSplit
+from batchgen.io.shard_split import ShardSplit, SplitMismatch
 from batchgen.io.writers import CompletionWriter, import_pandas_in_background, write_kernels
 from batchgen.job.exits import is_environment_fault, process_ends_with_job
 from batchgen.job.process_clock import take_startup
 from batchgen.job.progress import Progress
 from batchgen.job.resume_check import check_resume
+from batchgen.job.row_work import RowWork, read_shard
 from batchgen.job.run_outputs import SUMMARY_FILE, RunOutputs
 from batchgen.job.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.job.summary import AttemptStats
-from batchgen.sample.params import RowParams, SamplingParams
 from batchgen.tp.errors import FollowerExited
 
 if TYPE_CHECKING:
@@ -48,8 +47,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Waits for the shard of every input row as a data-parallel parent weighed them; None where it did not.
+GivenSplit = Callable[[], Sequence[int] | None]
+
 KERNELS_FILE = "kernels.parquet"
-TOKENIZE_CHUNK_ROWS = 1024  # rows per batched tokenizer call: few calls, a bounded batch of encodings
 
 
 TASK_COLUMNS = ("continuation_logprob", "continuation_num_tokens", "continuation_is_greedy", "embedding", "logits",
@@ -97,7 +98,8 @@ def check_run_dir(config: Config, run_dir: Path) -> dict[str, Any] | None:
 
 
 class Job:
-    def __init__(self, config: Config, run_dir: Path):
+    def __init__(self, config: Config, run_dir: Path, given_split: GivenSplit | None = None):
+        """given_split: a data-parallel rank's wait for the split its parent weighed (`_read_shard`)."""
         self.config = config
         self.task = config.job.task
         self.run_dir = Path(run_dir)
@@ -107,10 +109,11 @@ class Job:
         # Input problems surface here, before the model loads.
         self.openai_results = openai_results_wanted(config)
         self.detokenizer = Detokenizer.load(config.model)
+        self.work = RowWork(self.task, config.sampling, self.detokenizer)
         rows = iter_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
                             model_name(config.model), self.task)
         with rare_collections():  # a row is several objects: the default thresholds would go over the rows many times
-            self.rows = self._read_shard(rows)
+            self.rows = self._read_shard(rows, given_split)
         self.read_seconds = time.perf_counter() - read_start
         if self.num_input_rows == 0:
             if config.data.on_empty == "fail":
@@ -138,75 +141,24 @@ class Job:
             log.info("Resuming %s (attempt %d): %d of %d rows already done", self.run_dir, self.stats.number,
                      len(self.rows) - len(self.pending), len(self.rows))
 
-    def _read_shard(self, rows: Iterable[PromptRow]) -> list[PromptRow]:
-        """This run's rows: all of them, or its shard's (data.num_shards), keeping no other row. Sets
-        num_input_rows and split_digest, which the shard marker records, and `params`: each own row's sampling
-        parameters, computed once (a row whose overrides are invalid becomes an error row instead). Weighing rows
-        by their work (data.shard_by=work) tokenizes every row of the input: a chunk of rows at a time, in one batched
-        call, so that a shard's read costs about what the whole job's tokenizing does."""
+    def _read_shard(self, rows: Iterable[PromptRow], given_split: GivenSplit | None) -> list[PromptRow]:
+        """This run's rows (row_work.read_shard): all of them, or its shard's (data.num_shards). Sets num_input_rows
+        and split_digest, which the shard marker records, and `params`: each own row's sampling parameters. A
+        data-parallel rank whose parent weighed the input for a split by work takes the parent's assignment (the
+        one it would compute) instead of tokenizing every row itself."""
         data = self.config.data
         split = ShardSplit(data.num_shards, data.shard_by)
-        weigh = data.num_shards > 1 and data.shard_by == "work"
-        own = []
-        self.params: dict[int, SamplingParams] = {}
-        self._params_of = RowParams(self.config.sampling)
-        self.num_input_rows = 0
-        rows = iter(rows)
-        while chunk := list(islice(rows, TOKENIZE_CHUNK_ROWS)):
-            self.num_input_rows += len(chunk)
-            if weigh:
-                self._tokenize([row for row in chunk if row.error is None])
-            for row in chunk:
-                params = self._row_params(row) if weigh else None
-                if split.shard_of(row.index, self._estimated_work(row, params) if weigh else 0) == data.shard_index:
-                    own.append(row)
-                    if not weigh:
-                        params = self._row_params(row)
-                    if params is not None:
-                        self.params[row.index] = params
-        self.split_digest = split.digest
-        return own
-
-    def _row_params(self, row: PromptRow) -> SamplingParams | None:
-        """The row's sampling parameters; None for a row that is an error, or whose overrides are invalid: that
-        sets its error, so it becomes an error row naming the row and the option."""
-        if row.error is not None:
-            return None
-        if self.task != "generate":
-            return PREFILL_ONLY  # nothing is generated; sampling options mean nothing
+        given = given_split() if split.weighs and given_split is not None else None
+        if given is not None:
+            split = ShardSplit(data.num_shards, data.shard_by, given=given)
         try:
-            return self._params_of(row.overrides, row.index)
-        except ValueError as exc:
-            row.error = str(exc)
-            return None
-
-    def _estimated_work(self, row: PromptRow, params: SamplingParams | None) -> int:
-        """What the row can cost: its prompt tokens plus max_tokens for each sample (0 for a row that fails)."""
-        if params is None:
-            return 0
-        return self._num_prompt_tokens(row, params) + params.n * params.max_tokens
-
-    def _num_prompt_tokens(self, row: PromptRow, params: SamplingParams) -> int:
-        """The prompt's length as the engine takes it. A text row is tokenized here, once: the engine takes its ids."""
-        if self.task == "score":
-            context_ids, continuation_ids = self._score_token_ids(row) or ([], [])
-            return max(1, len(context_ids)) + len(continuation_ids)  # an empty context is the prefix token
-        if row.prompt_token_ids is None and self.detokenizer is not None:
-            row.prompt_token_ids = self.detokenizer.encode(row.prompt)
-        num_prompt_tokens = len(row.prompt_token_ids or ())
-        if params.truncate_prompt_tokens is not None:
-            num_prompt_tokens = min(num_prompt_tokens, params.truncate_prompt_tokens)
-        return num_prompt_tokens
-
-    def _score_token_ids(self, row: PromptRow) -> tuple[list[int], list[int]] | None:
-        """A score row's context and continuation tokens, tokenized here once as lm-eval pairs them; None for texts
-        without a tokenizer."""
-        if row.continuation_token_ids is None:
-            if self.detokenizer is None:
-                return None
-            row.prompt_token_ids, row.continuation_token_ids = encode_pair(self.detokenizer.tokenizer, row.prompt,
-                                                                           row.continuation)
-        return row.prompt_token_ids, row.continuation_token_ids
+            shard = read_shard(rows, split, data.shard_index, self.work)
+        except SplitMismatch as exc:
+            raise InputError(f"{data.path}: {exc} (the parent's read of the input): did the input change while the "
+                             "job read it?") from exc
+        self.params = shard.params
+        self.num_input_rows, self.split_digest = shard.num_input_rows, shard.split_digest
+        return shard.rows
 
     def _samples_to_write(self, index: int) -> int:
         missing = self.missing_samples.get(index)
@@ -350,23 +302,12 @@ class Job:
     def _kv_demand_rows(self, rows: list[PromptRow]) -> list[tuple[int, int]]:
         demand = []
         with rare_collections():  # a list of ids per row: the default thresholds would go over the rows many times
-            self._tokenize(rows)
+            self.work.tokenize(rows)
             for row in rows:
                 params = self.params[row.index]
-                num_prompt_tokens = self._num_prompt_tokens(row, params)
+                num_prompt_tokens = self.work.num_prompt_tokens(row, params)
                 demand.extend([(num_prompt_tokens, params.max_tokens)] * params.n)  # each sample holds its own blocks
         return demand
-
-    def _tokenize(self, rows: list[PromptRow]) -> None:
-        """Tokenizes the text prompts of rows without token ids, in chunks of batched calls (the ids one call per
-        row would give); a score row's pair is tokenized on its own (_score_token_ids)."""
-        if self.detokenizer is None or self.task == "score":
-            return
-        untokenized = [row for row in rows if row.prompt_token_ids is None]
-        for start in range(0, len(untokenized), TOKENIZE_CHUNK_ROWS):
-            chunk = untokenized[start:start + TOKENIZE_CHUNK_ROWS]
-            for row, token_ids in zip(chunk, self.detokenizer.encode_batch([row.prompt for row in chunk]), strict=True):
-                row.prompt_token_ids = token_ids
 
     def _lap(self, phase: str, since: float) -> float:
         now = time.perf_counter()
@@ -417,7 +358,7 @@ class Job:
         return True
 
     def _add_score_request(self, engine: LLMEngine, row: PromptRow) -> None:
-        token_ids = self._score_token_ids(row)
+        token_ids = self.work.score_token_ids(row)
         if token_ids is None:
             row.error = (f"row {row.index}: the model has no tokenizer: give context_token_ids and "
                          "continuation_token_ids instead of texts")
@@ -458,12 +399,12 @@ def run(config: Config, run_dir: Path) -> dict[str, Any]:
     return run_job(config, run_dir)[0]
 
 
-def run_job(config: Config, run_dir: Path, wait_for_ranks: Callable[[], None] | None = None
-            ) -> tuple[dict[str, Any], Job]:
+def run_job(config: Config, run_dir: Path, wait_for_ranks: Callable[[], None] | None = None,
+            given_split: GivenSplit | None = None) -> tuple[dict[str, Any], Job]:
     """Runs the job (see Job.run); returns its summary and the job. SIGTERM and SIGINT end it with JobStopped
     after every finished row is flushed."""
     def start(signals: StopSignals) -> tuple[dict[str, Any], Job]:
-        job = Job(config, run_dir)
+        job = Job(config, run_dir, given_split)
         return job.run(signals, wait_for_ranks), job
 
     return run_stoppable(start)

@@ -2,7 +2,8 @@
 
 Each child is `python -m batchgen` with the same overrides, the parent's run directory and the rank in its
 environment (as torchrun would set it), and the directory of the ranks' start barrier, which the parent empties
-first and completes for every child that exits (start_barrier.py). A child that dies costs only its shard's
+first and completes for every child that exits (start_barrier.py). While they start, the parent weighs the input
+for their split by work (parent_split.py). A child that dies costs only its shard's
 unfinished rows: the others finish, the parent reports the failure, and the same command with job.resume=true
 finishes the rest.
 """
@@ -22,6 +23,7 @@ from batchgen.config import Config
 from batchgen.runners.errors import RankFailedError
 from batchgen.runners.gpus import check_gpus
 from batchgen.runners.merge import merge_shards
+from batchgen.runners.parent_split import ParentSplit
 from batchgen.runners.start_barrier import PARENT_MERGES_ENV, START_BARRIER_ENV, arrival_file
 
 log = logging.getLogger(__name__)
@@ -70,10 +72,16 @@ def run_data_parallel(config: Config, run_dir: Path, task_overrides: list[str]) 
     command = child_command(task_overrides, run_dir)
     log.info("Starting %d data-parallel ranks in %s", world_size, run_dir)
     start_barrier = _empty_directory(run_dir / START_BARRIER_DIR)
-    children = [subprocess.Popen(command, env=child_env(rank, world_size, start_barrier))
+    split = ParentSplit(run_dir) if config.data.shard_by == "work" else None
+    extra_env, pass_fds = (split.child_env(), split.pass_fds) if split else ({}, ())
+    children = [subprocess.Popen(command, env={**child_env(rank, world_size, start_barrier), **extra_env},
+                                 pass_fds=pass_fds)
                 for rank in range(world_size)]
     watchers = [arrive_when_exited(child, start_barrier, rank) for rank, child in enumerate(children)]
     try:
+        if split is not None:
+            split.spawned()
+            split.publish(config, world_size)  # while the ranks import torch
         check_gpus(config)  # torch's import here while the ranks import theirs; they leave the check to this process
         codes = [child.wait() for child in children]
     except BaseException:
@@ -83,6 +91,9 @@ def run_data_parallel(config: Config, run_dir: Path, task_overrides: list[str]) 
             child.wait()
         raise
     finally:
+        if split is not None:
+            split.close()
+            split.remove()
         for watcher in watchers:
             watcher.join()
         shutil.rmtree(start_barrier, ignore_errors=True)

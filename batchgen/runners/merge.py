@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -63,13 +64,16 @@ def find_shards(root: Path) -> dict[int, Path]:
     return {index: paths[0] for index, paths in sorted(by_index.items())}
 
 
-def check_indices(indices: list[int], sample_indices: list[int], num_input_rows: int, where: Path) -> None:
-    """Every input row index appears, and each (index, sample_index) once (a row has sampling.n samples)."""
-    counts = Counter(zip(indices, sample_indices, strict=True))
-    duplicated = sorted({index for (index, _), count in counts.items() if count > 1})
-    present = set(indices)
-    missing = sorted(set(range(num_input_rows)) - present)
-    unexpected = sorted(index for index in present if not 0 <= index < num_input_rows)
+def check_indices(indices: np.ndarray, sample_indices: np.ndarray, num_input_rows: int, where: Path) -> None:
+    """Every input row index appears, and each (index, sample_index) once (a row has sampling.n samples); the
+    rows come sorted by (index, sample_index)."""
+    repeated = (indices[1:] == indices[:-1]) & (sample_indices[1:] == sample_indices[:-1])
+    duplicated = np.unique(indices[1:][repeated]).tolist()
+    inside = (indices >= 0) & (indices < num_input_rows)
+    seen = np.zeros(num_input_rows, dtype=bool)
+    seen[indices[inside]] = True
+    missing = np.flatnonzero(~seen).tolist()
+    unexpected = np.unique(indices[~inside]).tolist()
     problems = [f"{label} row indices {_listed(values)}" for label, values in
                 (("missing", missing), ("duplicated", duplicated), ("unexpected", unexpected)) if values]
     if problems:
@@ -102,8 +106,7 @@ def merge_shards(root: Path) -> dict[str, Any]:
     completions = [pq.read_table(path / CompletionWriter.FILE_NAME) for path in shards.values()]
     merged = pa.concat_tables([table.cast(completions[0].schema) for table in completions])
     merged = merged.sort_by([("index", "ascending"), ("sample_index", "ascending")])
-    check_indices(merged.column("index").to_pylist(), merged.column("sample_index").to_pylist(), input_rows.pop(),
-                  root)
+    check_indices(merged.column("index").to_numpy(), merged.column("sample_index").to_numpy(), input_rows.pop(), root)
     _write_parquet(root / CompletionWriter.FILE_NAME, merged)
     merge_results(root, shards)
 

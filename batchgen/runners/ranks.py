@@ -4,8 +4,8 @@ starts them.
 
 Under torchrun the ranks agree on one run directory (Hydra picks one per process from the clock, so rank 0's
 wins, broadcast over a gloo group), each runs its shard, and rank 0 merges once all have passed a barrier.
-Ranks started by `engine.data_parallel_size` get the directory from their parent, which merges itself. Either way
-the ranks start generating together (start_barrier.py).
+Ranks started by `engine.data_parallel_size` get the directory from their parent, which merges itself, and the
+parent's split of the input (parent_split.py). Either way the ranks start generating together (start_barrier.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 
 from batchgen.config import Config
+from batchgen.job.run import GivenSplit
 from batchgen.runners.gpus import rank_device
 from batchgen.runners.local import run_local
 from batchgen.runners.merge import merge_shards
+from batchgen.runners.parent_split import wait_for_parent_split
 from batchgen.runners.start_barrier import (
     PARENT_MERGES_ENV,
     START_BARRIER_ENV,
@@ -60,8 +62,9 @@ def _agreed_run_dir(run_dir: Path) -> Path:
     return Path(chosen[0])
 
 
-def run_shard(config: Config, run_dir: Path, barrier: StartBarrier) -> dict[str, Any]:
-    summary = run_local(config, run_dir, barrier.wait)
+def run_shard(config: Config, run_dir: Path, barrier: StartBarrier,
+              given_split: GivenSplit | None = None) -> dict[str, Any]:
+    summary = run_local(config, run_dir, barrier.wait, given_split)
     barrier.wait()  # a rank that had nothing to generate has not passed it yet: the others wait for it
     return summary
 
@@ -73,7 +76,7 @@ def run_rank(config: Config, run_dir: Path, rank: Rank) -> dict[str, Any]:
         torch.cuda.set_device(rank_device(rank.local_rank, config.engine))
     if os.environ.get(PARENT_MERGES_ENV) == "1":
         barrier = FileStartBarrier(Path(os.environ[START_BARRIER_ENV]), rank.rank, rank.world_size)
-        return run_shard(config, run_dir, barrier)
+        return run_shard(config, run_dir, barrier, wait_for_parent_split)
     dist.init_process_group("gloo", rank=rank.rank, world_size=rank.world_size, timeout=RANK_WAIT)
     try:
         run_dir = _agreed_run_dir(run_dir)

@@ -70,7 +70,9 @@ def test_data_parallel_size_2_equals_a_single_process(tmp_path, reference, sampl
     shards = pq.read_table(tmp_path / "steps.parquet").column("shard").to_pylist()
     assert set(shards) == {0, 1}
     assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00000-of-00002", "shard-00001-of-00002"]
-    assert not (tmp_path / ".start-barrier").exists()
+    assert not (tmp_path / ".start-barrier").exists() and not (tmp_path / ".shard-split").exists()
+    # A split by work: the parent weighed the input while the ranks started, and they took its assignment.
+    assert ("Weighed the 24 input rows" in result.stdout + result.stderr) == (shard_by == "work")
 
     # The ranks passed the start barrier together: no engine loop began before every engine was ready.
     ranks = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("shard-*/summary.json"))]
@@ -94,9 +96,9 @@ def test_the_parent_checks_the_gpus_while_its_ranks_start_and_stops_them_when_th
     started: list[subprocess.Popen] = []
     real_popen = subprocess.Popen
 
-    def popen(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    def popen(command: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
         # A rank still starting up; were it never stopped, the test would fail when it ends.
-        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env))
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env, pass_fds=pass_fds))
         return started[-1]
 
     def missing_gpus(config) -> None:

@@ -90,9 +90,10 @@ def test_a_job_keeps_only_its_shard_of_the_rows(tmp_path, shard_by):
 def test_the_work_split_weighs_rows_a_tokenizer_batch_at_a_time_as_one_at_a_time(tmp_path, monkeypatch):
     """Rows are tokenized for their weight a chunk at a time; the split must be the one each row's own encode gives,
     across chunk boundaries, with error rows (no prompt, an invalid override) weighing nothing."""
+    import batchgen.job.row_work as row_work
     import batchgen.job.run as job_run
 
-    monkeypatch.setattr(job_run, "TOKENIZE_CHUNK_ROWS", 4)
+    monkeypatch.setattr(row_work, "TOKENIZE_CHUNK_ROWS", 4)
     lines = [{"id": index, "prompt": "ROMEO " * (1 + index % 5) + str(index), "max_tokens": 1 + 7 * (index % 3)}
              for index in range(23)]
     lines[5] = {"id": 5}  # no prompt: an error row
@@ -201,10 +202,11 @@ def test_merge_writes_rows_in_input_order_steps_per_shard_and_a_combined_summary
     assert json.loads((tmp_path / "summary.json").read_text())["rows"] == 8
 
 
-def test_merge_names_missing_and_duplicated_rows(tmp_path):
-    fake_shard(tmp_path, 2, 0, [0, 2, 3], 6)
-    fake_shard(tmp_path, 2, 1, [1, 3], 6)
-    with pytest.raises(MergeError, match=r"missing row indices 4, 5; duplicated row indices 3"):
+def test_merge_names_missing_duplicated_and_unexpected_rows(tmp_path):
+    fake_shard(tmp_path, 2, 0, [0, 2, 3, 9], 6)
+    fake_shard(tmp_path, 2, 1, [1, 3, 9], 6)
+    with pytest.raises(MergeError, match=r"missing row indices 4, 5; duplicated row indices 3, 9; unexpected row "
+                                         r"indices 9$"):
         merge_shards(tmp_path)
     assert not (tmp_path / "completions.parquet").exists()
 

@@ -416,6 +416,11 @@ class LLMEngine:
                 raise RuntimeError("the scheduler produced an empty step while requests are unfinished")
             return [self._output(r) for r in finished], None
         finished_now, record = self._apply(to_apply)
+        if launched is None and self.config.async_scheduling:
+            # Every running request ended with the step just applied (rows of one length that started together end
+            # together): the waiting ones it made room for are launched before the finished rows' outputs are built
+            # and written, which then overlap the device's work instead of leaving it idle.
+            self._in_flight = self._launch_next()
         return [self._output(r) for r in finished + finished_now], record
 
     def _launch_next(self) -> _InFlight | None:

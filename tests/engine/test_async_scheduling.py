@@ -67,3 +67,25 @@ def test_async_step_rows_cover_every_launched_step(prompts):
     assert all(r.step_ms >= r.wait_ms >= 0 for r in records)
     # Each step's launch counts in its own step_ms, although the next step is launched before it is applied.
     assert all(r.schedule_ms + r.prepare_ms + r.forward_ms + r.sample_ms + r.wait_ms <= r.step_ms for r in records)
+
+
+def test_rows_that_end_together_make_room_for_waiting_rows_within_the_same_call(prompts):
+    """Rows of one length that start together end on one step, which leaves the next schedule empty. The waiting rows
+    they make room for are launched within the step() call that returns them, so that their outputs are built and
+    written while the device runs the new rows: no later call only launches (a call without a record), and the tokens
+    are one-step-at-a-time scheduling's."""
+    runs = {}
+    for async_scheduling in (True, False):
+        llm = LLM(str(MODEL_DIR), device="cpu", max_num_seqs=4, async_scheduling=async_scheduling)
+        for i, prompt in enumerate(prompts[:10]):
+            llm.engine.add_request(i, prompt, None, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        calls_without_record, finished = 0, []
+        while llm.engine.has_unfinished_requests:
+            done, record = llm.engine.step()
+            finished += done
+            calls_without_record += record is None
+        llm.close()
+        runs[async_scheduling] = sorted((o.request_id, o.token_ids) for o in finished), calls_without_record
+    assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 10
+    assert runs[True][1] == 1  # the first call: it launches the first step and has nothing to apply yet
+    assert runs[False][1] == 0

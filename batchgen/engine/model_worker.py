@@ -26,6 +26,7 @@ from batchgen.models.pooling_config import checkpoint_pooling
 from batchgen.models.registry import check_task
 from batchgen.worker.compile_ahead import CompileAhead
 from batchgen.worker.cuda_graph import CAPTURE_AFTER_USES
+from batchgen.worker.host_memory import keep_freed_memory
 from batchgen.worker.host_threads import intra_op_threads
 from batchgen.worker.model_runner import BitmaskProvider, ModelRunner
 from batchgen.worker.pooling import Pooler
@@ -104,6 +105,8 @@ class ModelWorker:
         threads = intra_op_threads(engine_config.cpu_threads, device, engine_config.tensor_parallel_size)
         if threads is not None:
             torch.set_num_threads(threads)
+        if device.type == "cpu":
+            keep_freed_memory()
         hf_config = load_hf_config(model_config)
         check_task(task, hf_config, model_config.impl)
         self.hf_config = hf_config

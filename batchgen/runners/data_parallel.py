@@ -3,9 +3,8 @@
 Each child is `python -m batchgen` with the same overrides, the parent's run directory and the rank in its
 environment (as torchrun would set it), and the directory of the ranks' start barrier, which the parent empties
 first and completes for every child that exits (start_barrier.py). While they start, the parent weighs the input
-for their split by work (parent_split.py). A child that dies costs only its shard's
-unfinished rows: the others finish, the parent reports the failure, and the same command with job.resume=true
-finishes the rest.
+for their split by work (parent_split.py). A child that dies costs only its shard's unfinished rows: the others
+finish, the parent reports the failure, and the same command with job.resume=true finishes the rest.
 """
 
 from __future__ import annotations

@@ -133,25 +133,62 @@ def decode_attention(
     shared_prefix_len (cascade attention's hint that every row starts with the same blocks) and split_arrivals (the
     Triton kernel's scratch counters) change nothing here: the reference reads every row's blocks in one pass."""
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_kv_heads = k_cache.shape[2]
+    grouped_q = q.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, 1, KVH, G, D)
+    halves = _eager_fused(q, softcap) and _halves_by_context(seq_lens, k_cache.shape[1], block_tables.shape[1])
+    if not halves:
+        out = _decode_rows(grouped_q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
+    else:
+        out = torch.empty(grouped_q.shape, dtype=torch.float32, device=q.device)
+        for rows, width in halves:
+            out[rows] = _decode_rows(grouped_q[rows], k_cache, v_cache, block_tables[rows, :width], seq_lens[rows],
+                                     scale, sliding_window, softcap)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def _halves_by_context(seq_lens: torch.Tensor, block_size: int, width: int) -> list[tuple[torch.Tensor, int]]:
+    """The rows in two halves, the shorter contexts first, each with the table width its longest row needs, where the
+    shorter half needs at most half the blocks of the longest row; else none. The fused path gathers every row's K
+    and V up to the step's longest context, so a batch of mixed lengths would gather and attend over padding for
+    most of its rows."""
+    if seq_lens.shape[0] < 2:
+        return []
+    order = torch.argsort(seq_lens)
+    half = seq_lens.shape[0] // 2
+    short_width = max(1, -(-int(seq_lens[order[half - 1]]) // block_size))
+    if 2 * short_width > width:
+        return []
+    return [(order[:half], short_width), (order[half:], width)]
+
+
+def _decode_rows(
+    grouped_q: torch.Tensor,  # (B, 1, KVH, G, D)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (B, M): M blocks cover every row's context
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:  # (B, 1, KVH, G, D) float32
+    """decode_attention over these rows, their K and V gathered up to the table's width."""
+    num_seqs, _, num_kv_heads, _, head_dim = grouped_q.shape
+    block_size = k_cache.shape[1]
     max_positions = block_tables.shape[1] * block_size
-    positions = torch.arange(max_positions, device=q.device)
+    positions = torch.arange(max_positions, device=grouped_q.device)
     allowed = positions[None, :] < seq_lens[:, None]  # (B, M * BS)
     if sliding_window is not None:
         allowed &= positions[None, :] >= seq_lens[:, None] - sliding_window
     allowed = allowed[:, None, :]  # (B, 1, M * BS)
-    grouped_q = q.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, 1, KVH, G, D)
     gathered = (num_seqs, max_positions, num_kv_heads, head_dim)
-    if _eager_fused(q, softcap):
+    if _eager_fused(grouped_q, softcap):
         slots = _written_slots(block_tables, seq_lens, positions, block_size).view(-1)
         k, v = (cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(gathered)
                 for cache in (k_cache, v_cache))
-        out = _attend_fused(grouped_q, k, v, allowed, scale)
-    else:
-        blocks = block_tables.reshape(-1).long()  # index_select gathers several times faster than fancy indexing
-        k, v = (cache.index_select(0, blocks).view(gathered) for cache in (k_cache, v_cache))
-        out = _attend(grouped_q, k, v, allowed, scale, softcap)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+        return _attend_fused(grouped_q, k, v, allowed, scale)
+    blocks = block_tables.reshape(-1).long()  # index_select gathers several times faster than fancy indexing
+    k, v = (cache.index_select(0, blocks).view(gathered) for cache in (k_cache, v_cache))
+    return _attend(grouped_q, k, v, allowed, scale, softcap)
 
 
 def decode_early_read_limit(batch: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,

@@ -131,7 +131,8 @@ def decode_attention(
     """One query token per sequence, attending to its first seq_len cache positions (the last sliding_window of
     them with a window), scores soft-capped at softcap when it is set; vectorized for CUDA graphs.
     shared_prefix_len (cascade attention's hint that every row starts with the same blocks) and split_arrivals (the
-    Triton kernel's scratch counters) change nothing here: the reference reads every row's blocks in one pass."""
+    Triton kernel's scratch counters) change nothing here: the reference reads every row's blocks in one pass (on
+    CPU in two, where the rows' contexts differ enough: _halves_by_context)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     grouped_q = q.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, 1, KVH, G, D)

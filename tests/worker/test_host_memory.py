@@ -15,8 +15,8 @@ from batchgen.worker import host_memory
 REPO = Path(__file__).resolve().parents[2]
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
 
-# Decode steps of the main job's model on 64 rows (contexts of about 100-200 tokens); prints the minor page faults a
-# step, with the worker's thresholds or (argument "off") without them.
+# Decode steps of the main job's model on 64 rows of one prompt (contexts of about 100-150 tokens, alike: one gather a
+# layer, of a few MiB); prints the minor page faults a step, with the worker's thresholds or (argument "off") without.
 FAULTS_A_STEP = """
 import json, resource, sys
 import batchgen.engine.model_worker as model_worker
@@ -24,9 +24,10 @@ if sys.argv[1] == "off":
     model_worker.keep_freed_memory = lambda: False
 from batchgen import LLM, SamplingParams
 llm = LLM("jobs/shakespeare/model", device="cpu", max_num_seqs=64)
-prompts = [json.loads(line)["prompt"] for line in open("jobs/shakespeare/prompts.jsonl")][:64]
+prompts = (json.loads(line)["prompt"] for line in open("jobs/shakespeare/prompts.jsonl"))
+prompt = next(prompt for prompt in prompts if len(prompt) >= 100)[:100]
 params = SamplingParams(max_tokens=200, temperature=0.8, top_k=40, ignore_eos=True, seed=0)
-for i, prompt in enumerate(prompts):
+for i in range(64):
     llm.engine.add_request(i, prompt, None, params)
 for _ in range(40):
     llm.engine.step()

@@ -71,7 +71,7 @@ def test_data_parallel_size_2_equals_a_single_process(tmp_path, reference, sampl
     assert set(shards) == {0, 1}
     assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00000-of-00002", "shard-00001-of-00002"]
     assert not (tmp_path / ".start-barrier").exists() and not (tmp_path / ".shard-split").exists()
-    # A split by work: the parent weighed the input while the ranks started, and they took its assignment.
+    # A split by work: the parent weighed the input while the ranks started (their taking it: test_parent_split.py).
     assert ("Weighed the 24 input rows" in result.stdout + result.stderr) == (shard_by == "work")
 
     # The ranks passed the start barrier together: no engine loop began before every engine was ready.

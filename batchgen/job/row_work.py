@@ -4,13 +4,15 @@ runs to weigh the input for its ranks (runners/parent_split.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 
+from batchgen.config import Config
 from batchgen.engine.continuation import PREFILL_ONLY, encode_pair
 from batchgen.engine.detokenizer import Detokenizer
-from batchgen.io.readers import PromptRow
+from batchgen.io.openai_batch import model_name
+from batchgen.io.readers import PromptRow, iter_prompts
 from batchgen.io.shard_split import ShardSplit
 from batchgen.sample.params import RowParams, SamplingParams
 
@@ -76,6 +78,14 @@ class RowWork:
             row.prompt_token_ids, row.continuation_token_ids = encode_pair(self.detokenizer.tokenizer, row.prompt,
                                                                            row.continuation)
         return row.prompt_token_ids, row.continuation_token_ids
+
+
+def open_input(config: Config) -> tuple[RowWork, Iterator[PromptRow]]:
+    """The job's RowWork (the model's tokenizer loaded, None where the checkpoint has none) and its input rows, read
+    as they are asked for; input problems surface at the first row."""
+    work = RowWork(config.job.task, config.sampling, Detokenizer.load(config.model))
+    tokenizer = work.detokenizer.tokenizer if work.detokenizer else None
+    return work, iter_prompts(config.data, tokenizer, model_name(config.model), work.task)
 
 
 @dataclass

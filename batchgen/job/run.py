@@ -20,15 +20,13 @@ import pyarrow as pa
 from batchgen.config import Config, ConfigError
 from batchgen.core.kv_sizing import KVDemand
 from batchgen.engine.collector import rare_collections
-from batchgen.engine.detokenizer import Detokenizer
 from batchgen.engine.logprob_entries import PromptLogprobEntries
 from batchgen.engine.outputs import RequestOutput
 from batchgen.io.atomic import DirectoryLock
 from batchgen.io.errors import InputError
 from batchgen.io.logprob_arrays import LogprobArrays
-from batchgen.io.openai_batch import model_name
 from batchgen.io.openai_results import openai_results_wanted, write_openai_results
-from batchgen.io.readers import PromptRow, iter_prompts
+from batchgen.io.readers import PromptRow
 from batchgen.io.schema import COMPLETIONS_SCHEMA
 from batchgen.io.shard_split import ShardSplit, SplitMismatch
 from batchgen.io.writers import CompletionWriter, import_pandas_in_background, write_kernels
@@ -36,7 +34,7 @@ from batchgen.job.exits import is_environment_fault, process_ends_with_job
 from batchgen.job.process_clock import take_startup
 from batchgen.job.progress import Progress
 from batchgen.job.resume_check import check_resume
-from batchgen.job.row_work import RowWork, read_shard
+from batchgen.job.row_work import open_input, read_shard
 from batchgen.job.run_outputs import SUMMARY_FILE, RunOutputs
 from batchgen.job.stop_signals import JobStopped, StopRequested, StopSignals, run_stoppable
 from batchgen.job.summary import AttemptStats
@@ -108,10 +106,8 @@ class Job:
         import_pandas_in_background()
         # Input problems surface here, before the model loads.
         self.openai_results = openai_results_wanted(config)
-        self.detokenizer = Detokenizer.load(config.model)
-        self.work = RowWork(self.task, config.sampling, self.detokenizer)
-        rows = iter_prompts(config.data, self.detokenizer.tokenizer if self.detokenizer else None,
-                            model_name(config.model), self.task)
+        self.work, rows = open_input(config)
+        self.detokenizer = self.work.detokenizer
         with rare_collections():  # a row is several objects: the default thresholds would go over the rows many times
             self.rows = self._read_shard(rows, given_split)
         self.read_seconds = time.perf_counter() - read_start

@@ -18,12 +18,9 @@ from pathlib import Path
 
 from batchgen.config import Config
 from batchgen.engine.collector import rare_collections
-from batchgen.engine.detokenizer import Detokenizer
 from batchgen.io.atomic import write_atomically
-from batchgen.io.openai_batch import model_name
-from batchgen.io.readers import iter_prompts
 from batchgen.io.shard_split import ASSIGNMENT_TYPECODE, ShardSplit
-from batchgen.job.row_work import RowWork, read_shard
+from batchgen.job.row_work import open_input, read_shard
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +31,10 @@ PARENT_SPLIT_ENV = "BATCHGEN_PARENT_SPLIT"
 
 def weigh_input(config: Config, num_shards: int) -> array:
     """The shard of every input row under data.shard_by=work over num_shards shards, as each shard computes it."""
-    detokenizer = Detokenizer.load(config.model)
-    task = config.job.task
-    rows = iter_prompts(config.data, detokenizer.tokenizer if detokenizer else None, model_name(config.model), task)
+    work, rows = open_input(config)
     split = ShardSplit(num_shards, "work", record=True)
     with rare_collections():
-        read_shard(rows, split, -1, RowWork(task, config.sampling, detokenizer))
+        read_shard(rows, split, -1, work)
     return split.assignment
 
 

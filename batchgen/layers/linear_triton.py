@@ -184,24 +184,55 @@ def _load_summed(x_rows, res_rows, stride_xk, offs_k, mask, HAS_RESIDUAL: tl.con
     return x
 
 
-def default_config(n: int, k: int, element_size: int, max_threads: int | None = None,
-                   rows: int = 1) -> LinearConfig:
+def default_config(n: int, k: int, element_size: int, max_threads: int | None = None, rows: int = 1,
+                   fused_norm: bool = False) -> LinearConfig:
     """Launch parameters for an (n, k) weight and a row tile of `rows` (`block_m`); max_threads: the most threads a
-    launch should take (`launch_thread_cap`), None for no cap.
+    launch should take (`launch_thread_cap`), None for no cap; fused_norm: the launch normalizes x first
+    (`add_rms_norm_linear`).
 
-    A one-row tile takes programs of two warps (`two_warp_config`) where their launch fits under the cap, and the
-    programs whose warps split K (`warp_split_config`) elsewhere (an lm_head). A tile of several rows takes the
-    latter with half the warps: every row of the tile adds BLOCK_N partial sums to the reduction across a program's
-    threads at the end; with half the threads, each taking twice the span of K, that reduction is half as wide.
+    A one-row tile takes `one_row_config`'s. A tile of several rows takes the programs whose warps split K
+    (`warp_split_config`) with half the warps: every row of the tile adds BLOCK_N partial sums to the reduction
+    across a program's threads at the end; with half the threads, each taking twice the span of K, that reduction is
+    half as wide.
     """
-    if rows == 1 and element_size == 1:
-        return fp8_one_row_config(k)
     if rows == 1:
-        two_warps = two_warp_config(n, k, element_size)
-        if max_threads is None or triton.cdiv(n, two_warps.block_n) * 32 * two_warps.num_warps <= max_threads:
-            return two_warps
+        return one_row_config(n, k, element_size, max_threads, fused_norm)
     config = warp_split_config(n, k, element_size, max_threads)
-    return config if rows == 1 else config._replace(num_warps=max(1, config.num_warps // 2))
+    return config._replace(num_warps=max(1, config.num_warps // 2))
+
+
+# A one-row launch with the norm fused in: weight rows per program, the widest K step (features) and the features
+# per warp, so that each thread requests two 16-byte vectors of each fp8 row and four of each 16-bit one.
+FUSED_NORM_ROWS = 8
+FUSED_NORM_MAX_BLOCK_K = 4096
+FUSED_NORM_FEATURES_PER_WARP = 1024
+
+
+def one_row_config(n: int, k: int, element_size: int, max_threads: int | None = None,
+                   fused_norm: bool = False) -> LinearConfig:
+    """The launch of a one-row GEMV (a decode step at batch 1), chosen on a decode step's chain of projections
+    (Llama-3.1-8B's and Qwen3-0.6B's, fp8 and bf16, in one CUDA graph; benchmarks/RESULTS.md, 2026-11-29b):
+
+    - With the norm fused in, every program first normalizes x itself, a pass over all of K, so fewer programs with
+      more weight rows pay for it less often: FUSED_NORM_ROWS rows, all of K in one step (up to
+      FUSED_NORM_MAX_BLOCK_K), which also keeps the normalized x in registers for the dot, and one warp per
+      FUSED_NORM_FEATURES_PER_WARP features, whatever the cap.
+    - fp8 weights otherwise: 2 rows, 2 KB steps, one warp.
+    - 16-bit weights otherwise: programs of two warps (`two_warp_config`) where their launch fits under the cap; where
+      it does not, programs of one warp with the same rows and half the K step (the same loads a thread) if those
+      fit, else the programs whose warps split K (`warp_split_config`; an lm_head).
+    """
+    if fused_norm:
+        block_k = min(triton.next_power_of_2(k), FUSED_NORM_MAX_BLOCK_K)
+        return LinearConfig(FUSED_NORM_ROWS, block_k, max(1, block_k // FUSED_NORM_FEATURES_PER_WARP))
+    if element_size == 1:
+        return LinearConfig(2, min(triton.next_power_of_2(k), 2048), 1)
+    two_warps = two_warp_config(n, k, element_size)
+    one_warp = LinearConfig(two_warps.block_n, max(1, two_warps.block_k // 2), 1)
+    for config in (two_warps, one_warp):
+        if max_threads is None or triton.cdiv(n, config.block_n) * 32 * config.num_warps <= max_threads:
+            return config
+    return warp_split_config(n, k, element_size, max_threads)
 
 
 TWO_WARP_LOADS = 16  # 16-byte weight loads per thread in a two-warp program
@@ -211,24 +242,16 @@ def two_warp_config(n: int, k: int, element_size: int) -> LinearConfig:
     """Programs of two warps, each thread requesting TWO_WARP_LOADS 16-byte vectors of weight before the PDL wait:
     the reduction across warps at the end is between two, and a launch takes fewer of the GPU's threads, so more of
     the next kernel's programs start early. Fewer loads a thread, more, or programs of one warp or four were
-    slower."""
+    slower (on Qwen3-0.6B's projections)."""
     vec = 16 // element_size  # elements per 16-byte load
     block_k = min(triton.next_power_of_2(k), 8192 // element_size)
     loads_per_row = max(1, block_k // (2 * 32 * vec))
     return LinearConfig(max(1, TWO_WARP_LOADS // loads_per_row), block_k, 2)
 
 
-def fp8_one_row_config(k: int) -> LinearConfig:
-    """One-row programs on one-byte (fp8) weights: 4 rows, 2 KB of each row per K step, two warps, whatever the
-    launch cap. Each thread requests eight 16-byte vectors a step, and their upcast to fp32 stays in registers.
-    Swept on Llama-3.1-8B's projections (benchmarks/RESULTS.md, 2026-11-27b), it was the fastest or near it on each,
-    ahead of two_warp_config's 4 KB steps and of the capped warp-split programs."""
-    return LinearConfig(4, min(triton.next_power_of_2(k), 2048), 2)
-
-
 def warp_split_config(n: int, k: int, element_size: int, max_threads: int | None) -> LinearConfig:
-    """Programs whose warps split K: default_config's for a one-row launch that two-warp programs would take past
-    the cap (an lm_head), and, with half the warps, for tiles of several rows.
+    """Programs whose warps split K: one_row_config's for a 16-bit one-row launch that programs of one or two warps
+    would take past the cap (an lm_head), and, with half the warps, default_config's for tiles of several rows.
 
     A decode GEMV is latency-bound: a 1024x1024 bf16 weight (2 MB) is about what an H100 keeps in flight at once, so
     every weight byte should be requested in the first round trip. ptxas issues a thread's loads all at once only
@@ -342,7 +365,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
             residual_out.copy_(x + residual)
         return out
     if config is None:
-        config = default_config(n, k, weight.element_size(), launch_thread_cap(x.device), block_m(num_rows))
+        config = default_config(n, k, weight.element_size(), launch_thread_cap(x.device), block_m(num_rows),
+                                fused_norm=x_op != PLAIN)
     block_n = max(2, config.block_n) if silu_and_mul else config.block_n  # a gate and an up row at least
     unused = weight  # a pointer the kernel never reads, for arguments that this X_OP does not take
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](

@@ -155,14 +155,36 @@ def test_gemv_leaves_tiles_that_would_spill_to_cublas() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
-def test_fp8_one_row_launches_take_four_rows_of_two_kb_steps_past_the_cap() -> None:
-    """The fastest one-row launch on Llama-3.1-8B's fp8 projections, also where the cap would split warps."""
+def test_one_row_launches_with_the_norm_fused_take_eight_rows_and_all_of_k() -> None:
+    """Every program normalizes x itself: 8 weight rows a program, K in one step up to 4,096 features, a warp per
+    1,024 of them, for fp8 and 16-bit weights alike and past the cap (Llama-3.1-8B's and Qwen3-0.6B's qkv and
+    gate/up; an 8B down_proj's width takes two steps)."""
     from batchgen.layers.linear_triton import LinearConfig, default_config
 
-    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
-        assert default_config(n, k, 1, H100_THREAD_CAP) == LinearConfig(4, 2048, 2)
-    assert default_config(1024, 1024, 1, H100_THREAD_CAP) == LinearConfig(4, 1024, 2)  # K fits in one step
-    assert default_config(6144, 4096, 2, H100_THREAD_CAP) != LinearConfig(4, 2048, 2)  # bf16 keeps its own
+    for element_size in (1, 2):
+        for n, k, expected in [(6144, 4096, LinearConfig(8, 4096, 4)), (28672, 4096, LinearConfig(8, 4096, 4)),
+                               (4096, 1024, LinearConfig(8, 1024, 1)), (6144, 1024, LinearConfig(8, 1024, 1)),
+                               (4096, 14336, LinearConfig(8, 4096, 4)), (64, 300, LinearConfig(8, 512, 1))]:
+            assert default_config(n, k, element_size, H100_THREAD_CAP, fused_norm=True) == expected
+        assert default_config(28672, 4096, element_size, H100_THREAD_CAP, rows=2, fused_norm=True) == (
+            default_config(28672, 4096, element_size, H100_THREAD_CAP, rows=2))  # several rows: as unfused
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
+def test_plain_one_row_launches_of_large_weights_take_one_warp_programs() -> None:
+    """fp8: 2 rows, 2 KB steps, one warp, whatever the shape. 16-bit: where two-warp programs pass the cap
+    (Llama-3.1-8B's o_proj and down_proj), one-warp programs of the same rows and half the K step, if they fit."""
+    from batchgen.layers.linear_triton import LinearConfig, default_config, two_warp_config
+
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 3072)]:
+        assert default_config(n, k, 1, H100_THREAD_CAP) == LinearConfig(2, 2048, 1)
+    assert default_config(1024, 1024, 1, H100_THREAD_CAP) == LinearConfig(2, 1024, 1)  # K fits in one step
+    for n, k in [(4096, 4096), (4096, 14336)]:
+        two_warps = two_warp_config(n, k, 2)
+        assert -(-n // two_warps.block_n) * 64 > H100_THREAD_CAP
+        config = default_config(n, k, 2, H100_THREAD_CAP)
+        assert config == LinearConfig(two_warps.block_n, two_warps.block_k // 2, 1) == LinearConfig(2, 2048, 1)
+        assert -(-n // config.block_n) * 32 <= H100_THREAD_CAP
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the row tile lives beside the Triton kernel")

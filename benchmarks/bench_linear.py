@@ -6,6 +6,9 @@ one CUDA graph holds --calls back-to-back calls, as a decode step's graph does, 
 the weight, so that (like many layers in a row) no call finds its weight in L2. Time per call = median over
 --replays replays (CUDA events) / calls. GB/s = (weight + x + output bytes) / time. The decode-step sum is the
 linears of one decode step at M=1. --sweep times alternatives to default_config's (BLOCK_N, BLOCK_K, num_warps).
+Each call is the plain projection: in a decode step the engine's qkv and gate/up launches also add the residual and
+normalize x first (`add_rms_norm_linear`), with other launch parameters at M=1 (`linear_triton.one_row_config`); a
+decode step's chain of both kinds is `bench_gemv_chain`.
 
 --dtype fp8: the weights are float8_e4m3fn with one scale per row, as model.quantization=fp8 loads them (the lm_head
 stays in bf16 there, so it is left out); x is bf16, M runs 1 to 256 by default. Three kernels side by side: the

@@ -64,6 +64,7 @@ step main_job 120 "$PY" -m benchmarks.main_job
 step profile_prefill_host 90 "$PY" -m benchmarks.profile_prefill_host
 step startup 90 "$PY" -m benchmarks.startup
 step bench_fused 60 "$PY" -m benchmarks.bench_fused
+step bench_gemv_chain 60 "$PY" -m benchmarks.bench_gemv_chain
 step bench_sampling 150 "$PY" -m benchmarks.bench_sampling
 # Whole jobs, one workload per step; each workload's own --timeout ends it 20 s before its step's cap, so that a slow
 # one is reported as failed in the JSON and the table instead of killed with them.
@@ -86,6 +87,7 @@ step nanovllm_bench_llama3_1_8b 300 "$PY" -m benchmarks.nanovllm_bench --model l
 step nanovllm_bench_llama3_1_8b_fp8_weights 300 "$PY" -m benchmarks.nanovllm_bench --model llama3_1_8b \
     --quantization fp8
 step bench_linear_llama3_1_8b_fp8_weights 150 "$PY" -m benchmarks.bench_linear --model llama3_1_8b --dtype fp8
+step bench_gemv_chain_llama3_1_8b_fp8_weights 90 "$PY" -m benchmarks.bench_gemv_chain --model llama3_1_8b --dtype fp8
 step profile_decode_llama3_1_8b_fp8_weights 150 "$PY" -m benchmarks.profile_decode --model llama3_1_8b \
     --quantization fp8 --batches 1 8
 step fp8_accuracy 240 "$PY" -m benchmarks.fp8_accuracy

@@ -210,8 +210,9 @@ FUSED_NORM_FEATURES_PER_WARP = 1024
 
 def one_row_config(n: int, k: int, element_size: int, max_threads: int | None = None,
                    fused_norm: bool = False) -> LinearConfig:
-    """The launch of a one-row GEMV (a decode step at batch 1), chosen on a decode step's chain of projections
-    (Llama-3.1-8B's and Qwen3-0.6B's, fp8 and bf16, in one CUDA graph; benchmarks/RESULTS.md, 2026-11-29b):
+    """The launch of a one-row GEMV (a decode step at batch 1), chosen on a decode step's chain of projections in one
+    CUDA graph (`benchmarks/bench_gemv_chain.py --sweep`; Llama-3.1-8B's and Qwen3-0.6B's, fp8 and bf16:
+    benchmarks/RESULTS.md, 2026-11-29, second session):
 
     - With the norm fused in, every program first normalizes x itself, a pass over all of K, so fewer programs with
       more weight rows pay for it less often: FUSED_NORM_ROWS rows, all of K in one step (up to

@@ -201,19 +201,25 @@ def default_config(n: int, k: int, element_size: int, max_threads: int | None = 
     return config._replace(num_warps=max(1, config.num_warps // 2))
 
 
-# A one-row launch with the norm fused in: weight rows per program, the widest K step (features) and the features
-# per warp, so that each thread requests two 16-byte vectors of each fp8 row and four of each 16-bit one.
+# A one-row launch with the norm fused in, on a large weight: weight rows per program, the widest K step (features)
+# and the features per warp, so that each thread requests two 16-byte vectors of each fp8 row and four of each 16-bit
+# one.
 FUSED_NORM_ROWS = 8
 FUSED_NORM_MAX_BLOCK_K = 4096
 FUSED_NORM_FEATURES_PER_WARP = 1024
+# From this weight size on a one-row launch takes the launches below for large weights. Qwen3-0.6B's projections (2 to
+# 12 MiB) ran their chain faster with them too, but its fp8 decode step 5% slower (benchmarks/RESULTS.md, 2026-11-29,
+# second session): they keep the two-warp programs.
+LARGE_WEIGHT_BYTES = 16 << 20
 
 
 def one_row_config(n: int, k: int, element_size: int, max_threads: int | None = None,
                    fused_norm: bool = False) -> LinearConfig:
     """The launch of a one-row GEMV (a decode step at batch 1), chosen on a decode step's chain of projections in one
-    CUDA graph (`benchmarks/bench_gemv_chain.py --sweep`; Llama-3.1-8B's and Qwen3-0.6B's, fp8 and bf16:
-    benchmarks/RESULTS.md, 2026-11-29, second session):
+    CUDA graph (`benchmarks/bench_gemv_chain.py --sweep`) and on the decode step (b1_latency) of Llama-3.1-8B's and
+    Qwen3-0.6B's shapes, fp8 and bf16 (benchmarks/RESULTS.md, 2026-11-29, second session).
 
+    A weight of LARGE_WEIGHT_BYTES or more:
     - With the norm fused in, every program first normalizes x itself, a pass over all of K, so fewer programs with
       more weight rows pay for it less often: FUSED_NORM_ROWS rows, all of K in one step (up to
       FUSED_NORM_MAX_BLOCK_K), which also keeps the normalized x in registers for the dot, and one warp per
@@ -222,15 +228,19 @@ def one_row_config(n: int, k: int, element_size: int, max_threads: int | None = 
     - 16-bit weights otherwise: programs of two warps (`two_warp_config`) where their launch fits under the cap; where
       it does not, programs of one warp with the same rows and half the K step (the same loads a thread) if those
       fit, else the programs whose warps split K (`warp_split_config`; an lm_head).
+    A smaller weight, fused norm or not: fp8 4 rows, 2 KB steps, two warps; 16-bit the two-warp programs where they fit
+    under the cap, else the warp-split ones.
     """
-    if fused_norm:
+    large = n * k * element_size >= LARGE_WEIGHT_BYTES
+    if fused_norm and large:
         block_k = min(triton.next_power_of_2(k), FUSED_NORM_MAX_BLOCK_K)
         return LinearConfig(FUSED_NORM_ROWS, block_k, max(1, block_k // FUSED_NORM_FEATURES_PER_WARP))
     if element_size == 1:
-        return LinearConfig(2, min(triton.next_power_of_2(k), 2048), 1)
+        rows, warps = (2, 1) if large else (4, 2)
+        return LinearConfig(rows, min(triton.next_power_of_2(k), 2048), warps)
     two_warps = two_warp_config(n, k, element_size)
     one_warp = LinearConfig(two_warps.block_n, max(1, two_warps.block_k // 2), 1)
-    for config in (two_warps, one_warp):
+    for config in (two_warps, one_warp) if large else (two_warps,):
         if max_threads is None or triton.cdiv(n, config.block_n) * 32 * config.num_warps <= max_threads:
             return config
     return warp_split_config(n, k, element_size, max_threads)

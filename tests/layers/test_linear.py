@@ -155,30 +155,36 @@ def test_gemv_leaves_tiles_that_would_spill_to_cublas() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
-def test_one_row_launches_with_the_norm_fused_take_eight_rows_and_all_of_k() -> None:
-    """Every program normalizes x itself: 8 weight rows a program, K in one step up to 4,096 features, a warp per
-    1,024 of them, for fp8 and 16-bit weights alike and past the cap (Llama-3.1-8B's and Qwen3-0.6B's qkv and
-    gate/up; an 8B down_proj's width takes two steps)."""
-    from batchgen.layers.linear_triton import LinearConfig, default_config
+def test_one_row_launches_with_the_norm_fused_take_eight_rows_and_all_of_k_on_large_weights() -> None:
+    """Every program normalizes x itself: on a weight of LARGE_WEIGHT_BYTES or more, 8 weight rows a program, K in one
+    step up to 4,096 features, a warp per 1,024 of them, for fp8 and 16-bit weights alike and past the cap
+    (Llama-3.1-8B's qkv and gate/up; a down_proj's width takes two steps). Smaller weights (Qwen3-0.6B's) and tiles of
+    several rows launch as without the norm."""
+    from batchgen.layers.linear_triton import LARGE_WEIGHT_BYTES, LinearConfig, default_config
 
     for element_size in (1, 2):
-        for n, k, expected in [(6144, 4096, LinearConfig(8, 4096, 4)), (28672, 4096, LinearConfig(8, 4096, 4)),
-                               (4096, 1024, LinearConfig(8, 1024, 1)), (6144, 1024, LinearConfig(8, 1024, 1)),
-                               (4096, 14336, LinearConfig(8, 4096, 4)), (64, 300, LinearConfig(8, 512, 1))]:
-            assert default_config(n, k, element_size, H100_THREAD_CAP, fused_norm=True) == expected
+        for n, k in [(6144, 4096), (28672, 4096), (4096, 14336)]:
+            assert n * k * element_size >= LARGE_WEIGHT_BYTES
+            assert default_config(n, k, element_size, H100_THREAD_CAP, fused_norm=True) == LinearConfig(8, 4096, 4)
+        for n, k in [(4096, 1024), (6144, 1024), (64, 300)]:
+            assert n * k * element_size < LARGE_WEIGHT_BYTES
+            assert default_config(n, k, element_size, H100_THREAD_CAP, fused_norm=True) == (
+                default_config(n, k, element_size, H100_THREAD_CAP))
         assert default_config(28672, 4096, element_size, H100_THREAD_CAP, rows=2, fused_norm=True) == (
-            default_config(28672, 4096, element_size, H100_THREAD_CAP, rows=2))  # several rows: as unfused
+            default_config(28672, 4096, element_size, H100_THREAD_CAP, rows=2))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
 def test_plain_one_row_launches_of_large_weights_take_one_warp_programs() -> None:
-    """fp8: 2 rows, 2 KB steps, one warp, whatever the shape. 16-bit: where two-warp programs pass the cap
-    (Llama-3.1-8B's o_proj and down_proj), one-warp programs of the same rows and half the K step, if they fit."""
+    """fp8: 2 rows, 2 KB steps, one warp on a large weight, 4 rows and two warps on a smaller one. 16-bit: where
+    two-warp programs pass the cap on a large weight (Llama-3.1-8B's o_proj and down_proj), one-warp programs of the
+    same rows and half the K step, if they fit."""
     from batchgen.layers.linear_triton import LinearConfig, default_config, two_warp_config
 
-    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 3072)]:
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         assert default_config(n, k, 1, H100_THREAD_CAP) == LinearConfig(2, 2048, 1)
-    assert default_config(1024, 1024, 1, H100_THREAD_CAP) == LinearConfig(2, 1024, 1)  # K fits in one step
+    for n, k in [(1024, 3072), (4096, 1024)]:  # Qwen3-0.6B's down_proj and qkv_proj
+        assert default_config(n, k, 1, H100_THREAD_CAP) == LinearConfig(4, min(2048, k), 2)
     for n, k in [(4096, 4096), (4096, 14336)]:
         two_warps = two_warp_config(n, k, 2)
         assert -(-n // two_warps.block_n) * 64 > H100_THREAD_CAP

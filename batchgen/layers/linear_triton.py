@@ -207,9 +207,9 @@ def default_config(n: int, k: int, element_size: int, max_threads: int | None = 
 FUSED_NORM_ROWS = 8
 FUSED_NORM_MAX_BLOCK_K = 4096
 FUSED_NORM_FEATURES_PER_WARP = 1024
-# From this weight size on a one-row launch takes the launches below for large weights. Qwen3-0.6B's projections (2 to
-# 12 MiB) ran their chain faster with them too, but its fp8 decode step 5% slower (benchmarks/RESULTS.md, 2026-11-29,
-# second session): they keep the two-warp programs.
+# The weight size from which one_row_config gives the launches for large weights. Qwen3-0.6B's projections (2 to 12
+# MiB) ran their chain faster with those too, but its fp8 decode step 5% slower (benchmarks/RESULTS.md, 2026-11-29,
+# second session), so smaller weights keep the two-warp programs.
 LARGE_WEIGHT_BYTES = 16 << 20
 
 

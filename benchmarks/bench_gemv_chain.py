@@ -27,9 +27,8 @@ from typing import Any
 import torch
 import triton
 
-from batchgen.layers.fp8 import quantize_per_channel
 from batchgen.layers.linear_triton import LinearConfig, add_rms_norm_linear, small_m_linear
-from benchmarks.bench_linear import FP8, decoder_linears, graph_ms_per_call
+from benchmarks.bench_linear import FP8, decoder_linears, graph_ms_per_call, random_weight, x_dtype
 from benchmarks.common import QWEN3, add_out_argument, copy_bandwidth_gbs, environment, markdown_table, save_json
 
 EPS = 1e-6
@@ -39,19 +38,11 @@ Configs = dict[str, LinearConfig | None]  # by projection; None: the engine's la
 
 
 def build_layers(shapes: dict[str, tuple[int, int, int]], dtype: str) -> list[dict[str, Any]]:
-    """Each layer's weights, (values, per-row scales or None), and its two norm weights."""
-    layers = []
-    for _ in range(shapes["qkv_proj"][2]):
-        layer: dict[str, Any] = {}
-        for name in PROJECTIONS:
-            n, k, _ = shapes[name]
-            weight = torch.randn(n, k, device="cuda").mul_(k**-0.5)
-            layer[name] = quantize_per_channel(weight) if dtype == FP8 else (weight.to(getattr(torch, dtype)), None)
-        hidden = shapes["qkv_proj"][1]
-        layer["norms"] = [torch.rand(hidden, device="cuda", dtype=torch.bfloat16 if dtype == FP8 else
-                                     getattr(torch, dtype)) + 0.5 for _ in range(2)]
-        layers.append(layer)
-    return layers
+    """Each layer's weights (bench_linear's Weight: values, per-row scales or None) and its two norm weights."""
+    hidden = shapes["qkv_proj"][1]
+    return [{**{name: random_weight(*shapes[name][:2], dtype) for name in PROJECTIONS},
+             "norms": [torch.rand(hidden, device="cuda", dtype=x_dtype(dtype)) + 0.5 for _ in range(2)]}
+            for _ in range(shapes["qkv_proj"][2])]
 
 
 def project(name: str, layer: dict[str, Any], x: torch.Tensor, residual: torch.Tensor,
@@ -72,7 +63,7 @@ def graph_us(fn: Callable[[], Any], replays: int) -> float:
 
 def chain_us(layers: list[dict[str, Any]], lm_head: torch.Tensor, configs: Configs, replays: int) -> float:
     hidden = layers[0]["norms"][0].shape[0]
-    o_inputs = layers[0]["o_proj"][0].shape[1]
+    o_inputs = layers[0]["o_proj"].values.shape[1]
     dtype = lm_head.dtype
     x0, residual0 = (torch.randn(1, hidden, device="cuda", dtype=dtype) for _ in range(2))
 
@@ -90,7 +81,7 @@ def chain_us(layers: list[dict[str, Any]], lm_head: torch.Tensor, configs: Confi
 
 def projection_us(layers: list[dict[str, Any]], name: str, config: LinearConfig | None, replays: int) -> float:
     """Microseconds a call of one projection, in a graph of its calls over every layer."""
-    k = layers[0][name][0].shape[1]
+    k = layers[0][name].values.shape[1]
     dtype = layers[0]["norms"][0].dtype
     x, residual = (torch.randn(1, k, device="cuda", dtype=dtype) for _ in range(2))
     return graph_us(lambda: [project(name, layer, x, residual, config) for layer in layers], replays) / len(layers)
@@ -126,10 +117,9 @@ def main() -> None:
     shapes = decoder_linears(args.model)
     layers = build_layers(shapes, args.dtype)
     n_lm, k_lm, _ = shapes["lm_head"]
-    lm_head = torch.randn(n_lm, k_lm, device="cuda").mul_(k_lm**-0.5).to(layers[0]["norms"][0].dtype)
+    lm_head = torch.randn(n_lm, k_lm, device="cuda").mul_(k_lm**-0.5).to(x_dtype(args.dtype))  # never fp8
     bandwidth = copy_bandwidth_gbs()
-    weight_bytes = sum(t.numel() * t.element_size() for layer in layers for name in PROJECTIONS
-                       for t in layer[name][:1]) + lm_head.numel() * lm_head.element_size()
+    weight_bytes = sum(layer[name].values.nbytes for layer in layers for name in PROJECTIONS) + lm_head.nbytes
     result: dict[str, Any] = {
         "environment": environment(), "model": args.model, "dtype": args.dtype, "copy_bandwidth_gbs": bandwidth,
         "weight_bytes": weight_bytes, "floor_us": weight_bytes / bandwidth / 1e3,
@@ -137,7 +127,7 @@ def main() -> None:
     }
     for name in PROJECTIONS:
         n, k, _ = shapes[name]
-        element_size = layers[0][name][0].element_size()
+        element_size = layers[0][name].values.element_size()
         candidates: list[LinearConfig | None] = [None, *(sweep_configs(k, element_size) if args.sweep else [])]
         for config in candidates:
             us = projection_us(layers, name, config, args.replays)

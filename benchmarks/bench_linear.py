@@ -108,16 +108,17 @@ class Weight(NamedTuple):
     scale: torch.Tensor | None  # (N,) float32 for an fp8 weight
 
 
+def random_weight(n: int, k: int, dtype: str) -> Weight:
+    """An (n, k) weight scaled like a trained layer's, in `dtype` (FP8: with its per-row scales)."""
+    weight = torch.randn(n, k, device="cuda").mul_(k**-0.5)
+    return Weight(*quantize_per_channel(weight)) if dtype == FP8 else Weight(weight.to(getattr(torch, dtype)), None)
+
+
 def weight_copies(n: int, k: int, dtype: str, rotate_bytes: int) -> list[Weight]:
     """Enough (n, k) weights (at least 2) to add up to rotate_bytes: cycling through them keeps each out of L2."""
     element_size = 1 if dtype == FP8 else getattr(torch, dtype).itemsize
     count = max(2, -(-rotate_bytes // (n * k * element_size)))
-    copies = []
-    for _ in range(count):
-        weight = torch.randn(n, k, device="cuda").mul_(k**-0.5)
-        copies.append(Weight(*quantize_per_channel(weight)) if dtype == FP8
-                      else Weight(weight.to(getattr(torch, dtype)), None))
-    return copies
+    return [random_weight(n, k, dtype) for _ in range(count)]
 
 
 def x_dtype(dtype: str) -> torch.dtype:

@@ -1,5 +1,5 @@
-"""Prefill attention, the Triton paged kernel vs torch's SDPA (flash / memory-efficient) on the same queries, keys
-and values laid out contiguously (CUDA only).
+"""Prefill attention, the Triton paged kernel vs torch's SDPA (flash / memory-efficient, and cuDNN's) on the same
+queries, keys and values laid out contiguously (CUDA only).
 
 Run from the repo root: python -m benchmarks.bench_prefill_attention [--sweep] [--kv-cache-dtype fp8]
                                                                      [--models ...] [--cases ...] [--baseline TREE]
@@ -11,6 +11,9 @@ end of an 8,000-token context). The reference gets the cache's K/V gathered per 
 query head (bf16; an fp8 cache's values exactly), causal from the bottom right, and must agree within bf16 tolerance.
 TFLOP/s counts the causal FLOPs: 4 * head_dim * query heads * the keys each query sees, summed. Times are
 triton.testing.do_bench medians (L2 flushed before every call).
+cuDNN's kernel (SDPA's CUDNN_ATTENTION, where this torch and GPU have it) is timed beside, on the same contiguous
+layout: the best dense prefill attention at hand, so its column shows what the paged kernel leaves. It runs the
+cases whose queries cover the whole context (its causal mask is aligned top left); the others show none.
 --baseline TREE times TREE's batchgen/layers/attention_triton.py (another checkout: `git archive <commit> | tar -x -C
 TREE`) on the same inputs, beside this tree's.
 --sweep times every launch configuration (block_m 64/128, block_n 32/64/128, warps 4/8, stages 2/3/4) on each
@@ -159,6 +162,26 @@ def sdpa_fn(inputs: PrefillInputs) -> Callable[[], torch.Tensor]:
     return run
 
 
+def cudnn_fn(inputs: PrefillInputs) -> Callable[[], torch.Tensor] | None:
+    """cuDNN's SDPA on the contiguous layout, or None where it cannot run the case (queries after a cached context,
+    or no cuDNN attention in this torch or on this GPU)."""
+    case = inputs.case
+    if case.query_len != case.context_len:
+        return None
+    q, k, v = inputs.contiguous()
+
+    def run() -> torch.Tensor:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return scaled_dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
+
+    try:
+        run()
+    except RuntimeError as error:  # SDPA finds no kernel it may use
+        print(f"no cuDNN attention for {case.name}: {str(error).splitlines()[0]}", file=sys.stderr)
+        return None
+    return run
+
+
 def tflops(shape: HeadShape, case: Case, ms: float) -> float:
     return 4 * shape.head_dim * shape.num_heads * case.causal_keys / (ms * 1e-3) / 1e12
 
@@ -194,14 +217,20 @@ def compare(shapes: list[HeadShape], cases: list[Case], cache_dtype: torch.dtype
         row = {"model": shape.model, "case": case.name, "seqs": case.num_seqs, "queries": case.query_len,
                "context": case.context_len, "config": asdict(config), "triton_ms": triton_ms, "sdpa_ms": sdpa_ms,
                "triton_tflops": tflops(shape, case, triton_ms), "sdpa_tflops": tflops(shape, case, sdpa_ms),
-               "sdpa_over_triton": sdpa_ms / triton_ms, "baseline_ms": None}
+               "sdpa_over_triton": sdpa_ms / triton_ms, "cudnn_ms": None, "cudnn_over_triton": None,
+               "baseline_ms": None}
+        cudnn = cudnn_fn(inputs)
+        if cudnn is not None:
+            assert_matches(ours(), cudnn())
+            row["cudnn_ms"] = median_ms(cudnn)
+            row["cudnn_over_triton"] = row["cudnn_ms"] / triton_ms
         if baseline is not None:
             before = inputs.triton_fn(kernels=baseline)
             assert_matches(before(), reference())
             row["baseline_ms"] = median_ms(before)
         rows.append(row)
         print(f"{shape.model} {case.name}: triton {triton_ms:.3f} ms, sdpa {sdpa_ms:.3f} ms", file=sys.stderr)
-        del inputs, ours, reference
+        del inputs, ours, reference, cudnn
         torch.cuda.empty_cache()
     return rows
 
@@ -300,10 +329,10 @@ def main() -> None:
                "baseline": str(args.baseline) if args.baseline else None, "rows": rows})
     table = markdown_table(
         ["model", "case", "seqs x queries / context", "config", "triton ms", "sdpa ms", "triton TFLOP/s",
-         "sdpa TFLOP/s", "sdpa / triton", "baseline ms"],
+         "sdpa TFLOP/s", "sdpa / triton", "cudnn ms", "cudnn / triton", "baseline ms"],
         [[r["model"], r["case"], f"{r['seqs']} x {r['queries']} / {r['context']}", config_label(r["config"]),
           r["triton_ms"], r["sdpa_ms"], r["triton_tflops"], r["sdpa_tflops"], r["sdpa_over_triton"],
-          r["baseline_ms"]] for r in rows])
+          r["cudnn_ms"], r["cudnn_over_triton"], r["baseline_ms"]] for r in rows])
     print(f"\n## bench_prefill_attention {title}\n\n{table}")
 
 

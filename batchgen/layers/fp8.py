@@ -195,9 +195,10 @@ class Fp8Linear(nn.Module):
             return Fp8Kernel.SCALED_MM
         return fp8_kernel(x.shape[0])
 
-    def runs_triton(self, x: torch.Tensor) -> bool:
+    def runs_triton(self, x: torch.Tensor, fused_norm: bool = False) -> bool:
         """Whether a (rows, features) input x goes through the Triton GEMV (which the norm and SiLU fusions of
-        layers/fused.py need)."""
+        layers/fused.py need). fused_norm, as Linear.runs_triton's, changes nothing here: fp8_kernel decides by the
+        rows alone."""
         return self.kernel_for(x) is Fp8Kernel.GEMV
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)

@@ -24,7 +24,7 @@ def norm_then_linear(norm: RMSNorm, linear: Linear | Fp8Linear, hidden: torch.Te
                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(hidden + residual)), hidden + residual); without a residual (the first layer):
     (linear(norm(hidden)), hidden)."""
-    if FUSE_ADD_RMS_NORM and linear.runs_triton(hidden):
+    if FUSE_ADD_RMS_NORM and linear.runs_triton(hidden, fused_norm=True):
         return linear.add_rms_norm_forward(hidden, residual, norm.weight, norm.eps, gemma_style=norm.gemma_style)
     if residual is None:
         return linear(norm(hidden)), hidden
@@ -36,7 +36,7 @@ def norm_then_gate_up(norm: RMSNorm, gate_up: Linear | Fp8Linear, act: SiluAndMu
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(act(gate_up(norm(hidden + residual))), hidden + residual) for act = silu(gate) * up: the whole of it one
     GEMV launch where that runs."""
-    if FUSE_SILU_AND_MUL and FUSE_ADD_RMS_NORM and gate_up.runs_triton(hidden):
+    if FUSE_SILU_AND_MUL and FUSE_ADD_RMS_NORM and gate_up.runs_triton(hidden, fused_norm=True):
         return gate_up.add_rms_norm_forward(hidden, residual, norm.weight, norm.eps, silu_and_mul=True,
                                             gemma_style=norm.gemma_style)
     projected, residual = norm_then_linear(norm, gate_up, hidden, residual)

@@ -32,12 +32,14 @@ class Linear(nn.Linear):
 
         self._kernels, self._kernel_device_type = linear_triton, device_type
 
-    def runs_triton(self, x: torch.Tensor) -> bool:
-        """Whether a (rows, features) input x goes through the Triton GEMV."""
+    def runs_triton(self, x: torch.Tensor, fused_norm: bool = False) -> bool:
+        """Whether a (rows, features) input x goes through the Triton GEMV; fused_norm: with the norm before it fused
+        in (add_rms_norm_forward)."""
         return (self._kernels is not None and x.device.type == self._kernel_device_type and x.dim() == 2
                 and x.shape[0] > 0
                 and self._kernels.beats_cublas(x.shape[0], self.out_features, self.in_features,
-                                               self.weight.element_size(), self._kernels.launch_thread_cap(x.device)))
+                                               self.weight.element_size(), self._kernels.launch_thread_cap(x.device),
+                                               fused_norm))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         return self.project(x, self.bias)

@@ -36,13 +36,29 @@ def block_m(m: int) -> int:
     return triton.next_power_of_2(m)
 
 
-def beats_cublas(m: int, n: int, k: int, element_size: int, max_threads: int | None = None) -> bool:
+def beats_cublas(m: int, n: int, k: int, element_size: int, max_threads: int | None = None,
+                 fused_norm: bool = False) -> bool:
     """Whether an m-row launch on an (n, k) weight should take this kernel rather than cuBLAS: for weights that are
-    not tiny, at M = 1 always, else if the launch's row tile times N is small and its tile fits (`tile_fits`).
-    max_threads: as default_config's."""
+    not tiny, at M = 1 always, else if the launch's row tile times N is small and its tile fits (`tile_fits`), and,
+    with the norm fused in (`add_rms_norm_linear`; else the norm runs as its own kernel before cuBLAS), if its
+    programs pay little for normalizing x (`norm_pass_is_cheap`). max_threads: as default_config's."""
     if n * k * element_size < MIN_WEIGHT_BYTES or m > MAX_M:
         return False
-    return m == 1 or (block_m(m) * n <= MAX_OUTPUTS and tile_fits(m, n, k, element_size, max_threads))
+    if m == 1:
+        return True
+    if block_m(m) * n > MAX_OUTPUTS or not tile_fits(m, n, k, element_size, max_threads):
+        return False
+    return not fused_norm or norm_pass_is_cheap(m, n, k, element_size, max_threads)
+
+
+def norm_pass_is_cheap(m: int, n: int, k: int, element_size: int, max_threads: int | None = None) -> bool:
+    """Whether an m-row launch with the norm fused in has at least twice as many weight rows a program as rows of x.
+    Every program normalizes the tile's rows itself, a pass over all of K, so its norm work against its weight reads
+    grows with rows of x per weight row: Llama-3.1-8B's qkv at 4 rows (2 weight rows a program) ran slower than the
+    separate norm and cuBLAS, Qwen3-0.6B's (8 weight rows a program) faster (benchmarks/RESULTS.md, 2026-11-29,
+    third session)."""
+    config = default_config(n, k, element_size, max_threads, block_m(m), fused_norm=True)
+    return config.block_n >= 2 * block_m(m)
 
 
 # The most products (row tile x BLOCK_N x BLOCK_K, fp32) that one thread of a multi-row launch holds in a K step.

@@ -154,6 +154,22 @@ def test_gemv_leaves_tiles_that_would_spill_to_cublas() -> None:
     assert not tile_fits(8, 4096, 14336, 1, H100_THREAD_CAP)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="the dispatch rule lives beside the Triton kernel")
+def test_several_row_launches_fuse_the_norm_only_where_programs_hold_twice_the_rows_of_x() -> None:
+    """Each program normalizes the tile's rows itself: Llama-3.1-8B's qkv (2 weight rows a program) leaves the norm to
+    its own kernel and the projection to cuBLAS from 2 rows on, Qwen3-0.6B's (8 a program) fuses it up to 4 rows."""
+    from batchgen.layers.linear_triton import beats_cublas, block_m, default_config
+
+    bf16 = 2
+    for m in (2, 3, 4):
+        assert beats_cublas(m, 6144, 4096, bf16, H100_THREAD_CAP)  # the plain projection keeps the kernel
+        assert not beats_cublas(m, 6144, 4096, bf16, H100_THREAD_CAP, fused_norm=True)
+        for n in (4096, 6144):  # Qwen3-0.6B's qkv and gate/up
+            assert beats_cublas(m, n, 1024, bf16, H100_THREAD_CAP, fused_norm=True)
+            assert default_config(n, 1024, bf16, H100_THREAD_CAP, block_m(m), fused_norm=True).block_n >= 2 * block_m(m)
+    assert beats_cublas(1, 6144, 4096, bf16, H100_THREAD_CAP, fused_norm=True)  # one row: its own launches
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
 def test_one_row_launches_with_the_norm_fused_take_eight_rows_and_all_of_k_on_large_weights() -> None:
     """Every program normalizes x itself: on a weight of LARGE_WEIGHT_BYTES or more, 8 weight rows a program, K in one

@@ -107,7 +107,6 @@ class Job:
         # Input problems surface here, before the model loads.
         self.openai_results = openai_results_wanted(config)
         self.work, rows = open_input(config)
-        self.detokenizer = self.work.detokenizer
         with rare_collections():  # a row is several objects: the default thresholds would go over the rows many times
             self.rows = self._read_shard(rows, given_split)
         self.read_seconds = time.perf_counter() - read_start
@@ -207,7 +206,8 @@ class Job:
 
                 profiler = StepProfiler(self.config.job.profile_steps, resolve_device(self.config.engine.device))
             demand = self._kv_demand(rows_to_run)
-            engine = LLMEngine(self.config.model, self.config.engine, self.detokenizer, demand, profiler, self.task)
+            engine = LLMEngine(self.config.model, self.config.engine, self.work.detokenizer, demand, profiler,
+                               self.task)
             demand.rows  # noqa: B018 (the rows' token ids are set: an engine that sized its cache otherwise never waited)
             clock = self._lap("engine_start_seconds", clock)
             self.stats.engine_ready_at = time.time()

@@ -136,14 +136,15 @@ def decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     grouped_q = q.view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, 1, KVH, G, D)
-    halves = _eager_fused(q, softcap) and _halves_by_context(seq_lens, k_cache.shape[1], block_tables.shape[1])
+    fused = _eager_fused(q, softcap)
+    halves = fused and _halves_by_context(seq_lens, k_cache.shape[1], block_tables.shape[1])
     if not halves:
-        out = _decode_rows(grouped_q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
+        out = _decode_rows(grouped_q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, fused)
     else:
         out = torch.empty(grouped_q.shape, dtype=torch.float32, device=q.device)
         for rows, width in halves:
             out[rows] = _decode_rows(grouped_q[rows], k_cache, v_cache, block_tables[rows, :width], seq_lens[rows],
-                                     scale, sliding_window, softcap)
+                                     scale, sliding_window, softcap, fused)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
@@ -171,6 +172,7 @@ def _decode_rows(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    fused: bool,  # _eager_fused's answer for the step
 ) -> torch.Tensor:  # (B, 1, KVH, G, D) float32
     """decode_attention over these rows, their K and V gathered up to the table's width."""
     num_seqs, _, num_kv_heads, _, head_dim = grouped_q.shape
@@ -182,7 +184,7 @@ def _decode_rows(
         allowed &= positions[None, :] >= seq_lens[:, None] - sliding_window
     allowed = allowed[:, None, :]  # (B, 1, M * BS)
     gathered = (num_seqs, max_positions, num_kv_heads, head_dim)
-    if _eager_fused(grouped_q, softcap):
+    if fused:
         slots = _written_slots(block_tables, seq_lens, positions, block_size).view(-1)
         k, v = (cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(gathered)
                 for cache in (k_cache, v_cache))

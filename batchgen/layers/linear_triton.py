@@ -51,6 +51,7 @@ def beats_cublas(m: int, n: int, k: int, element_size: int, max_threads: int | N
     return not fused_norm or norm_pass_is_cheap(m, n, k, element_size, max_threads)
 
 
+@functools.cache
 def norm_pass_is_cheap(m: int, n: int, k: int, element_size: int, max_threads: int | None = None) -> bool:
     """Whether an m-row launch with the norm fused in has at least twice as many weight rows a program as rows of x.
     Every program normalizes the tile's rows itself, a pass over all of K, so its norm work against its weight reads

@@ -80,7 +80,8 @@ def test_a_job_keeps_only_its_shard_of_the_rows(tmp_path, shard_by):
     indices = [[row.index for row in job.rows] for job in jobs]
     assert sorted(indices[0] + indices[1]) == list(range(30)) and all(job.num_input_rows == 30 for job in jobs)
     assert jobs[0].split_digest == jobs[1].split_digest
-    works = [sum(len(job.detokenizer.encode(row.prompt)) + max_tokens[row.index] for row in job.rows) for job in jobs]
+    works = [sum(len(job.work.detokenizer.encode(row.prompt)) + max_tokens[row.index] for row in job.rows)
+             for job in jobs]
     if shard_by == "index":
         assert indices[0] == list(range(0, 30, 2)) and works[0] > 5 * works[1]
     else:
@@ -103,7 +104,7 @@ def test_the_work_split_weighs_rows_a_tokenizer_batch_at_a_time_as_one_at_a_time
     jobs = [job_run.Job(composed("job=shakespeare", f"data.path={prompts}", "data.num_shards=3",
                                  f"data.shard_index={i}", "data.on_error=skip", "engine.device=cpu"),
                         tmp_path / str(i)) for i in range(3)]
-    encode = jobs[0].detokenizer.encode
+    encode = jobs[0].work.detokenizer.encode
     works = [0 if index in (5, 9) else len(encode(line["prompt"])) + line["max_tokens"]
              for index, line in enumerate(lines)]
     expected, digest = assignment(3, "work", works)

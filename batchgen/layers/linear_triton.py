@@ -113,14 +113,15 @@ def _small_m_linear_kernel(
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     # Both operands load as 3-D tiles, (1, BLOCK_N, BLOCK_K) and (BLOCK_M, 1, BLOCK_K): while BLOCK_K spans every
-    # lane and warp (16 bytes each), both get the same layout, so their product needs no layout conversion through
-    # shared memory, and a single reduction (one cross-warp exchange) covers every (m, n).
+    # lane and warp, each lane holding the same features of both (`_load_weight`), they get the same layout, so their
+    # product needs no layout conversion between lanes, and a single reduction (one cross-warp exchange) covers every
+    # (m, n).
     w_rows = w_ptr + rows[None, :, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None, None] * stride_xm
     # The first weight chunk is requested before anything else: the norm's pass over x runs while it is in flight,
     # and with PDL so does the end of the kernel that writes x. So is the norm's weight: loaded after the wait, it
     # came only after the pass over x (its reduction's barrier), one more round trip on every fused launch.
-    w_first = _load_weight(w_rows, stride_wk, 0, K, BLOCK_K)
+    w_first = _load_weight(w_rows, stride_wk, 0, K, BLOCK_K, x_ptr)
     if X_OP != PLAIN:
         norm_w_first = _load_norm_weight(norm_w_ptr, 0, K, BLOCK_K)
     wait_for_previous(PDL)
@@ -145,7 +146,7 @@ def _small_m_linear_kernel(
         if k0 == 0:
             w = w_first
         else:
-            w = _load_weight(w_rows, stride_wk, k0, K, BLOCK_K)  # (1, BLOCK_N, BLOCK_K)
+            w = _load_weight(w_rows, stride_wk, k0, K, BLOCK_K, x_ptr)  # (1, BLOCK_N, BLOCK_K)
         mask = (offs_m[:, None, None] < M) & (offs_k < K)
         dtype = x_ptr.dtype.element_ty
         # Each step rounds to x's dtype where the unfused torch ops do, so both paths feed the dot the same values.
@@ -176,8 +177,16 @@ def _small_m_linear_kernel(
 
 
 @triton.jit
-def _load_weight(w_rows, stride_wk, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_k = k0 + tl.arange(0, BLOCK_K)[None, None, :]
+def _load_weight(w_rows, stride_wk, k0: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, x_ptr):
+    """Features k0 .. k0 + BLOCK_K of the program's weight rows, loaded as many a lane as a 16-byte load of x holds.
+    Left to itself the compiler loads 16 bytes a lane of each: 16 features of an fp8 weight against 8 of a 16-bit x,
+    and it then moved every weight byte between lanes to x's layout. Offsets written as k // lane * lane + k % lane are
+    the same offsets, contiguous only lane by lane as far as the compiler can tell, so it loads that many."""
+    lane: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
+    k = tl.arange(0, BLOCK_K)
+    if w_rows.dtype.element_ty.primitive_bitwidth * lane < 128:
+        k = k // lane * lane + k % lane
+    offs_k = k0 + k[None, None, :]
     if k0 + BLOCK_K <= K:
         w = tl.load(w_rows + offs_k * stride_wk, eviction_policy="evict_first")
     else:

@@ -216,12 +216,15 @@ def default_config(n: int, k: int, element_size: int, max_threads: int | None = 
     launch should take (`launch_thread_cap`), None for no cap; fused_norm: the launch normalizes x first
     (`add_rms_norm_linear`).
 
-    A one-row tile takes `one_row_config`'s. A tile of several rows takes the programs whose warps split K
+    A one-row tile takes `one_row_config`'s, and so does a two-row tile of a weight of LARGE_WEIGHT_BYTES or more
+    without the norm fused in: under the launch cap the warp-split programs hold 16 of its rows, a tile that ran
+    Llama-3.1-8B's down projection at 1.4x cuBLAS's time, the one-row programs at 0.95x (benchmarks/RESULTS.md,
+    2026-11-29, fourth session). Other tiles of several rows take the programs whose warps split K
     (`warp_split_config`) with half the warps: every row of the tile adds BLOCK_N partial sums to the reduction
     across a program's threads at the end; with half the threads, each taking twice the span of K, that reduction is
     half as wide.
     """
-    if rows == 1:
+    if rows == 1 or (rows == 2 and not fused_norm and n * k * element_size >= LARGE_WEIGHT_BYTES):
         return one_row_config(n, k, element_size, max_threads, fused_norm)
     config = warp_split_config(n, k, element_size, max_threads)
     return config._replace(num_warps=max(1, config.num_warps // 2))

@@ -174,8 +174,9 @@ def test_several_row_launches_fuse_the_norm_only_where_programs_hold_twice_the_r
 def test_one_row_launches_with_the_norm_fused_take_eight_rows_and_all_of_k_on_large_weights() -> None:
     """Every program normalizes x itself: on a weight of LARGE_WEIGHT_BYTES or more, 8 weight rows a program, K in one
     step up to 4,096 features, a warp per 1,024 of them, for fp8 and 16-bit weights alike and past the cap
-    (Llama-3.1-8B's qkv and gate/up; a down_proj's width takes two steps). Smaller weights (Qwen3-0.6B's) and tiles of
-    several rows launch as without the norm."""
+    (Llama-3.1-8B's qkv and gate/up; a down_proj's width takes two steps). Smaller weights (Qwen3-0.6B's) launch as
+    without the norm, and so do tiles of four rows or more (two rows of a large weight launch differently without the
+    norm: the test below)."""
     from batchgen.layers.linear_triton import LARGE_WEIGHT_BYTES, LinearConfig, default_config
 
     for element_size in (1, 2):
@@ -186,8 +187,8 @@ def test_one_row_launches_with_the_norm_fused_take_eight_rows_and_all_of_k_on_la
             assert n * k * element_size < LARGE_WEIGHT_BYTES
             assert default_config(n, k, element_size, H100_THREAD_CAP, fused_norm=True) == (
                 default_config(n, k, element_size, H100_THREAD_CAP))
-        assert default_config(28672, 4096, element_size, H100_THREAD_CAP, rows=2, fused_norm=True) == (
-            default_config(28672, 4096, element_size, H100_THREAD_CAP, rows=2))
+        assert default_config(28672, 4096, element_size, H100_THREAD_CAP, rows=4, fused_norm=True) == (
+            default_config(28672, 4096, element_size, H100_THREAD_CAP, rows=4))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
@@ -207,6 +208,30 @@ def test_plain_one_row_launches_of_large_weights_take_one_warp_programs() -> Non
         config = default_config(n, k, 2, H100_THREAD_CAP)
         assert config == LinearConfig(two_warps.block_n, two_warps.block_k // 2, 1) == LinearConfig(2, 2048, 1)
         assert -(-n // config.block_n) * 32 <= H100_THREAD_CAP
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the launch configuration lives beside the Triton kernel")
+def test_two_rows_of_a_large_plain_weight_take_the_one_row_launch() -> None:
+    """Llama-3.1-8B's o_proj and down_proj: at 2 rows the one-row programs (fp8 and bf16), which fit and beat cuBLAS;
+    at 4 rows the warp-split tile, which does not fit, so cuBLAS; a small weight or a fused norm keeps the warp-split
+    tile at 2 rows."""
+    from batchgen.layers.linear_triton import LARGE_WEIGHT_BYTES, beats_cublas, default_config, warp_split_config
+
+    for element_size in (1, 2):
+        for n, k in [(4096, 4096), (4096, 14336)]:
+            assert n * k * element_size >= LARGE_WEIGHT_BYTES
+            one_row = default_config(n, k, element_size, H100_THREAD_CAP)
+            assert default_config(n, k, element_size, H100_THREAD_CAP, rows=2) == one_row
+            assert beats_cublas(2, n, k, element_size, H100_THREAD_CAP)
+            split = warp_split_config(n, k, element_size, H100_THREAD_CAP)
+            assert default_config(n, k, element_size, H100_THREAD_CAP, rows=4) == split._replace(
+                num_warps=split.num_warps // 2)
+    assert not beats_cublas(4, 4096, 14336, 2, H100_THREAD_CAP)
+    split = warp_split_config(1024, 3072, 2, H100_THREAD_CAP)  # Qwen3-0.6B's down_proj: 6 MiB
+    assert default_config(1024, 3072, 2, H100_THREAD_CAP, rows=2) == split._replace(num_warps=split.num_warps // 2)
+    split = warp_split_config(6144, 4096, 2, H100_THREAD_CAP)  # Llama-3.1-8B's qkv_proj, the norm fused in
+    assert default_config(6144, 4096, 2, H100_THREAD_CAP, rows=2, fused_norm=True) == split._replace(
+        num_warps=split.num_warps // 2)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the row tile lives beside the Triton kernel")

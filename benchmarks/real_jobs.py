@@ -55,6 +55,12 @@ Each workload reports, from the process's wall clock and the run's summary.json 
   steps (CPU, or rows a graph cannot run), of those with the same number of rows.
   Sampling is not in the floor. floor_ratio = process_s / floor_s.
 
+--repeats N runs the workloads N times over, in turn (a, b, a, b, ...), so that the host's drift between runs falls
+on every workload alike, and reports each workload's median run (by process_s; the lower middle one of an even
+number) with every run's process_s beside it (`process_s_runs`); the JSON's `runs` keeps every run's figures. A
+process's start-up (imports, Hydra) varies by a second between runs on a shared GPU host (benchmarks/RESULTS.md,
+2026-11-29, fourth session), as much as a change measured in one run may move.
+
 Bytecode: an ordinary pip install writes every package's bytecode at install time, but the GPU image's packages have
 none, so each process there would compile about 1,150 source files (2.2-2.4 s) first. The workloads share one
 PYTHONPYCACHEPREFIX folder (--pycache, kept between runs; written even where PYTHONDONTWRITEBYTECODE is set) so that
@@ -380,6 +386,13 @@ def workload_floor(steps: Sequence[dict[str, Any]], chunk_budget: int) -> dict[s
     }
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A workload's run of median process_s (the lower middle one of an even number; a failed run counts as the
+    slowest), with every run's process_s in run order (None for a failed one)."""
+    ranked = sorted(runs, key=lambda run: float("inf") if run.get("failed") else run["process_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "process_s_runs": [run.get("process_s") for run in runs]}
+
+
 def decode_batch(step: dict[str, Any]) -> tuple[bool, int]:
     """(replayed a graph, the default bucket its rows fill) or (eager, its rows): decode steps whose forwards cost
     the same. The bucket is that of the full default list (1, 2, 4, then steps of 8), not the one the step replayed:
@@ -409,7 +422,10 @@ def main() -> None:
     parser.add_argument("--pycache", type=Path, default=Path(tempfile.gettempdir()) / "batchgen_real_jobs_pycache",
                         help="the jobs' PYTHONPYCACHEPREFIX, kept between runs (default: %(default)s)")
     parser.add_argument("--keep", type=Path, default=None,
-                        help="copy each run's summary.json, steps.parquet and log into this folder, by workload")
+                        help="copy each run's summary.json, steps.parquet and log into this folder, by workload "
+                             "(with --repeats, by repeat_<i>/workload)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the workloads this many times over, in turn, and report each one's median run")
     add_out_argument(parser)
     args = parser.parse_args()
     unknown = [name for name in args.names if name not in WORKLOADS]
@@ -420,26 +436,38 @@ def main() -> None:
     workloads = [catalogue[name] for name in names]
     if args.rows is not None:
         workloads = [replace(w, rows=replace(w.rows, rows=args.rows)) for w in workloads]
-    results = []
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="batchgen_real_jobs_") as tmp:
-        for workload in workloads:
-            result = run_workload(workload, Path(tmp) / workload.name, args.tiny, args.timeout, args.extra,
-                                  args.pycache, args.keep)
-            outcome = result.get("failed") or f"{result['process_s']:.1f} s"
-            print(f"{workload.name}: {outcome}", flush=True)
-            results.append(result)
+        for repeat in range(args.repeats):
+            for workload in workloads:
+                directory = Path(tmp) / f"{workload.name}_{repeat}"
+                keep = args.keep / f"repeat_{repeat}" if args.keep is not None and args.repeats > 1 else args.keep
+                result = run_workload(workload, directory, args.tiny, args.timeout, args.extra, args.pycache, keep)
+                shutil.rmtree(directory, ignore_errors=True)  # the next repeat's input and run dir are its own
+                outcome = result.get("failed") or f"{result['process_s']:.1f} s"
+                print(f"{workload.name}: {outcome}", flush=True)
+                runs.append({**result, "repeat": repeat})
+    results = [median_run([run for run in runs if run["workload"] == workload.name]) for workload in workloads]
     suffix = (("_tiny" if args.tiny else "") + ("" if names == list(catalogue) else "_" + "_".join(names))
               + (f"_{args.tag}" if args.tag else ""))
     settings = {"tiny": args.tiny, "rows": args.rows, "timeout": args.timeout, "overrides": args.extra,
-                "pycache": str(args.pycache),
+                "pycache": str(args.pycache), "repeats": args.repeats,
                 "workloads": [asdict(w) for w in workloads]}
     env = environment()
-    save_json(args.out, f"real_jobs{suffix}", {"environment": env, "settings": settings, "results": results})
+    report = {"environment": env, "settings": settings, "results": results}
+    if args.repeats > 1:
+        report["runs"] = runs
+    save_json(args.out, f"real_jobs{suffix}", report)
     device = "CPU, --tiny" if args.tiny else env["device"]
     overrides = f"; {' '.join(args.extra)}" if args.extra else ""
     print(f"\n## real_jobs ({device}; {env['git_commit']}{overrides})\n")
     print(markdown_table(TABLE, [[r.get(column) for column in TABLE] for r in results]))
     for result in results:
+        if len(times := result["process_s_runs"]) > 1:
+            print(f"\n{result['workload']}: the median of {len(times)} runs; process_s "
+                  + ", ".join("failed" if seconds is None else f"{seconds:.2f}" for seconds in times))
         if compiles := result.get("triton_compiles"):
             print(f"\n{result['workload']}: {sum(compiles.values())} Triton compiles: "
                   + ", ".join(f"{name} x{count}" for name, count in compiles.items()))

@@ -101,6 +101,28 @@ def test_real_jobs_tiny_fills_every_column_and_its_floor_is_below_the_process_ti
         assert {"summary.json", "steps.parquet"} <= kept and "completions.parquet" not in kept
 
 
+def test_real_jobs_repeats_report_each_workload_s_median_run_with_every_run_kept(tmp_path):
+    completed = subprocess.run([sys.executable, "-m", "benchmarks.real_jobs", "--tiny", "classify", "--rows", "8",
+                                "--repeats", "2", "--out", str(tmp_path)],
+                               cwd=REPO, check=True, capture_output=True, text=True)
+    report = json.loads((tmp_path / "real_jobs_tiny_classify.json").read_text())
+    first, second = report["runs"]
+    assert (first["repeat"], second["repeat"]) == (0, 1) and report["settings"]["repeats"] == 2
+    (result,) = report["results"]
+    assert result["process_s_runs"] == [first["process_s"], second["process_s"]]
+    assert result["process_s"] == min(first["process_s"], second["process_s"])  # the lower middle of two
+    assert "classify: the median of 2 runs; process_s" in completed.stdout
+
+
+def test_a_failed_run_counts_as_the_slowest_of_a_workload_s_runs():
+    from benchmarks.real_jobs import median_run
+
+    runs = [{"process_s": 3.0}, {"failed": "exit status 1: boom"}, {"process_s": 1.0}]
+    assert median_run(runs) == {"process_s": 3.0, "process_s_runs": [3.0, None, 1.0]}
+    assert median_run(runs[1:])["process_s"] == 1.0  # of [1.0, failed]: the lower middle
+    assert median_run(runs[1:2])["failed"]
+
+
 def test_device_idle_tiny_gives_every_gap_between_steps_to_one_transition_and_one_host_phase(tmp_path):
     run_benchmark("device_idle", tmp_path, "chat_mix", "--tiny", "--rows", "24")
     result = json.loads((tmp_path / "device_idle_chat_mix_tiny.json").read_text())

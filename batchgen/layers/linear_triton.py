@@ -224,7 +224,7 @@ def default_config(n: int, k: int, element_size: int, max_threads: int | None = 
     across a program's threads at the end; with half the threads, each taking twice the span of K, that reduction is
     half as wide.
     """
-    if rows == 1 or (rows == 2 and not fused_norm and n * k * element_size >= LARGE_WEIGHT_BYTES):
+    if rows == 1 or (rows == 2 and not fused_norm and is_large_weight(n, k, element_size)):
         return one_row_config(n, k, element_size, max_threads, fused_norm)
     config = warp_split_config(n, k, element_size, max_threads)
     return config._replace(num_warps=max(1, config.num_warps // 2))
@@ -240,6 +240,10 @@ FUSED_NORM_FEATURES_PER_WARP = 1024
 # MiB) ran their chain faster with those too, but its fp8 decode step 5% slower (benchmarks/RESULTS.md, 2026-11-29,
 # second session), so smaller weights keep the two-warp programs.
 LARGE_WEIGHT_BYTES = 16 << 20
+
+
+def is_large_weight(n: int, k: int, element_size: int) -> bool:
+    return n * k * element_size >= LARGE_WEIGHT_BYTES
 
 
 def one_row_config(n: int, k: int, element_size: int, max_threads: int | None = None,
@@ -260,7 +264,7 @@ def one_row_config(n: int, k: int, element_size: int, max_threads: int | None = 
     A smaller weight, fused norm or not: fp8 4 rows, 2 KB steps, two warps; 16-bit the two-warp programs where they fit
     under the cap, else the warp-split ones.
     """
-    large = n * k * element_size >= LARGE_WEIGHT_BYTES
+    large = is_large_weight(n, k, element_size)
     if fused_norm and large:
         block_k = min(triton.next_power_of_2(k), FUSED_NORM_MAX_BLOCK_K)
         return LinearConfig(FUSED_NORM_ROWS, block_k, max(1, block_k // FUSED_NORM_FEATURES_PER_WARP))

@@ -221,13 +221,19 @@ class Job:
                     self._write_error_row(row)
             rows = iter(rows_to_run)
             rows_left = True
+            # The first step launches once the rows it can take are in; from then on the backlog grows by two steps'
+            # rows a step, so that adding rows (a job's first hundreds at once took longer than a step) never keeps
+            # the device waiting.
+            step_rows = first_step_rows(rows_to_run, engine.config.max_num_batched_tokens, engine.config.max_num_seqs)
+            backlog = step_rows
             write_values = self.outputs.completions.write_values
             front = WrittenFront.of(rows_to_run, self._samples_to_write)
             returned = None  # when engine.step() last returned: the job's own work since then is job_ms
             with rare_collections() as collections:
                 while (rows_left or engine.has_unfinished_requests) and signals.received is None:
                     if rows_left:
-                        rows_left = self._add_requests(engine, rows)
+                        rows_left = self._add_requests(engine, rows, backlog)
+                        backlog = min(backlog + 2 * step_rows, self.config.engine.wanted_backlog)
                     called = time.perf_counter()
                     finished, step = engine.step()
                     if step is not None:
@@ -320,13 +326,12 @@ class Job:
         self.stats.rows += 1
         self.progress.update([], errors=1)
 
-    def _add_requests(self, engine: LLMEngine, rows: Iterator[PromptRow]) -> bool:
-        """Adds rows until about two batches wait (rows are read lazily); returns whether rows are left. A generate
+    def _add_requests(self, engine: LLMEngine, rows: Iterator[PromptRow], backlog: int) -> bool:
+        """Adds rows until `backlog` samples wait (rows are read lazily); returns whether rows are left. A generate
         job's rows go in batches (LLMEngine.add_requests), each as many as the backlog has room for if all their
         samples queue; what rows finishing at once as errors leave free, the next batch fills."""
         if self.task != "generate":
-            return self._add_rows_one_by_one(engine, rows)
-        backlog = self.config.engine.wanted_backlog
+            return self._add_rows_one_by_one(engine, rows, backlog)
         while (room := backlog - engine.num_waiting) > 0:
             batch: list[NewRow] = []
             num_samples = 0
@@ -341,9 +346,9 @@ class Job:
             engine.add_requests(batch)
         return True
 
-    def _add_rows_one_by_one(self, engine: LLMEngine, rows: Iterator[PromptRow]) -> bool:
+    def _add_rows_one_by_one(self, engine: LLMEngine, rows: Iterator[PromptRow], backlog: int) -> bool:
         """_add_requests for the score, embed and classify tasks."""
-        while engine.num_waiting < self.config.engine.wanted_backlog:
+        while engine.num_waiting < backlog:
             row = next(rows, None)
             if row is None:
                 return False
@@ -361,6 +366,17 @@ class Job:
             self._write_error_row(row)
             return
         engine.add_score_request(row.index, *token_ids, row.text)
+
+
+def first_step_rows(rows: Sequence[PromptRow], max_tokens: int, max_rows: int) -> int:
+    """How many of the leading rows a first prefill step can take: their prompts fill max_tokens, or max_rows of them
+    (at least one). A row whose prompt is not tokenized yet counts as one token."""
+    tokens = 0
+    for count, row in enumerate(rows[:max_rows], start=1):
+        tokens += len(row.prompt_token_ids or ()) or 1
+        if tokens >= max_tokens:
+            return count
+    return max(1, min(len(rows), max_rows))
 
 
 class WrittenFront:

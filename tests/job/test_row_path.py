@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,20 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.config import Config, DataConfig, EngineConfig, JobConfig, ModelConfig
+from batchgen.engine.llm_engine import LLMEngine
 from batchgen.engine.outputs import RequestOutput
 from batchgen.io.readers import PromptRow
 from batchgen.io.schema import COMPLETIONS_SCHEMA
 from batchgen.io.writers import CompletionWriter
-from batchgen.job.run import COMPLETION_COLUMNS, TASK_COLUMNS, Job, completion_values, prompt_logprobs_value, run
+from batchgen.job.run import (
+    COMPLETION_COLUMNS,
+    TASK_COLUMNS,
+    Job,
+    completion_values,
+    first_step_rows,
+    prompt_logprobs_value,
+    run,
+)
 from batchgen.sample.params import SamplingParams
 from tests.helpers.common import TIMING_COLUMNS
 
@@ -43,8 +53,8 @@ def dict_record(row: PromptRow, output: RequestOutput | None = None) -> dict[str
     return record
 
 
-def add_one_by_one(self: Job, engine: Any, rows: Iterator[PromptRow]) -> bool:
-    """Job._add_requests as it was: a row at a time while fewer than the backlog wait."""
+def add_one_by_one(self: Job, engine: Any, rows: Iterator[PromptRow], backlog: int) -> bool:
+    """Job._add_requests as it was: a row at a time while fewer than the whole backlog wait (from the first step)."""
     while engine.num_waiting < self.config.engine.wanted_backlog:
         row = next(rows, None)
         if row is None:
@@ -174,3 +184,32 @@ def test_a_resumed_job_generates_what_rows_added_one_by_one_generated(tmp_path, 
     table = pq.read_table(tmp_path / "batched" / "completions.parquet")
     assert table.schema.equals(pq.read_table(reference / "completions.parquet").schema, check_metadata=False)
     assert pa.types.is_list(table.schema.field("output_token_ids").type)
+
+
+def test_first_step_rows_fill_one_steps_tokens() -> None:
+    rows = [PromptRow(i, f"r{i}", None, [1] * n, {}) for i, n in enumerate([300, 500, 400, 100])]
+    assert first_step_rows(rows, 1000, 8) == 3  # the third row crosses the budget: the step takes part of it
+    assert first_step_rows(rows, 800, 8) == 2
+    assert first_step_rows(rows, 10_000, 8) == 4
+    assert first_step_rows(rows, 10_000, 2) == 2
+    untokenized = [PromptRow(i, f"r{i}", "a prompt", None, {}) for i in range(5)]
+    assert first_step_rows(untokenized, 3, 8) == 3
+
+
+def test_the_first_step_launches_before_the_rest_of_the_backlog_is_added(tmp_path, monkeypatch):
+    """The rows of the first step go in and it launches; the backlog then grows by two steps' rows a step up to
+    2 x max_num_seqs: 20-token prompts fill a 64-token step with 4 rows, which the next step takes again."""
+    prompts = tmp_path / "prompts.jsonl"
+    text = PLAY.read_text()
+    prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": text[20 * i:20 * i + 20]}) + "\n"
+                               for i in range(40)))
+    waiting = []
+    step = LLMEngine.step
+    monkeypatch.setattr(LLMEngine, "step", lambda engine: waiting.append(engine.num_waiting) or step(engine))
+    config = job_config(prompts)
+    config = replace(config, engine=replace(config.engine, max_num_batched_tokens=64))
+
+    summary = run(config, tmp_path / "run")
+
+    assert summary["rows"] == 40
+    assert waiting[:3] == [4, 12, 2 * config.engine.max_num_seqs]

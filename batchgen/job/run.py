@@ -224,7 +224,10 @@ class Job:
             # The first step launches once the rows it can take are in; from then on the backlog grows by two steps'
             # rows a step, so that adding rows (a job's first hundreds at once took longer than a step) never keeps
             # the device waiting.
-            step_rows = first_step_rows(rows_to_run, engine.config.max_num_batched_tokens, engine.config.max_num_seqs)
+            max_rows = engine.config.max_num_seqs
+            step_rows = first_step_rows([self.work.num_prompt_tokens(row, self.params[row.index])
+                                         for row in rows_to_run[:max_rows]], engine.config.max_num_batched_tokens,
+                                        max_rows)
             backlog = step_rows
             write_values = self.outputs.completions.write_values
             front = WrittenFront.of(rows_to_run, self._samples_to_write)
@@ -368,15 +371,16 @@ class Job:
         engine.add_score_request(row.index, *token_ids, row.text)
 
 
-def first_step_rows(rows: Sequence[PromptRow], max_tokens: int, max_rows: int) -> int:
-    """How many of the leading rows a first prefill step can take: their prompts fill max_tokens, or max_rows of them
-    (at least one). A row whose prompt is not tokenized yet counts as one token."""
+def first_step_rows(prompt_tokens: Sequence[int], max_tokens: int, max_rows: int) -> int:
+    """How many of the leading rows, of these prompt lengths (RowWork.num_prompt_tokens), a first prefill step can
+    take: their prompts fill max_tokens, or max_rows of them (at least one). A prompt of unknown length (0: a text
+    without a tokenizer) counts as one token."""
     tokens = 0
-    for count, row in enumerate(rows[:max_rows], start=1):
-        tokens += len(row.prompt_token_ids or ()) or 1
+    for count, length in enumerate(prompt_tokens[:max_rows], start=1):
+        tokens += length or 1
         if tokens >= max_tokens:
             return count
-    return max(1, min(len(rows), max_rows))
+    return max(1, min(len(prompt_tokens), max_rows))
 
 
 class WrittenFront:

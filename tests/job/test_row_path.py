@@ -187,12 +187,12 @@ def test_a_resumed_job_generates_what_rows_added_one_by_one_generated(tmp_path, 
 
 
 def test_first_step_rows_fill_one_steps_tokens() -> None:
-    rows = [PromptRow(i, f"r{i}", None, [1] * n, {}) for i, n in enumerate([300, 500, 400, 100])]
+    rows = [300, 500, 400, 100]
     assert first_step_rows(rows, 1000, 8) == 3  # the third row crosses the budget: the step takes part of it
     assert first_step_rows(rows, 800, 8) == 2
     assert first_step_rows(rows, 10_000, 8) == 4
     assert first_step_rows(rows, 10_000, 2) == 2
-    untokenized = [PromptRow(i, f"r{i}", "a prompt", None, {}) for i in range(5)]
+    untokenized = [0] * 5  # texts without a tokenizer
     assert first_step_rows(untokenized, 3, 8) == 3
 
 

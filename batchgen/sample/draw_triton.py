@@ -9,6 +9,12 @@ twenty tiny launches, which inside a decode graph cost more than the draw itself
 many programs and merge their candidates: one program per row reads a 151,936-logit row in a serial loop, too slow
 for a decode step. The draw rounds as the torch path does (the host's 1 / T, no fused multiply-add), so both pick the
 same tokens.
+
+The two exact logarithms a logit are most of the draw's arithmetic, and only the winner's matter. A block first bounds
+each score from above, with logarithms read off the floats' bits (`_gumbel_lower_bound`, within 0.08 of the exact
+term), takes the column of the highest bound and computes that column's exact score: where no other column's bound
+reaches it, no other score can, and that column wins. Otherwise (scores within the bounds' slack of the lead, a NaN)
+the block computes every exact score, as it always did.
 """
 
 from __future__ import annotations
@@ -45,10 +51,50 @@ def _row_key(seed, position):
 
 
 @triton.jit
+def _uniform_bits(row_key, cols, SALT: tl.constexpr):
+    """The 23 random bits of the torch path's `_uniform` for one row's columns, as int32 in [0, 2**23)."""
+    return (_mix32(row_key ^ _mix32(cols.to(tl.uint32) + SALT)) >> 9).to(tl.int32)
+
+
+@triton.jit
+def _gumbel_of(bits):
+    """log(-log U) for U = (bits + 0.5) / 2**23, as the torch path rounds it."""
+    return tl.log(-tl.log((bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)))
+
+
+@triton.jit
 def _gumbel(seed, position, cols, SALT: tl.constexpr):
     """log(-log U) of the torch path's `_uniform` for one row's columns."""
-    bits = _mix32(_row_key(seed, position) ^ _mix32(cols.to(tl.uint32) + SALT))
-    return tl.log(-tl.log(((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)))
+    return _gumbel_of(_uniform_bits(_row_key(seed, position), cols, SALT))
+
+
+# log2(1 + m) for a mantissa's fraction m in [0, 1) lies between m + CURVE * m * (1 - m) and that plus GAP.
+_MANTISSA_CURVE = tl.constexpr(0.278)
+_MANTISSA_GAP = tl.constexpr(0.0202)
+# What _gumbel_lower_bound subtracts so that its bound holds as computed in float32, not only in exact arithmetic: far
+# above the rounding of its own operations and of _gumbel_of's logarithms (a few 1e-6 at their largest values).
+_BOUND_MARGIN = tl.constexpr(1e-4)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _log2_below(x):
+    """At most log2(x), and at most _MANTISSA_GAP below it, for a positive normal float x: its exponent plus a
+    quadratic under log2(1 + m) of its mantissa's fraction m, read off its bits."""
+    word = x.to(tl.int32, bitcast=True)
+    fraction = (word & 0x7FFFFF).to(tl.float32) * (1.0 / 8388608.0)
+    return ((word >> 23) - 127).to(tl.float32) + fraction + _MANTISSA_CURVE * fraction * (1.0 - fraction)
+
+
+@triton.jit
+def _gumbel_lower_bound(bits):
+    """At most _gumbel_of(bits), and within 0.08 of it (tests/sample/test_sampler_triton.py checks every bits value),
+    without a logarithm: -log U from below as the larger of 1 - U (close where U is near 1) and the bound from
+    _log2_below's on log2 U (close where U is small), then _log2_below of that."""
+    u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    one_minus_u = (8388607.5 - bits.to(tl.float32)) * (1.0 / 8388608.0)  # exact: a half-integer below 2**23
+    neg_log_u = tl.maximum(one_minus_u, -(_log2_below(u) + _MANTISSA_GAP) * _LN2)
+    return _log2_below(neg_log_u) * _LN2 - _BOUND_MARGIN
 
 
 @triton.jit
@@ -115,17 +161,36 @@ _DRAW_BLOCK = 2048  # logits a program draws from: a row is split so that a batc
 def _draw_chunk_kernel(logits_ptr, stride, inv_temperatures_ptr, seeds_ptr, positions_ptr, ranks_ptr, values_ptr,
                        indices_ptr, VOCAB: tl.constexpr, SCALE: tl.constexpr, SALT: tl.constexpr,
                        BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program per (row, block of logits): the block's torch.argmax candidate of logits / T - log(-log U).
+    """One program per (row, block of logits): the block's torch.argmax candidate of logits / T - log(-log U), its
+    exact scores computed only where the bounds leave more than one column in the race (module docstring).
     SCALE: multiply by the row's 1 / T (False where the logits are already divided)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    gumbel = _gumbel(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), cols, SALT)
+    row_key = _row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
+    bits = _uniform_bits(row_key, cols, SALT)
+    lower_bounds = _gumbel_lower_bound(bits)
+    # Staged with the seeds and positions (SamplingTensors' one buffer), which no kernel before this one writes.
+    inv_temperature = tl.load(inv_temperatures_ptr + row)
+    row_ptr = logits_ptr + row * stride
     wait_for_previous(PDL)
-    logits = tl.load(logits_ptr + row * stride + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
+    logits = tl.load(row_ptr + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
     if SCALE:
-        logits = logits * tl.load(inv_temperatures_ptr + row)
-    top_rank, top_value, winner = _argmax(logits - gumbel, cols)
+        logits = logits * inv_temperature
+    # Each score rounded from its logit minus at most its Gumbel term: never below the exact score.
+    bounds = logits - lower_bounds
+    _, lead = tl.max(bounds, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    lead_col = chunk * BLOCK + lead
+    lead_logit = tl.load(row_ptr + lead_col).to(tl.float32)
+    if SCALE:
+        lead_logit = lead_logit * inv_temperature
+    lead_score = lead_logit - _gumbel_of(_uniform_bits(row_key, lead_col, SALT))
+    # NaN bounds count as reaching the lead: a NaN logit (which torch.argmax picks) takes the exact pass.
+    contenders = tl.sum((~(bounds < lead_score)).to(tl.int32), axis=0)
+    if contenders == 1:
+        top_rank, top_value, winner = tl.zeros((), tl.int32), lead_score, lead_col
+    else:
+        top_rank, top_value, winner = _argmax(logits - _gumbel_of(bits), cols)
     at = row * tl.num_programs(1) + chunk
     tl.store(ranks_ptr + at, top_rank)
     tl.store(values_ptr + at, top_value)

@@ -36,6 +36,11 @@ PART_PREFIX = "part-"
 # A writer keeps the rows of the parts it flushed in memory up to this many bytes (a job's whole output, unless it is
 # large), so that closing merges them without reading its own parts back; past it, the rest is read from disk.
 KEPT_PART_BYTES = 256 << 20
+# Buffered rows become Arrow a piece of this many at a time, as they are written: a part of flush_rows rows built at
+# once held the job's thread for tens of milliseconds (a chat job's 4,096 rows), during which the device ran out of
+# queued steps; a piece takes about what a decode step leaves the host (benchmarks/RESULTS.md, 2026-11-29, sixth
+# session). Smaller pieces cost more calls a row.
+CONVERT_ROWS = 512
 
 
 def import_pandas_in_background() -> threading.Thread:
@@ -131,9 +136,10 @@ class PartedParquetWriter:
     unfinished row), held back and sorted until then; without that key, by each part whose rows come in the final
     order, until one does not.
 
-    A part that write() flushes is encoded and written on the writer's own thread while rows keep coming (Parquet's
-    encoder and the fsyncs release the GIL), one part at a time; flush() and close() return once every part is on
-    disk, and a part that failed to write is written again by the next flush.
+    Rows are buffered as Arrow tables of CONVERT_ROWS rows as they come. A part that write() flushes is encoded and
+    written on the writer's own thread while rows keep coming (Parquet's encoder and the fsyncs release the GIL), one
+    part at a time; flush() and close() return once every part is on disk, and a part that failed to write is
+    written again by the next flush.
 
     Opening a writer where a previous one left parts or a final file resumes: their rows are kept (a final
     file moves back into a part, so close() always rebuilds from parts) and stale tmp files are removed.
@@ -161,7 +167,9 @@ class PartedParquetWriter:
         self._dictionary_columns = dictionary_columns(schema)
         keys = [] if sort_key is None else [(sort_key, "ascending")] if isinstance(sort_key, str) else sort_key
         self._sort_columns = [name for name, _ in keys]
-        self._buffer: list[tuple[Any, ...]] = []  # each row's values in the schema's order
+        self._buffer: list[tuple[Any, ...]] = []  # each row's values in the schema's order, not yet in _converted
+        self._converted: list[pa.Table] = []  # the buffered rows before _buffer's, CONVERT_ROWS a table
+        self._num_buffered = 0
         # The parts this writer flushed, with their rows, up to KEPT_PART_BYTES: close() merges them from memory
         # rather than reading them back (most of a large job's close).
         self._kept: dict[Path, pa.Table] = {}
@@ -238,7 +246,11 @@ class PartedParquetWriter:
                 raise ValueError(f"{self.final_path}: record lacks the required fields {missing}")
         self._accept(values)
         self._buffer.append(values)
-        if len(self._buffer) >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
+        self._num_buffered += 1
+        if len(self._buffer) >= CONVERT_ROWS:
+            self._converted.append(records_table(self._buffer, self.schema))
+            self._buffer = []
+        if self._num_buffered >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
             self._flush(in_background=True)
 
     def _accept(self, values: tuple[Any, ...]) -> None:
@@ -248,20 +260,33 @@ class PartedParquetWriter:
         """Writes the buffered rows as one new part file; after it returns they survive a crash."""
         self._flush(in_background=False)
 
+    def _buffered_table(self) -> pa.Table:
+        """The buffered rows as one table (of the schema, maybe empty); they stay buffered until _clear_buffered, so
+        that a failure before they are in a part or the final file loses none."""
+        if self._buffer:
+            self._converted.append(records_table(self._buffer, self.schema))
+            self._buffer = []
+        if len(self._converted) > 1:
+            self._converted = [pa.concat_tables(self._converted)]
+        return self._converted[0] if self._converted else self.schema.empty_table()
+
+    def _clear_buffered(self) -> None:
+        self._buffer, self._converted, self._num_buffered = [], [], 0
+
     def _flush(self, in_background: bool, buffered: pa.Table | None = None) -> None:
         """Makes the buffered rows (their table, when the caller built it) a part: written before returning, or on the
         writer's thread once the part before it is on disk. A failed write of an earlier part raises here, its rows
         kept to be written again."""
         self.wait_for_parts()
-        if self._buffer:
-            table = records_table(self._buffer, self.schema) if buffered is None else buffered
+        table = self._buffered_table() if buffered is None else buffered
+        if table.num_rows:
             path = self._part_path(self._next_part)
             if self._kept_bytes + table.nbytes <= KEPT_PART_BYTES:
                 self._kept[path] = table
                 self._kept_bytes += table.nbytes
             self._unwritten.append((path, table, self._rows_to_grow(table)))
             self._next_part += 1
-            self._buffer.clear()
+            self._clear_buffered()
         self._last_flush = time.monotonic()
         if in_background and len(self._unwritten) == 1:
             if self._thread is None:
@@ -386,7 +411,7 @@ class PartedParquetWriter:
             self._drop_final_file()
             return False
         self._final_rows = None
-        self._buffer.clear()
+        self._clear_buffered()
         os.replace(tmp_path, self.final_path)
         fsync_path(self.final_path.parent)
         return True
@@ -396,7 +421,7 @@ class PartedParquetWriter:
         if self._closed:
             return self.final_path
         self.wait_for_parts()
-        buffered = records_table(self._buffer, self.schema) if self._buffer else self.schema.empty_table()
+        buffered = self._buffered_table()
         if not self._finish_grown_file(buffered):
             self._flush(in_background=False, buffered=buffered)
             table = self.existing_rows().combine_chunks()  # a table of few chunks sorts and writes faster

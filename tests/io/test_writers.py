@@ -560,3 +560,30 @@ def test_values_in_schema_order_write_what_the_record_writes(tmp_path: Path) -> 
     writer.close()
     with pytest.raises(RuntimeError, match="closed"):
         writer.write_values(tuple(completion(1).get(name) for name in COMPLETIONS_SCHEMA.names))
+
+
+@pytest.mark.parametrize("convert_rows", [1, 3, 8])
+def test_rows_converted_a_piece_at_a_time_write_what_one_conversion_writes(tmp_path: Path, monkeypatch,
+                                                                          convert_rows: int) -> None:
+    """Buffered rows become Arrow CONVERT_ROWS at a time as they come: the parts (flushed by count, mid-piece or on
+    a piece's end) and the final file hold the rows one conversion of all of them gives, in order."""
+    order = [11, 3, 0, 7, 1, 9, 4, 12, 2, 10, 5, 8, 6, 13]
+    records = [error_completion(index) if index % 5 == 0 else
+               {**completion(index), "prompt_token_ids": np.arange(index, dtype=np.int64), "label": f"l{index}"}
+               for index in order]
+    monkeypatch.setattr(writers, "CONVERT_ROWS", convert_rows)
+    writer = CompletionWriter(tmp_path / "pieces", METADATA, flush_rows=6)
+    for record in records:
+        writer.write(record)
+    writer.wait_for_parts()  # the second part is written on the writer's thread
+    parts_dir = tmp_path / "pieces" / "completions.parts"
+    parts = [pq.read_table(part).num_rows for part in sorted(parts_dir.glob("*.parquet"))]
+    table = pq.read_table(writer.close())
+
+    monkeypatch.setattr(writers, "CONVERT_ROWS", len(records))
+    whole = CompletionWriter(tmp_path / "whole", METADATA, flush_rows=len(records))
+    for record in records:
+        whole.write(record)
+    assert parts == [6, 6]
+    assert table.column("index").to_pylist() == sorted(order)
+    assert table.equals(pq.read_table(whole.close()))

@@ -45,8 +45,8 @@ CONVERT_ROWS = 512
 
 def import_pandas_in_background() -> threading.Thread:
     """Imports pandas on a thread, where it is installed: pyarrow imports it at its first array made of Python objects
-    (to tell pandas' own objects apart), which a job makes as it opens its outputs and starts its engine, 0.2-0.3 s on
-    the job's path. Begun before the input is read, the import runs while Arrow parses the input without the GIL."""
+    (to tell pandas' own objects apart), which a job makes as it opens its outputs and starts its engine: an import
+    on the job's path. Begun before the input is read, the import runs while Arrow parses the input without the GIL."""
 
     def import_pandas() -> None:
         with contextlib.suppress(ImportError):

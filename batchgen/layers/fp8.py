@@ -120,7 +120,7 @@ class Fp8Kernel(enum.Enum):
 # The GEMV's tiles of several rows measured slower than _scaled_mm on most of Llama-3.1-8B's projections, and many
 # times slower past their register budget (bench_linear --dtype fp8, benchmarks/RESULTS.md, 2026-11-27b).
 FP8_GEMV_MAX_ROWS = 1
-# _scaled_mm read fp8 weights at 1.2-2.4 TB/s from 2 to 128 rows there, no faster than cuBLAS reads bf16. With
+# _scaled_mm read fp8 weights there no faster than cuBLAS reads bf16 (benchmarks/RESULTS.md, 2026-11-27b). With
 # its first, unswept tiles the weight-only GEMM beat it at 8 rows and lost at 64 (benchmarks/RESULTS.md,
 # 2026-11-27c): it takes the few-row steps until a sweep of its tiles moves this limit.
 FP8_GEMM_MAX_ROWS = 8

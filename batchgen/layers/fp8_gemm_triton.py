@@ -3,7 +3,7 @@ the model's dtype (bf16, fp16 or float32), weight float8_e4m3fn (N, K) row-major
 output channel or one for the whole tensor; y in x's dtype.
 
 From 2 to about 128 rows a linear layer still does little but read its weight, yet torch._scaled_mm reads fp8 weights
-at only 1.2-2.4 TB/s there (benchmarks/RESULTS.md, 2026-11-27 second session), no faster than cuBLAS reads bf16. Here
+there no faster than cuBLAS reads bf16 (benchmarks/RESULTS.md, 2026-11-27 second session). Here
 each program streams its weight tiles through a software pipeline (num_stages tiles in flight), upcasts each tile to
 x's dtype in registers and multiplies it on the tensor cores, accumulating in fp32; the scale and the bias apply to the
 fp32 sums at the end, so x is never quantized.

@@ -218,7 +218,7 @@ def default_config(n: int, k: int, element_size: int, max_threads: int | None = 
 
     A one-row tile takes `one_row_config`'s, and so does a two-row tile of a weight of LARGE_WEIGHT_BYTES or more
     without the norm fused in: under the launch cap the warp-split programs hold 16 of its rows, a tile that ran
-    Llama-3.1-8B's down projection at 1.4x cuBLAS's time, the one-row programs at 0.95x (benchmarks/RESULTS.md,
+    Llama-3.1-8B's down projection slower than cuBLAS, the one-row programs faster (benchmarks/RESULTS.md,
     2026-11-29, fourth session). Other tiles of several rows take the programs whose warps split K
     (`warp_split_config`) with half the warps: every row of the tile adds BLOCK_N partial sums to the reduction
     across a program's threads at the end; with half the threads, each taking twice the span of K, that reduction is
@@ -237,7 +237,7 @@ FUSED_NORM_ROWS = 8
 FUSED_NORM_MAX_BLOCK_K = 4096
 FUSED_NORM_FEATURES_PER_WARP = 1024
 # The weight size from which one_row_config gives the launches for large weights. Qwen3-0.6B's projections (2 to 12
-# MiB) ran their chain faster with those too, but its fp8 decode step 5% slower (benchmarks/RESULTS.md, 2026-11-29,
+# MiB) ran their chain faster with those too, but its fp8 decode step slower (benchmarks/RESULTS.md, 2026-11-29,
 # second session), so smaller weights keep the two-warp programs.
 LARGE_WEIGHT_BYTES = 16 << 20
 

@@ -49,7 +49,7 @@ def launch(config: Config, run_dir: Path, task_overrides: list[str]) -> dict[str
 
 def freeze_imported_objects() -> None:
     """The imported modules' objects (mostly torch's) live as long as the process: left out of every later
-    collection, a full one (the engine's close, Python's own) takes microseconds instead of 0.2 s. Frozen objects
+    collection, a full one (the engine's close, Python's own) goes over the job's objects only. Frozen objects
     are never collected, not even at exit, so only before a process's first job: in a multirun, a freeze before the
     next job would keep what the previous one imported (Triton) alive past the interpreter's end, where nanobind
     lists Triton's objects as leaked."""

@@ -1,8 +1,8 @@
 """A fresh machine's Triton kernels compiled ahead of the engine's start, in parallel processes.
 
-Triton compiles a kernel at its first launch, in the launching process and holding the GIL: a fresh start of the
-Qwen3-0.6B shape took 27 s, nearly all of it compiling 49 kernels one after the other (about 0.5 s each, on one core)
-in its KV-sizing forward and CUDA-graph warm-ups. Compiled kernels land in Triton's disk cache (TRITON_CACHE_DIR),
+Triton compiles a kernel at its first launch, in the launching process and holding the GIL: a fresh start would
+compile its dozens of kernels one after the other, on one core, in its KV-sizing forward and CUDA-graph warm-ups
+(what that cost: benchmarks/RESULTS.md, cold_start). Compiled kernels land in Triton's disk cache (TRITON_CACHE_DIR),
 keyed by source, specialization, options and target only, so any process may compile them for the engine:
 
 1. The start's phases (the KV-sizing forward, the graph captures) run watched: the first launch whose kernel is not

@@ -70,6 +70,15 @@ def test_pytest_gpu_deals_every_file_once_into_balanced_groups():
     assert deal(Counter({"a.py": 1}), 3) == [["a.py"]]
 
 
+def test_pytest_gpu_leaves_the_tests_that_take_the_whole_gpu_to_a_process_of_their_own():
+    from benchmarks.pytest_gpu import ALONE, CONCURRENT, gpu_test_counts
+
+    alone, concurrent = gpu_test_counts(ALONE), gpu_test_counts(CONCURRENT)
+    scoring, tasks = "tests/engine/test_gpu_scoring.py", "tests/worker/test_gpu_tasks.py"
+    assert alone[scoring] == alone[tasks] == 1  # the Qwen3-shaped engines at gpu_memory_utilization=0.9
+    assert scoring not in concurrent and concurrent[tasks] > 0  # the file's other tests still run in a group
+
+
 def test_real_jobs_tiny_fills_every_column_and_its_floor_is_below_the_process_time(tmp_path):
     pycache = tmp_path / "pycache"
     completed = subprocess.run([sys.executable, "-m", "benchmarks.real_jobs", "--tiny", "classify", "scoring",

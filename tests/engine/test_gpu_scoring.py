@@ -14,7 +14,8 @@ import yaml
 
 from batchgen import LLM, SamplingParams
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 QWEN3_0_6B = Path(__file__).resolve().parents[2] / "conf" / "model" / "qwen3_0_6b.yaml"
 

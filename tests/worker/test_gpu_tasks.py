@@ -70,6 +70,7 @@ def test_classification_on_gpu_equals_transformers(tmp_path_factory):
         assert torch.allclose(torch.tensor(output.probs), reference.softmax(-1), atol=TOLERANCE)
 
 
+@pytest.mark.whole_gpu
 def test_an_embed_engine_of_qwen3_shape_sizes_its_cache_and_runs():
     model = yaml.safe_load(QWEN3_0_6B.read_text())
     rng = random.Random(0)

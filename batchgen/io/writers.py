@@ -174,9 +174,8 @@ class PartedParquetWriter:
         # rather than reading them back (most of a large job's close).
         self._kept: dict[Path, pa.Table] = {}
         self._kept_bytes = 0
-        # (part path, its rows, the rows the final file grows by once the part is written), flushed and not known to
-        # be on disk
-        self._unwritten: list[tuple[Path, pa.Table, pa.Table | None]] = []
+        # (part path, its rows, _complete_below when they were flushed), flushed and not known to be on disk
+        self._unwritten: list[tuple[Path, pa.Table, Any]] = []
         self._writing: Future | None = None  # the background write of _unwritten[0]
         self._thread: ThreadPoolExecutor | None = None
         self._last_flush = time.monotonic()
@@ -284,7 +283,7 @@ class PartedParquetWriter:
             if self._kept_bytes + table.nbytes <= KEPT_PART_BYTES:
                 self._kept[path] = table
                 self._kept_bytes += table.nbytes
-            self._unwritten.append((path, table, self._rows_to_grow(table)))
+            self._unwritten.append((path, table, self._complete_below))
             self._next_part += 1
             self._clear_buffered()
         self._last_flush = time.monotonic()
@@ -309,28 +308,33 @@ class PartedParquetWriter:
         """Every row whose first sort column is below `value` has been written: the final file may take them."""
         self._complete_below = value
 
-    def _write_part(self, path: Path, table: pa.Table, to_grow: pa.Table | None) -> None:
+    def _write_part(self, path: Path, table: pa.Table, complete_below: Any) -> None:
+        """Writes a flushed part, then grows the final file by the rows that are now in order: on the writer's thread
+        for a flush in the background, so that sorting them (pyarrow's, without the GIL) is not the job's pause.
+        complete_below: its value when the part was flushed (rows written since are not in the part)."""
         try:
             write_file_atomically(path, lambda tmp_path: self._write_table(table, tmp_path))
         except BaseException:
             self._drop_final_file()  # a failing disk: the final file is left to a merge, which names the fault
             raise
         self._written_parts.append(path)
+        to_grow = self._rows_to_grow(table, complete_below)
         if to_grow is not None:
             self._grow_final_file(to_grow)
 
-    def _rows_to_grow(self, table: pa.Table, closing: bool = False) -> pa.Table | None:
-        """The flushed rows (with those held back before) that extend the final file now, in its order; the rest are
-        held back. None once the file cannot become the whole file in order (the merge then writes it)."""
+    def _rows_to_grow(self, table: pa.Table, complete_below: Any, closing: bool = False) -> pa.Table | None:
+        """The flushed rows (with those held back before) that extend the final file now, in its order, given the
+        first sort column's value below which every row had been written (`complete_below`); the rest are held back.
+        None once the file cannot become the whole file in order (the merge then writes it)."""
         if not self._in_order or not self._sort_columns:
             return table if self._in_order else None
-        if self._complete_below is None and not closing:  # no row known complete: rows that come in order
+        if complete_below is None and not closing:  # no row known complete: rows that come in order
             grow = table
         else:
             rows = table if self._held is None else pa.concat_tables([self._held, table])
             rows = sorted_rows(rows, self.sort_key) if rows.num_rows else rows
             cut = rows.num_rows if closing else int(np.searchsorted(
-                rows.column(self._sort_columns[0]).to_numpy(zero_copy_only=False), self._complete_below))
+                rows.column(self._sort_columns[0]).to_numpy(zero_copy_only=False), complete_below))
             grow, held = rows.slice(0, cut), rows.slice(cut)
             self._held = held if held.num_rows else None
         if grow.num_rows == 0:
@@ -399,7 +403,7 @@ class PartedParquetWriter:
         order, the parts on disk are not this writer's, or a write to the tmp failed."""
         if self._unwritten or self._parts() != self._written_parts:
             self._in_order = False
-        rest = self._rows_to_grow(buffered, closing=True)
+        rest = self._rows_to_grow(buffered, self._complete_below, closing=True)
         if rest is None or not self._grow_final_file(rest):
             self._drop_final_file()
             return False

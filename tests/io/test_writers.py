@@ -190,6 +190,40 @@ def test_close_merges_only_rows_the_final_file_could_not_take_in_order(tmp_path:
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_part_written_in_the_background_grows_the_final_file_by_the_rows_complete_when_it_was_flushed(
+        tmp_path: Path, monkeypatch) -> None:
+    """The writer's thread sorts a part's rows into the final file after writing the part; rows that came and
+    completed meanwhile are not in the part, so the rows it may take are those complete at its flush, not later."""
+    writing = threading.Event()
+    release = threading.Event()
+    write_table = CompletionWriter._write_table
+
+    def held_write(self, table, file) -> None:
+        if table.num_rows == 2:  # the background part; the close's writes go through
+            writing.set()
+            release.wait()
+        write_table(self, table, file)
+
+    monkeypatch.setattr(CompletionWriter, "_write_table", held_write)
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
+    writer.write(completion(0))
+    writer.complete_below(1)
+    writer.write(completion(2))  # the part [0, 2], flushed with rows below 1 complete
+    assert writing.wait(timeout=60)
+    writer.write(completion(1))
+    writer.complete_below(3)  # rows 0-2 complete now, while the part is being written
+    release.set()
+    writer.wait_for_parts()
+    rewritten = []
+    monkeypatch.setattr(CompletionWriter, "_write_table",
+                        lambda self, table, file: rewritten.append(table.num_rows) or write_table(self, table, file))
+
+    path = writer.close()
+
+    assert pq.read_table(path).to_pylist() == uninterrupted_run(tmp_path / "reference", 3)
+    assert rewritten == []  # the final file grew by row 0, then took the held row 2 after row 1: no merge
+
+
 @pytest.mark.parametrize("flush_rows", [2, 100], ids=["parts", "no part"])
 def test_steps_grow_the_final_file_in_write_order(tmp_path: Path, flush_rows: int) -> None:
     writer = StepWriter(tmp_path, METADATA, flush_rows=flush_rows)
@@ -273,6 +307,27 @@ def test_a_part_flushed_by_row_count_is_written_on_the_writers_thread(tmp_path: 
 
     assert writing_threads[0] is not threading.current_thread() and writing_threads[1] is threading.current_thread()
     assert [pq.read_table(part).column("index").to_pylist() for part in part_files(writer)] == [[0, 1], [2]]
+
+
+def test_the_rows_of_a_part_flushed_by_row_count_are_sorted_into_the_final_file_on_the_writers_thread(
+        tmp_path: Path, monkeypatch) -> None:
+    """Sorting a flushed part's rows (with those held back) is not the job's pause between its steps."""
+    sorting_threads = []
+    rows_to_grow = CompletionWriter._rows_to_grow
+
+    def recording_thread(self, *args, **kwargs):
+        sorting_threads.append(threading.current_thread())
+        return rows_to_grow(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompletionWriter, "_rows_to_grow", recording_thread)
+    writer = CompletionWriter(tmp_path, METADATA, flush_rows=2)
+    for index in (1, 0):
+        writer.write(completion(index))
+        writer.complete_below(0 if index else 2)
+    writer.wait_for_parts()
+
+    assert sorting_threads and threading.current_thread() not in sorting_threads
+    assert pq.read_table(writer.close()).to_pylist() == uninterrupted_run(tmp_path / "reference", 2)
 
 
 def test_a_part_that_failed_in_the_background_is_written_by_the_next_flush(tmp_path: Path, monkeypatch) -> None:

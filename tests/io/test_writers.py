@@ -201,7 +201,7 @@ def test_a_part_written_in_the_background_grows_the_final_file_by_the_rows_compl
     def held_write(self, table, file) -> None:
         if table.num_rows == 2:  # the background part; the close's writes go through
             writing.set()
-            release.wait()
+            release.wait(timeout=60)  # bounded: a failure before the release must not leave the writer's thread waiting
         write_table(self, table, file)
 
     monkeypatch.setattr(CompletionWriter, "_write_table", held_write)

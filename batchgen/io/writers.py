@@ -136,10 +136,10 @@ class PartedParquetWriter:
     unfinished row), held back and sorted until then; without that key, by each part whose rows come in the final
     order, until one does not.
 
-    Rows are buffered as Arrow tables of CONVERT_ROWS rows as they come. A part that write() flushes is encoded and
-    written on the writer's own thread while rows keep coming (Parquet's encoder and the fsyncs release the GIL), one
-    part at a time; flush() and close() return once every part is on disk, and a part that failed to write is
-    written again by the next flush.
+    Rows are buffered as Arrow tables of CONVERT_ROWS rows as they come. A part that write() flushes is encoded,
+    written and sorted into the final file on the writer's own thread while rows keep coming (Parquet's encoder, Arrow's
+    sort and the fsyncs release the GIL), one part at a time; flush() and close() return once every part is on disk,
+    and a part that failed to write is written again by the next flush.
 
     Opening a writer where a previous one left parts or a final file resumes: their rows are kept (a final
     file moves back into a part, so close() always rebuilds from parts) and stale tmp files are removed.

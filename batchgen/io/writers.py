@@ -247,8 +247,7 @@ class PartedParquetWriter:
         self._buffer.append(values)
         self._num_buffered += 1
         if len(self._buffer) >= CONVERT_ROWS:
-            self._converted.append(records_table(self._buffer, self.schema))
-            self._buffer = []
+            self._convert_buffer()
         if self._num_buffered >= self.flush_rows or time.monotonic() - self._last_flush >= self.flush_seconds:
             self._flush(in_background=True)
 
@@ -263,11 +262,15 @@ class PartedParquetWriter:
         """The buffered rows as one table (of the schema, maybe empty); they stay buffered until _clear_buffered, so
         that a failure before they are in a part or the final file loses none."""
         if self._buffer:
-            self._converted.append(records_table(self._buffer, self.schema))
-            self._buffer = []
+            self._convert_buffer()
         if len(self._converted) > 1:
             self._converted = [pa.concat_tables(self._converted)]
         return self._converted[0] if self._converted else self.schema.empty_table()
+
+    def _convert_buffer(self) -> None:
+        """The rows in _buffer become one more Arrow piece of _converted."""
+        self._converted.append(records_table(self._buffer, self.schema))
+        self._buffer = []
 
     def _clear_buffered(self) -> None:
         self._buffer, self._converted, self._num_buffered = [], [], 0
